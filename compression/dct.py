@@ -1,0 +1,194 @@
+"""Chunked orthonormal DCT-II over whole tensors, as DeMo (arXiv 2411.19870, section 3) uses it.
+
+A tensor is viewed as a matrix (a 1-D tensor is one row; more dimensions fold their leading dims
+into rows) and cut into tiles of `chunk_rows x chunk_cols`, where each side is the largest divisor of
+its dimension that is at most the requested chunk. Every tile gets the separable 2-D transform
+`T = C_r @ X @ C_c^T` with the orthonormal DCT-II matrices `C_n[k, i] = s_k cos(pi (2i + 1) k / 2n)`.
+
+All tiles are transformed together by two large matrix products (no loop over tiles):
+the row transform is a batched product over row bands, the column transform one GEMM over all rows.
+The result stays in the matrix layout `(tile_row, r, tile_col, c)`; only the magnitudes are copied
+into tile-major order, fused with `abs`, for top-k. Large intermediates live in a `Workspace` that is
+reused across calls, because on CPU every fresh 64 MB temporary costs tens of milliseconds of page
+faults (measured: 52 ms for `abs` into a new buffer vs 5 ms into a reused one, 4096x4096 fp32).
+"""
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=64)
+def dct_basis(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The orthonormal DCT-II matrix (n, n): row k is frequency k, so `coeffs = basis @ signal`."""
+    k = torch.arange(n, dtype=torch.float64)[:, None]
+    i = torch.arange(n, dtype=torch.float64)[None, :]
+    basis = torch.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt(2.0 / n)
+    basis[0] /= math.sqrt(2.0)
+    return basis.to(device=device, dtype=dtype)
+
+
+def largest_divisor_at_most(size: int, limit: int) -> int:
+    """The largest divisor of `size` that is <= `limit` (1 for a prime larger than `limit`)."""
+    for candidate in range(min(size, limit), 0, -1):
+        if size % candidate == 0:
+            return candidate
+    return 1
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """How a tensor of `shape` is cut into DCT tiles.
+
+    The tensor is viewed as a `rows x cols` matrix and cut into `chunk_rows x chunk_cols` tiles,
+    numbered row-major: tile `t` covers tile-row `t // tiles_per_row` and tile-column
+    `t % tiles_per_row`.
+    """
+
+    shape: tuple[int, ...]
+    rows: int
+    cols: int
+    chunk_rows: int
+    chunk_cols: int
+
+    @staticmethod
+    def for_shape(shape: tuple[int, ...], chunk: int) -> "ChunkPlan":
+        """The plan DeMo's reference uses: per dimension, the largest divisor <= `chunk`."""
+        if len(shape) == 0 or math.prod(shape) == 0:
+            raise ValueError(f"a DCT plan needs a non-empty tensor of >= 1 dims, got shape {shape}")
+        cols = shape[-1]
+        last_rows = shape[-2] if len(shape) >= 2 else 1
+        rows = math.prod(shape[:-1])
+        return ChunkPlan(
+            shape=tuple(shape),
+            rows=rows,
+            cols=cols,
+            chunk_rows=largest_divisor_at_most(last_rows, chunk),
+            chunk_cols=largest_divisor_at_most(cols, chunk),
+        )
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.chunk_rows * self.chunk_cols
+
+    @property
+    def tiles_per_row(self) -> int:
+        return self.cols // self.chunk_cols
+
+    @property
+    def num_chunks(self) -> int:
+        return (self.rows // self.chunk_rows) * self.tiles_per_row
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    def matrix_layout(self) -> tuple[int, int, int, int]:
+        """(tile_row, r, tile_col, c): the matrix view with tiles made explicit."""
+        return (self.rows // self.chunk_rows, self.chunk_rows, self.tiles_per_row, self.chunk_cols)
+
+    def tile_layout(self) -> tuple[int, int, int, int]:
+        """(tile_row, tile_col, r, c): tile-major order, each tile contiguous."""
+        return (self.rows // self.chunk_rows, self.tiles_per_row, self.chunk_rows, self.chunk_cols)
+
+
+class Workspace:
+    """Scratch buffers reused across transforms; not thread-safe (one per codec per thread).
+
+    Holds at most two buffers the size of the largest tensor transformed so far.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, slot: int, numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (slot, device, dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            self._buffers.pop(key, None)  # free the old one before allocating the larger one
+            buffer = torch.empty(numel, device=device, dtype=dtype)
+            self._buffers[key] = buffer
+        return buffer[:numel]
+
+
+def forward(x: torch.Tensor, plan: ChunkPlan, workspace: Workspace) -> torch.Tensor:
+    """DCT coefficients of every tile of `x`, in matrix layout `plan.matrix_layout()`.
+
+    `x` must be a floating tensor of `plan.shape`; the result is a view into `workspace` slot 0 or 1,
+    valid until the next call that uses the workspace.
+    """
+    tile_rows, r, tiles_per_row, c = plan.matrix_layout()
+    device, dtype = x.device, x.dtype
+    coeffs = x.reshape(plan.rows, plan.cols)
+    if r > 1:  # row transform, one (r x r) @ (r x cols) product per band of r rows
+        out = workspace.get(0, plan.numel, device, dtype).view(tile_rows, r, plan.cols)
+        coeffs = torch.matmul(dct_basis(r, device, dtype), coeffs.view(tile_rows, r, plan.cols), out=out)
+    if c > 1:  # column transform, one GEMM over all (rows * tiles_per_row) segments of c values
+        out = workspace.get(1, plan.numel, device, dtype).view(plan.rows * tiles_per_row, c)
+        coeffs = torch.matmul(coeffs.reshape(-1, c), dct_basis(c, device, dtype).T, out=out)
+    return coeffs.reshape(tile_rows, r, tiles_per_row, c)
+
+
+def tile_magnitudes(coeffs: torch.Tensor, plan: ChunkPlan, workspace: Workspace) -> torch.Tensor:
+    """|coeffs| reordered tile-major, (num_chunks, chunk_numel), in one pass.
+
+    `coeffs` comes from `forward`, which leaves them in slot 1 after a column transform and in slot 0
+    after a row transform alone; the magnitudes take the other slot.
+    """
+    slot = 0 if plan.chunk_cols > 1 else 1
+    magnitudes = workspace.get(slot, plan.numel, coeffs.device, coeffs.dtype).view(plan.tile_layout())
+    torch.abs(coeffs.view(plan.matrix_layout()).transpose(1, 2), out=magnitudes)
+    return magnitudes.view(plan.num_chunks, plan.chunk_numel)
+
+
+def matrix_offsets(indices: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """Flat offsets into the matrix layout of the chunk-local `indices` (num_chunks, k)."""
+    tile = torch.arange(plan.num_chunks, device=indices.device)[:, None]
+    row = (tile // plan.tiles_per_row) * plan.chunk_rows + indices // plan.chunk_cols
+    col = (tile % plan.tiles_per_row) * plan.chunk_cols + indices % plan.chunk_cols
+    return row * plan.cols + col
+
+
+def inverse_dense(tiles: torch.Tensor, plan: ChunkPlan, workspace: Workspace) -> torch.Tensor:
+    """The tensor whose tile coefficients are `tiles` (num_chunks, chunk_numel); new tensor of plan.shape."""
+    r, c = plan.chunk_rows, plan.chunk_cols
+    device, dtype = tiles.device, tiles.dtype
+    x = tiles.view(plan.num_chunks, r, c)
+    if c > 1:
+        out = workspace.get(0, plan.numel, device, dtype).view(-1, c)
+        x = torch.matmul(x.reshape(-1, c), dct_basis(c, device, dtype), out=out).view(plan.num_chunks, r, c)
+    if r > 1:
+        out = workspace.get(1, plan.numel, device, dtype).view(plan.num_chunks, r, c)
+        x = torch.matmul(dct_basis(r, device, dtype).T, x, out=out)
+    return _tiles_to_tensor(x, plan)
+
+
+def inverse_sparse(
+    indices: torch.Tensor, values: torch.Tensor, plan: ChunkPlan, workspace: Workspace
+) -> torch.Tensor:
+    """The tensor whose only non-zero tile coefficients are `values` at chunk-local `indices`.
+
+    Each tile is `sum_j v_j outer(C_r[row_j], C_c[col_j])`: one batched product with inner size k,
+    2 k r c multiply-adds per tile instead of the dense inverse's 2 r c (r + c). Duplicate indices
+    within a tile add up. `indices` and `values` are (num_chunks, k).
+    """
+    device, dtype = values.device, values.dtype
+    r, c = plan.chunk_rows, plan.chunk_cols
+    row_basis = dct_basis(r, device, dtype)[indices // c] * values.unsqueeze(-1)  # (chunks, k, r)
+    col_basis = dct_basis(c, device, dtype)[indices % c]  # (chunks, k, c)
+    out = workspace.get(0, plan.numel, device, dtype).view(plan.num_chunks, r, c)
+    tiles = torch.bmm(row_basis.transpose(1, 2), col_basis, out=out)
+    return _tiles_to_tensor(tiles, plan)
+
+
+def sparse_is_cheaper(k: int, plan: ChunkPlan) -> bool:
+    """Whether `inverse_sparse` does fewer multiply-adds than `inverse_dense` for k values per tile."""
+    return k < plan.chunk_rows + plan.chunk_cols
+
+
+def _tiles_to_tensor(tiles: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    tensor = torch.empty(plan.matrix_layout(), device=tiles.device, dtype=tiles.dtype)
+    tensor.copy_(tiles.view(plan.tile_layout()).transpose(1, 2))
+    return tensor.view(plan.shape)

@@ -1,0 +1,159 @@
+"""Value encodings: how the transmitted numbers of a codec become bytes, and back.
+
+Values arrive flat, in groups of consecutive values; a group is one DCT chunk or one dense block, and
+the scaled encodings store one float32 scale per group (its largest magnitude). Error bounds, per value,
+with `s` the group's scale:
+
+| encoding | bits | error bound                                   |
+|----------|------|-----------------------------------------------|
+| FLOAT32  | 32   | exact                                         |
+| BFLOAT16 | 16   | 2**-9 relative (round to nearest, 8-bit mantissa) |
+| FLOAT16  | 16   | 2**-11 * s (binary16 of value / s, in [-1, 1])   |
+| INT8     | 8    | s / 254 (half a step of s / 127)              |
+| INT4     | 4    | s / 14 (half a step of s / 7)                 |
+| SIGN     | 1    | none: magnitude replaced by the tensor's mean |value| |
+"""
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from shoal.compression import bitpack
+from shoal.protocol import MalformedPayloadError, ValueEncoding
+
+if sys.byteorder != "little":  # tensors are viewed as bytes; the wire is little-endian
+    raise ImportError("shoal.compression needs a little-endian host")
+
+BITS = {
+    ValueEncoding.VALUE_ENCODING_FLOAT32: 32,
+    ValueEncoding.VALUE_ENCODING_BFLOAT16: 16,
+    ValueEncoding.VALUE_ENCODING_FLOAT16: 16,
+    ValueEncoding.VALUE_ENCODING_INT8: 8,
+    ValueEncoding.VALUE_ENCODING_INT4: 4,
+    ValueEncoding.VALUE_ENCODING_SIGN: 1,
+}
+_LEVELS = {ValueEncoding.VALUE_ENCODING_INT8: 127, ValueEncoding.VALUE_ENCODING_INT4: 7}
+
+
+def encoding_for_bits(value_bits: int, *, half: str = "bf16") -> int:
+    """The wire encoding for a codec's `value_bits` setting (16 bits: `half` is "bf16" or "fp16")."""
+    if value_bits == 16:
+        if half not in ("bf16", "fp16"):
+            raise ValueError(f"half must be 'bf16' or 'fp16', got {half!r}")
+        return (
+            ValueEncoding.VALUE_ENCODING_BFLOAT16 if half == "bf16" else ValueEncoding.VALUE_ENCODING_FLOAT16
+        )
+    by_bits = {
+        32: ValueEncoding.VALUE_ENCODING_FLOAT32,
+        8: ValueEncoding.VALUE_ENCODING_INT8,
+        4: ValueEncoding.VALUE_ENCODING_INT4,
+        1: ValueEncoding.VALUE_ENCODING_SIGN,
+    }
+    if value_bits not in by_bits:
+        raise ValueError(f"value_bits must be one of 32, 16, 8, 4, 1; got {value_bits}")
+    return by_bits[value_bits]
+
+
+def is_scaled(encoding: int) -> bool:
+    return encoding not in (ValueEncoding.VALUE_ENCODING_FLOAT32, ValueEncoding.VALUE_ENCODING_BFLOAT16)
+
+
+def scale_count(encoding: int, groups: int) -> int:
+    """How many float32 scales travel with `groups` groups."""
+    if not is_scaled(encoding):
+        return 0
+    return 1 if encoding == ValueEncoding.VALUE_ENCODING_SIGN else groups
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedValues:
+    """The two byte streams of a value encoding, as uint8 tensors on the values' device."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
+def values_size(encoding: int, count: int) -> int:
+    """Bytes of the `values` stream for `count` values."""
+    return bitpack.packed_size(count, BITS[encoding])
+
+
+def encode(values: torch.Tensor, encoding: int, group: int) -> EncodedValues:
+    """Encodes the flat float `values`, `group` consecutive values sharing a scale (the last group
+    may be shorter)."""
+    values = values.reshape(-1).float()
+    empty = torch.empty(0, dtype=torch.uint8, device=values.device)
+    if encoding == ValueEncoding.VALUE_ENCODING_FLOAT32:
+        return EncodedValues(_as_bytes(values), empty)
+    if encoding == ValueEncoding.VALUE_ENCODING_BFLOAT16:
+        return EncodedValues(_as_bytes(values.bfloat16()), empty)
+    if encoding == ValueEncoding.VALUE_ENCODING_SIGN:
+        scale = values.abs().mean().reshape(1) if values.numel() else torch.zeros(1, device=values.device)
+        return EncodedValues(bitpack.pack(values < 0, 1), _as_bytes(scale))
+    count = values.numel()
+    groups = -(-count // group)
+    padded = torch.zeros(groups * group, device=values.device)  # zeros leave every group's absmax as is
+    padded[:count] = values
+    scales = padded.view(groups, group).abs().amax(dim=1, keepdim=True)
+    unit = (padded.view(groups, group) / torch.where(scales > 0, scales, 1.0)).reshape(-1)[:count]
+    if encoding == ValueEncoding.VALUE_ENCODING_FLOAT16:
+        stream = _as_bytes(unit.half())
+    elif encoding == ValueEncoding.VALUE_ENCODING_INT8:
+        stream = _as_bytes(torch.round(unit * 127).to(torch.int8))
+    elif encoding == ValueEncoding.VALUE_ENCODING_INT4:
+        stream = bitpack.pack(torch.round(unit * 7).to(torch.int64) + 8, 4)
+    else:
+        raise ValueError(f"unknown value encoding {encoding}")
+    return EncodedValues(stream, _as_bytes(scales))
+
+
+def decode(encoded: EncodedValues, encoding: int, count: int, group: int) -> torch.Tensor:
+    """The `count` float32 values; raises MalformedPayloadError for untrusted garbage.
+
+    The stream lengths must already match `values_size` and `scale_count` (checked by the caller
+    against the message's claimed shape before any allocation).
+    """
+    stream = encoded.values
+    if encoding == ValueEncoding.VALUE_ENCODING_FLOAT32:
+        decoded = stream.view(torch.float32).clone()
+    elif encoding == ValueEncoding.VALUE_ENCODING_BFLOAT16:
+        decoded = stream.view(torch.bfloat16).float()
+    else:
+        scales = encoded.scales.view(torch.float32)
+        if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+            raise MalformedPayloadError("bad_scale", "a scale is negative, NaN or infinite")
+        if encoding == ValueEncoding.VALUE_ENCODING_SIGN:
+            decoded = (1 - 2 * bitpack.unpack(stream, 1, count)).float() * scales
+        else:
+            per_value = scales.repeat_interleave(group)[:count]
+            decoded = _decode_unit(stream, encoding, count) * per_value
+    if not bool(torch.isfinite(decoded).all()):
+        raise MalformedPayloadError("non_finite", "decoded values contain NaN or infinity")
+    return decoded
+
+
+def _decode_unit(stream: torch.Tensor, encoding: int, count: int) -> torch.Tensor:
+    """Scaled encodings: the values divided by their group's scale, in [-1, 1]."""
+    if encoding == ValueEncoding.VALUE_ENCODING_FLOAT16:
+        unit = stream.view(torch.float16).float()
+        if not bool((unit.abs() <= 1).all()):  # also false for NaN
+            raise MalformedPayloadError("value_out_of_range", "a float16 value is outside [-1, 1]")
+        return unit
+    if encoding == ValueEncoding.VALUE_ENCODING_INT8:
+        levels = stream.view(torch.int8)
+        offset = 0
+    elif encoding == ValueEncoding.VALUE_ENCODING_INT4:
+        levels = bitpack.unpack(stream, 4, count)
+        offset = 8
+    else:
+        raise MalformedPayloadError("unknown_value_encoding", f"value encoding {encoding} is not known")
+    limit = _LEVELS[encoding]
+    quantized = levels.to(torch.int32) - offset
+    if not bool((quantized.abs() <= limit).all()):
+        raise MalformedPayloadError("value_out_of_range", f"a quantized value is outside [-{limit}, {limit}]")
+    return quantized.float() / limit
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)

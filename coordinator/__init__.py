@@ -1,0 +1,5 @@
+"""shoal.coordinator: the optional gRPC service that runs clock-synchronous rounds (DESIGN.md).
+
+It imports no torch and nothing of `shoal.peer` or `shoal.compression`, so that it runs on a small
+CPU box. Its service arrives with the coordinator issue; until then the package is empty.
+"""

@@ -1,0 +1,12 @@
+"""shoal.protocol: the wire contract.
+
+The `.proto` files here, the code generated from them (`python -m shoal.protocol.generate`), and the
+checks that every message from another peer or client passes before anything else reads it. This
+package imports neither torch nor anything else of shoal, so the coordinator can use it on a small box.
+"""
+
+from shoal.protocol.errors import MalformedPayloadError
+from shoal.protocol.parse import parse_message
+from shoal.protocol.tensor_pb2 import CodecId, DType, EncodedTensor, ValueEncoding
+
+__all__ = ["CodecId", "DType", "EncodedTensor", "MalformedPayloadError", "ValueEncoding", "parse_message"]

@@ -1,0 +1,69 @@
+"""The `shoal` entry point as a user runs it: installed console script, help, errors, JSON output."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shoal.compression import benchmark
+from shoal.peer import cli
+
+
+def run_shoal(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", "import sys; from shoal.peer.cli import main; sys.exit(main())", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_only_commands_that_exist():
+    result = run_shoal("--help")
+    assert result.returncode == 0
+    assert "bench" in result.stdout
+    for later in ("join", "demo", "coordinator"):
+        assert f" {later} " not in result.stdout
+
+
+def test_bad_flag_value_exits_2_naming_the_flag():
+    result = run_shoal("bench", "codec", "--repeat", "0")
+    assert result.returncode == 2
+    assert "--repeat" in result.stderr
+
+
+def test_bench_codec_json_has_the_documented_schema(monkeypatch, capsys):
+    monkeypatch.setattr(benchmark, "SHAPES", ((128, 192), (96,)))
+    assert cli.main(["bench", "codec", "--json", "--repeat", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["results"]
+    assert {r["codec"] for r in rows} == {"demo_reference", "demo_compact", "dense_int8", "dense_int4"}
+    for row in rows:
+        assert set(row) == {
+            "codec",
+            "shape",
+            "topk",
+            "value_bits",
+            "bytes",
+            "ratio_vs_fp32",
+            "encode_mb_s",
+            "decode_mb_s",
+            "baseline_encode_mb_s",
+            "baseline_decode_mb_s",
+        }
+        assert row["bytes"] > 0 and row["encode_mb_s"] > 0 and row["decode_mb_s"] > 0
+        has_baseline = row["codec"].startswith("demo")
+        assert (row["baseline_encode_mb_s"] is not None) == has_baseline
+        assert (row["topk"] is not None) == has_baseline
+
+
+@pytest.mark.parametrize("shape", [(128, 192), (96,), (50, 64)])
+def test_reference_style_baseline_computes_the_same_transform(shape):
+    import torch
+
+    from shoal.compression import DCTTopKCodec
+
+    x = torch.randn(shape)
+    reference = benchmark.ReferenceStyleDCT(shape, 64, 8)
+    indices, values = reference.encode(x)
+    expected = DCTTopKCodec(topk=8).select(x)
+    got = values.abs().reshape(-1, 8).sort(dim=1).values
+    torch.testing.assert_close(got, expected.values.abs().sort(dim=1).values)
+    torch.testing.assert_close(reference.decode(indices, values), DCTTopKCodec(topk=8).reconstruct(expected))
