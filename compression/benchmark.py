@@ -31,6 +31,7 @@ SHAPES: tuple[tuple[int, ...], ...] = (
     (4096, 4096),
     (768,),
 )
+ZSTD_SHAPE = (768, 3072)
 SETTINGS: tuple[tuple[str, Callable[[], Codec]], ...] = (
     ("demo_reference", lambda: DCTTopKCodec(chunk=64, topk=32, value_bits=32)),
     ("demo_compact", lambda: DCTTopKCodec(chunk=64, topk=4, value_bits=1)),
@@ -148,8 +149,8 @@ def zstd_gains(shape: tuple[int, ...]) -> list[ZstdGain]:
     return gains
 
 
-def run(*, repeat: int = 5, shapes: tuple[tuple[int, ...], ...] = SHAPES) -> list[CodecResult]:
-    return [measure(name, make, shape, repeat) for name, make in SETTINGS for shape in shapes]
+def run(*, repeat: int = 5) -> list[CodecResult]:
+    return [measure(name, make, shape, repeat) for name, make in SETTINGS for shape in SHAPES]
 
 
 def format_table(results: list[CodecResult]) -> str:
@@ -185,7 +186,7 @@ def format_zstd_table(gains: list[ZstdGain]) -> str:
 
 def main(*, as_json: bool, repeat: int) -> int:
     results = run(repeat=repeat)
-    gains = zstd_gains((768, 3072))
+    gains = zstd_gains(ZSTD_SHAPE)
     if as_json:
         print(
             json.dumps({"results": [asdict(r) for r in results], "zstd_streams": [asdict(g) for g in gains]})

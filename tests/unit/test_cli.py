@@ -31,9 +31,11 @@ def test_bad_flag_value_exits_2_naming_the_flag():
 
 def test_bench_codec_json_has_the_documented_schema(monkeypatch, capsys):
     monkeypatch.setattr(benchmark, "SHAPES", ((128, 192), (96,)))
+    monkeypatch.setattr(benchmark, "ZSTD_SHAPE", (128, 192))
     assert cli.main(["bench", "codec", "--json", "--repeat", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     rows = report["results"]
+    assert {tuple(r["shape"]) for r in rows} == {(128, 192), (96,)}
     assert {r["codec"] for r in rows} == {"demo_reference", "demo_compact", "dense_int8", "dense_int4"}
     for row in rows:
         assert set(row) == {
