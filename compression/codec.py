@@ -102,9 +102,9 @@ def checked_shape(message: EncodedTensor, limits: DecodeLimits) -> tuple[tuple[i
     numel = 1
     for size in message.shape:  # python ints: a product of claimed sizes cannot overflow
         numel *= size
-        if numel > limits.max_numel:
+        if numel > limits.max_numel or size > limits.max_numel:  # a 0 elsewhere must not excuse 2**63
             raise MalformedPayloadError(
-                "too_large", f"shape {list(message.shape)} has more than {limits.max_numel} elements"
+                "too_large", f"shape {list(message.shape)} exceeds the limit of {limits.max_numel} elements"
             )
     dtype = DTYPES.get(message.dtype)
     if dtype is None:
@@ -117,3 +117,11 @@ def wire_dtype(tensor: torch.Tensor) -> int:
     if tensor.dtype not in WIRE_DTYPES:
         raise ValueError(f"can only encode float32/float16/bfloat16/float64 tensors, got {tensor.dtype}")
     return WIRE_DTYPES[tensor.dtype]
+
+
+def checked_output(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` cast to the message's dtype; rejected if a value does not fit it (overflow to inf)."""
+    result = tensor.to(dtype)
+    if not bool(torch.isfinite(result).all()):
+        raise MalformedPayloadError("non_finite", f"decoded values overflow {dtype}")
+    return result

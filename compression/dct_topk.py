@@ -20,6 +20,7 @@ from shoal.compression.codec import (
     WIRE_DTYPES,
     Codec,
     DecodeLimits,
+    checked_output,
     checked_shape,
     decode_tensor,
     register,
@@ -154,7 +155,8 @@ class DCTTopKCodec(Codec):
         if message.codec != self.codec_id:
             return decode_tensor(message, device=device, limits=self.limits)
         shape, dtype = checked_shape(message, self.limits)
-        return self.reconstruct(unpack(message, torch.device(device), self.limits)).to(dtype).reshape(shape)
+        decoded = self.reconstruct(unpack(message, torch.device(device), self.limits))
+        return checked_output(decoded, dtype).reshape(shape)
 
     @classmethod
     def decode_message(
@@ -166,8 +168,8 @@ class DCTTopKCodec(Codec):
 def unpack(message: EncodedTensor, device: torch.device, limits: DecodeLimits) -> TopKCoefficients:
     """Validates a DCT_TOPK message and returns its coefficients; raises MalformedPayloadError."""
     shape, _ = checked_shape(message, limits)
-    if len(shape) == 0 or math.prod(shape) <= 1:
-        raise MalformedPayloadError("bad_shape", f"shape {list(shape)} is sent dense, not as DCT top-k")
+    if len(shape) == 0 or math.prod(shape) == 0:
+        raise MalformedPayloadError("bad_shape", f"DCT top-k needs >= 1 dims and elements, got {list(shape)}")
     if len(message.chunk_shape) != 2:
         raise MalformedPayloadError(
             "bad_chunk", f"chunk_shape needs 2 entries, got {len(message.chunk_shape)}"

@@ -11,7 +11,7 @@ import math
 import torch
 
 from shoal.compression import streams, values
-from shoal.compression.codec import Codec, DecodeLimits, checked_shape, register, wire_dtype
+from shoal.compression.codec import Codec, DecodeLimits, checked_output, checked_shape, register, wire_dtype
 from shoal.protocol import CodecId, EncodedTensor, MalformedPayloadError
 
 
@@ -92,4 +92,4 @@ class DenseCodec(Codec):
             ),
         )
         decoded = values.decode(encoded, encoding, count, message.block_size)
-        return decoded.reshape(shape).to(dtype)
+        return checked_output(decoded, dtype).reshape(shape)

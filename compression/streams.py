@@ -4,10 +4,8 @@ zstd is tried only on streams where it was measured to help (`shoal bench codec`
 float and integer values and scales (4-15% smaller); never on packed indices or sign bits, which are
 incompressible (0% or worse). A stream keeps the zstd frame only when it is smaller. Decoding
 never trusts a frame's own size header: the expected length follows from the already-validated
-shape, and at most that many bytes (plus one, to detect overflow) are ever decompressed.
+shape, a frame must declare exactly that size, and nothing may follow the frame.
 """
-
-import io
 
 import torch
 import zstandard
@@ -29,17 +27,23 @@ def to_wire(stream: torch.Tensor, *, try_zstd: bool) -> tuple[bytes, bool]:
 
 
 def from_wire(data: bytes, compressed: bool, expected: int, name: str, device: torch.device) -> torch.Tensor:
-    """The uint8 tensor of a received stream that must hold exactly `expected` bytes."""
+    """The uint8 tensor of a received stream that must hold exactly `expected` bytes.
+
+    A zstd stream must be one frame whose header declares exactly `expected` bytes of content (our
+    encoder always writes it), with nothing after it; only then is it decompressed, into `expected`
+    bytes. A frame that declares another size, none, or lies about it is rejected.
+    """
     if compressed:
-        if len(data) > expected + 64:  # a frame never needs much more than its content
+        try:
+            declared = zstandard.frame_content_size(data)
+        except zstandard.ZstdError as error:
+            raise MalformedPayloadError("bad_zstd", f"{name}: {error}") from None
+        if declared != expected:
             raise MalformedPayloadError(
-                "length_mismatch",
-                f"{name}: zstd frame of {len(data)} bytes is "
-                f"larger than its {expected}-byte content could need",
+                "length_mismatch", f"{name}: zstd frame declares {declared} bytes, expected {expected}"
             )
         try:
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as reader:
-                data = reader.read(expected + 1)
+            data = zstandard.ZstdDecompressor().decompress(data, allow_extra_data=False)
         except zstandard.ZstdError as error:
             raise MalformedPayloadError("bad_zstd", f"{name}: {error}") from None
     if len(data) != expected:

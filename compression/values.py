@@ -126,7 +126,7 @@ def decode(encoded: EncodedValues, encoding: int, count: int, group: int) -> tor
         if encoding == ValueEncoding.VALUE_ENCODING_SIGN:
             decoded = (1 - 2 * bitpack.unpack(stream, 1, count)).float() * scales
         else:
-            per_value = scales.repeat_interleave(group)[:count]
+            per_value = scales[torch.arange(count, device=stream.device) // group]  # never groups * group
             decoded = _decode_unit(stream, encoding, count) * per_value
     if not bool(torch.isfinite(decoded).all()):
         raise MalformedPayloadError("non_finite", "decoded values contain NaN or infinity")

@@ -7,6 +7,15 @@ package imports neither torch nor anything else of shoal, so the coordinator can
 
 from shoal.protocol.errors import MalformedPayloadError
 from shoal.protocol.parse import parse_message
+from shoal.protocol.payload_pb2 import Payload
 from shoal.protocol.tensor_pb2 import CodecId, DType, EncodedTensor, ValueEncoding
 
-__all__ = ["CodecId", "DType", "EncodedTensor", "MalformedPayloadError", "ValueEncoding", "parse_message"]
+__all__ = [
+    "CodecId",
+    "DType",
+    "EncodedTensor",
+    "MalformedPayloadError",
+    "Payload",
+    "ValueEncoding",
+    "parse_message",
+]

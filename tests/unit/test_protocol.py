@@ -7,7 +7,12 @@ from shoal.protocol import EncodedTensor, MalformedPayloadError, generate, parse
 
 def test_regenerating_reproduces_the_committed_code(tmp_path):
     written = generate.generate(tmp_path)
-    assert {p.name for p in written} == {"tensor_pb2.py", "tensor_pb2.pyi"}
+    assert {p.name for p in written} == {
+        "tensor_pb2.py",
+        "tensor_pb2.pyi",
+        "payload_pb2.py",
+        "payload_pb2.pyi",
+    }
     for path in written:
         committed = generate.HERE / path.name
         assert path.read_bytes() == committed.read_bytes(), (
