@@ -1,0 +1,175 @@
+"""The narrow interface through which DeMo and DiLoCo talk to the other participants of a round.
+
+An exchange does two things, both collective (every participant of the round calls them in the same
+order):
+
+- `gather(payload, samples)`: every participant's serialized payload and sample count, in rank order
+  (the same order on every participant, so that aggregation is deterministic);
+- `mean(tensor, weight)`: the weighted mean of a dense tensor over the participants.
+
+Implementations: `LoopbackExchange` (N workers as threads of one process: tests and simulations),
+`TorchDistributedExchange` (torch.distributed: gloo on CPU, nccl on GPU, for torchrun users), and the
+hivemind swarm (shoal.peer.swarm, a later issue). Payloads are bytes (serialized protobuf): never
+pickled, and their size is what really crosses the wire.
+"""
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class Contribution:
+    """One participant's payload for a round."""
+
+    rank: int
+    payload: bytes
+    samples: int
+
+
+class Exchange(ABC):
+    """What an optimizer needs from the network."""
+
+    @property
+    @abstractmethod
+    def rank(self) -> int:
+        """This participant's position in the deterministic order."""
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """How many participants take part in each collective."""
+
+    @abstractmethod
+    def gather(self, payload: bytes, samples: int) -> list[Contribution]:
+        """Every participant's payload (this one's included), ordered by rank."""
+
+    @abstractmethod
+    def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        """sum_m weight_m * tensor_m / sum_m weight_m over the participants, as a new tensor."""
+
+
+class LoopbackExchange(Exchange):
+    """N workers inside one process, each on its own thread, meeting at a barrier.
+
+    Create the group with `LoopbackExchange.group(n)` and give worker i the i-th exchange. Every
+    collective waits at most `timeout` for the others, so a worker that died fails the rest loudly
+    instead of hanging them.
+    """
+
+    def __init__(self, hub: "_LoopbackHub", rank: int):
+        self._hub = hub
+        self._rank = rank
+
+    @staticmethod
+    def group(world_size: int, *, timeout: timedelta = timedelta(seconds=60)) -> list["LoopbackExchange"]:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        hub = _LoopbackHub(world_size, timeout)
+        return [LoopbackExchange(hub, rank) for rank in range(world_size)]
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._hub.world_size
+
+    def gather(self, payload: bytes, samples: int) -> list[Contribution]:
+        return self._hub.all_gather(self._rank, Contribution(self._rank, bytes(payload), samples))
+
+    def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        entries = self._hub.all_gather(self._rank, (tensor.detach().clone(), float(weight)))
+        total = sum(w for _, w in entries)
+        result = torch.zeros_like(tensor)
+        for value, w in entries:  # rank order: the same float sum on every worker
+            result.add_(value, alpha=w / total)
+        return result
+
+
+class _LoopbackHub:
+    """The shared slots and barrier of one LoopbackExchange group."""
+
+    def __init__(self, world_size: int, timeout: timedelta):
+        self.world_size = world_size
+        self._timeout_s = timeout.total_seconds()
+        self._barrier = threading.Barrier(world_size)
+        self._slots: list[object] = [None] * world_size
+
+    def all_gather(self, rank: int, item: object) -> list:
+        self._slots[rank] = item
+        self._barrier.wait(self._timeout_s)  # everyone has written
+        items = list(self._slots)
+        self._barrier.wait(self._timeout_s)  # everyone has read: slots may be reused
+        return items
+
+
+class TorchDistributedExchange(Exchange):
+    """torch.distributed collectives over an initialized process group (gloo or nccl).
+
+    Payload bytes travel as uint8 tensors: one all_gather of the lengths, one of the payloads padded
+    to the longest. On nccl the tensors live on `device` (the current CUDA device).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        *,
+        max_payload_bytes: int = 1 << 30,
+    ):
+        if not dist.is_initialized():
+            raise RuntimeError("TorchDistributedExchange needs torch.distributed.init_process_group() first")
+        self._group = group
+        backend = dist.get_backend(group)
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl"
+                else torch.device("cpu")
+            )
+        self._device = torch.device(device)
+        self._max_payload_bytes = max_payload_bytes
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self._group)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self._group)
+
+    def gather(self, payload: bytes, samples: int) -> list[Contribution]:
+        header = torch.tensor([len(payload), samples], dtype=torch.int64, device=self._device)
+        headers = [torch.empty_like(header) for _ in range(self.world_size)]
+        dist.all_gather(headers, header, group=self._group)
+        sizes = [(int(h[0]), int(h[1])) for h in headers]
+        longest = max(size for size, _ in sizes)
+        if longest > self._max_payload_bytes or min(min(h) for h in sizes) < 0:
+            raise RuntimeError(
+                f"a participant announced a {longest}-byte payload (limit {self._max_payload_bytes}) "
+                "or a negative size or sample count"
+            )
+        mine = torch.zeros(longest, dtype=torch.uint8, device=self._device)
+        if payload:
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        buffers = [
+            torch.empty(longest, dtype=torch.uint8, device=self._device) for _ in range(self.world_size)
+        ]
+        dist.all_gather(buffers, mine, group=self._group)
+        return [
+            Contribution(rank, buffer[:size].cpu().numpy().tobytes(), samples)
+            for rank, (buffer, (size, samples)) in enumerate(zip(buffers, sizes, strict=True))
+        ]
+
+    def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        weighted = tensor.detach().to(self._device) * weight
+        total = torch.tensor([float(weight)], dtype=torch.float64, device=self._device)
+        dist.all_reduce(weighted, group=self._group)
+        dist.all_reduce(total, group=self._group)
+        return (weighted / total.to(weighted.dtype)).to(tensor.device)

@@ -1,0 +1,80 @@
+"""An independent float64 re-computation of DeMo as the paper's reference code computes it.
+
+Written from the algorithm (arXiv 2411.19870, Algorithm 1) and the reference's semantics: chunk per
+dimension = largest divisor <= chunk, tiles transformed with einsum against DCT bases built from the
+cosine definition, top-k of |coefficient| per tile, all-gather by concatenation in rank order,
+scatter_reduce("mean", include_self=False), inverse, sign, SGD step. Shares no code with shoal.
+"""
+
+import math
+
+import torch
+
+
+def basis(n: int) -> torch.Tensor:
+    k = torch.arange(n, dtype=torch.float64)[:, None]
+    i = torch.arange(n, dtype=torch.float64)[None, :]
+    b = torch.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt(2 / n)
+    b[0] *= math.sqrt(0.5)
+    return b  # coefficient = b @ x
+
+
+def split(n: int, chunk: int) -> int:
+    return max(d for d in range(1, min(n, chunk) + 1) if n % d == 0)
+
+
+def encode(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(..., tile_elems) coefficients: 2-D -> (y, x, h*w), 1-D -> (x, w)."""
+    if x.dim() == 1:
+        w = split(x.shape[0], chunk)
+        return torch.einsum("xj,bj->xb", x.reshape(-1, w), basis(w))
+    h, w = split(x.shape[0], chunk), split(x.shape[1], chunk)
+    tiles = x.reshape(x.shape[0] // h, h, x.shape[1] // w, w)
+    coeffs = torch.einsum("yjxl,bj,dl->yxbd", tiles, basis(h), basis(w))
+    return coeffs.reshape(coeffs.shape[0], coeffs.shape[1], h * w)
+
+
+def decode(coeffs: torch.Tensor, shape: tuple[int, ...], chunk: int) -> torch.Tensor:
+    if len(shape) == 1:
+        w = split(shape[0], chunk)
+        return torch.einsum("xb,bj->xj", coeffs, basis(w)).reshape(shape)
+    h, w = split(shape[0], chunk), split(shape[1], chunk)
+    tiles = coeffs.reshape(coeffs.shape[0], coeffs.shape[1], h, w)
+    return torch.einsum("yxbd,bj,dl->yjxl", tiles, basis(h), basis(w)).reshape(shape)
+
+
+def demo_steps(
+    params: list[torch.Tensor],
+    grads: list[list[list[torch.Tensor]]],
+    *,
+    lr: float,
+    decay: float = 0.999,
+    topk: int = 32,
+    chunk: int = 64,
+    weight_decay: float = 0.0,
+) -> list[torch.Tensor]:
+    """The replicated parameters after len(grads) steps; grads[step][worker][param]."""
+    params = [p.double().clone() for p in params]
+    workers = len(grads[0])
+    deltas = [[torch.zeros_like(p) for p in params] for _ in range(workers)]
+    for step_grads in grads:
+        for i, p in enumerate(params):
+            p.mul_(1 - lr * weight_decay)
+            idx_all, val_all = [], []
+            for m in range(workers):
+                delta = deltas[m][i]
+                delta.mul_(decay).add_(step_grads[m][i].double(), alpha=lr)
+                coeffs = encode(delta, chunk)
+                k = min(topk, coeffs.shape[-1])
+                idx = torch.topk(coeffs.abs(), k, dim=-1).indices
+                val = torch.gather(coeffs, -1, idx)
+                sent = torch.zeros_like(coeffs).scatter_(-1, idx, val)
+                delta.sub_(decode(sent, tuple(p.shape), chunk))
+                idx_all.append(idx)
+                val_all.append(val)
+            combined = torch.zeros_like(encode(p, chunk))
+            combined.scatter_reduce_(
+                -1, torch.cat(idx_all, -1), torch.cat(val_all, -1), "mean", include_self=False
+            )
+            p.sub_(torch.sign(decode(combined, tuple(p.shape), chunk)), alpha=lr)
+    return params

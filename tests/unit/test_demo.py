@@ -1,0 +1,246 @@
+"""DeMo against an independent float64 re-computation of the reference, its options, its state."""
+
+import struct
+import threading
+
+import pytest
+import torch
+
+from shoal.compression import DCTTopKCodec
+from shoal.peer.demo import DeMo
+from shoal.peer.exchange import Contribution, Exchange, LoopbackExchange
+from shoal.protocol import Payload
+from tests import demo_reference
+
+SHAPES = [(128, 192), (96,), (48, 64), (5, 7)]
+
+
+def make_grads(steps: int, workers: int, seed: int = 0) -> list[list[list[torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        [[torch.randn(s, generator=generator, dtype=torch.float64) for s in SHAPES] for _ in range(workers)]
+        for _ in range(steps)
+    ]
+
+
+def run_workers(initial, grads, dtype=torch.float64, **demo_kwargs):
+    """Each worker on its own thread with a LoopbackExchange; returns every worker's params and optimizer."""
+    workers = len(grads[0])
+    exchanges = LoopbackExchange.group(workers)
+    results: list = [None] * workers
+    errors: list = []
+
+    def work(rank: int) -> None:
+        try:
+            params = [torch.nn.Parameter(p.clone().to(dtype)) for p in initial]
+            opt = DeMo(params, exchange=exchanges[rank], **demo_kwargs)
+            for step_grads in grads:
+                for p, g in zip(params, step_grads[rank], strict=True):
+                    p.grad = g.to(dtype)
+                opt.step()
+            results[rank] = ([p.detach() for p in params], opt)
+        except BaseException as error:  # surfaced in the main thread
+            errors.append(error)
+            exchanges[rank]._hub._barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_steps_equal_float64_reference_recomputation(workers):
+    torch.manual_seed(10)
+    initial = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
+    grads = make_grads(steps=4, workers=workers)
+    expected = demo_reference.demo_steps(initial, grads, lr=1e-3, weight_decay=0.1)
+    for params, _ in run_workers(initial, grads, lr=1e-3, weight_decay=0.1):
+        for got, want in zip(params, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_float32_steps_match_the_reference_up_to_rare_sign_flips():
+    torch.manual_seed(11)
+    initial = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
+    grads = make_grads(steps=3, workers=2, seed=1)
+    expected = demo_reference.demo_steps(initial, grads, lr=1e-3)
+    params, _ = run_workers(initial, grads, dtype=torch.float32, lr=1e-3)[0]
+    for got, want in zip(params, expected, strict=True):
+        flipped = ((got.double() - want).abs() > 1e-5).float().mean().item()
+        assert flipped < 1e-3  # fp32 vs fp64 only differs where the combined direction is ~0
+
+
+def test_workers_hold_bit_identical_params_after_50_steps_with_quantized_values():
+    torch.manual_seed(12)
+    initial = [torch.randn(s) for s in SHAPES]
+    grads = make_grads(steps=50, workers=4, seed=2)
+    results = run_workers(
+        initial,
+        grads,
+        dtype=torch.float32,
+        lr=1e-3,
+        compression_topk=4,
+        value_bits=1,
+        error_feedback=0.5,
+        compression_decay=0.995,
+    )
+    first = results[0][0]
+    for params, _ in results[1:]:
+        for a, b in zip(params, first, strict=True):
+            assert torch.equal(a, b)
+    assert any(not torch.equal(a, torch.as_tensor(b).float()) for a, b in zip(first, initial, strict=True))
+
+
+def test_error_feedback_fraction_leaves_the_rest_in_momentum():
+    p = torch.nn.Parameter(torch.zeros(64, 64))
+    p.grad = torch.randn(64, 64)
+    opt = DeMo([p], lr=0.5, exchange=LoopbackExchange.group(1)[0], error_feedback=0.2, compression_topk=8)
+    opt.step()
+    codec = DCTTopKCodec(topk=8)
+    accumulated = 0.5 * p.grad
+    kept = codec.reconstruct(codec.select(accumulated))
+    torch.testing.assert_close(opt.state[p]["delta"], accumulated - 0.2 * kept)
+
+
+class _FixedExchange(Exchange):
+    """Returns prepared contributions around this participant's own; for unit tests only."""
+
+    def __init__(self, others: list[Contribution]):
+        self.others = others
+
+    rank = property(lambda self: 0)
+    world_size = property(lambda self: 1 + len(self.others))
+
+    def gather(self, payload: bytes, samples: int) -> list[Contribution]:
+        return [Contribution(0, payload, samples), *self.others]
+
+    def mean(self, tensor, weight=1.0):
+        raise NotImplementedError
+
+
+def test_weighting_by_samples_weights_each_participants_coefficients():
+    torch.manual_seed(13)
+    other_grad = torch.randn(64)
+    other = torch.nn.Parameter(torch.zeros(64))
+    other.grad = other_grad
+    # the other participant's payload, produced by a real DeMo step
+    recorder = _FixedExchange([])
+    recorded: list[bytes] = []
+    recorder.gather = lambda payload, samples: recorded.append(payload) or [Contribution(0, payload, samples)]
+    DeMo([other], lr=1.0, exchange=recorder, compression_topk=64, compression_decay=0.0).step()
+
+    mine = torch.nn.Parameter(torch.zeros(64))
+    my_grad = torch.randn(64)
+    mine.grad = my_grad
+    opt = DeMo(
+        [mine],
+        lr=1.0,
+        exchange=_FixedExchange([Contribution(1, recorded[0], 3)]),
+        compression_topk=64,
+        compression_decay=0.0,
+        weight_by_samples=True,
+    )
+    opt.step(samples=1)
+    expected = -torch.sign((my_grad * 1 + other_grad * 3) / 4)
+    torch.testing.assert_close(mine.detach(), expected, atol=1e-6, rtol=0)
+
+
+def test_malformed_contributions_are_dropped_and_counted():
+    p = torch.nn.Parameter(torch.zeros(64, 64))
+    p.grad = torch.randn(64, 64)
+    bad = [Contribution(1, b"\xff\xff", 1), Contribution(2, b"", 1), Contribution(3, b"x" * 100, 1)]
+    opt = DeMo([p], lr=0.1, exchange=_FixedExchange(bad))
+    opt.step()
+    assert sum(opt.rejected.values()) == 3
+    assert torch.isfinite(p).all() and p.abs().max().item() == pytest.approx(0.1)
+
+
+def test_huge_finite_values_from_a_peer_never_make_params_nan():
+    p = torch.nn.Parameter(torch.zeros(64, 64))
+    hostile = Payload.FromString(_payload_of(torch.ones(64, 64)))
+    hostile.tensors[0].values = struct.pack("<f", 3.4e38) * (len(hostile.tensors[0].values) // 4)
+    hostile.tensors[0].values_zstd = False
+    others = [Contribution(r, hostile.SerializeToString(), 1) for r in (1, 2)]
+    p.grad = torch.randn(64, 64)
+    opt = DeMo([p], lr=0.1, exchange=_FixedExchange(others), compression_topk=32)
+    opt.step()
+    assert torch.isfinite(p).all()
+
+
+def _payload_of(grad: torch.Tensor) -> bytes:
+    recorded: list[bytes] = []
+    recorder = _FixedExchange([])
+    recorder.gather = lambda payload, samples: recorded.append(payload) or [Contribution(0, payload, samples)]
+    p = torch.nn.Parameter(torch.zeros_like(grad))
+    p.grad = grad
+    DeMo([p], lr=1.0, exchange=recorder, compression_topk=32, value_bits=32).step()
+    return recorded[0]
+
+
+def test_state_dict_round_trip_continues_identically():
+    torch.manual_seed(14)
+    grads = [torch.randn(96, 64) for _ in range(6)]
+
+    def fresh():
+        p = torch.nn.Parameter(torch.ones(96, 64))
+        return p, DeMo([p], lr=1e-2, exchange=LoopbackExchange.group(1)[0], compression_topk=4)
+
+    p_ref, opt_ref = fresh()
+    for g in grads:
+        p_ref.grad = g
+        opt_ref.step()
+    p_a, opt_a = fresh()
+    for g in grads[:3]:
+        p_a.grad = g
+        opt_a.step()
+    saved = opt_a.state_dict()
+    p_b, opt_b = fresh()
+    with torch.no_grad():
+        p_b.copy_(p_a)
+    opt_b.load_state_dict(saved)
+    for g in grads[3:]:
+        p_b.grad = g
+        opt_b.step()
+    assert torch.equal(p_b, p_ref)
+
+
+def test_state_is_one_parameter_sized_buffer():
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = DeMo(params, lr=1e-3, exchange=LoopbackExchange.group(1)[0])
+    opt.step()
+    for p in params:
+        tensors = [v for v in opt.state[p].values() if torch.is_tensor(v)]
+        assert len(tensors) == 1 and tensors[0].shape == p.shape and tensors[0].dtype == p.dtype
+
+
+def test_scalar_and_unused_parameters_take_part():
+    scalar = torch.nn.Parameter(torch.tensor(2.0))
+    unused = torch.nn.Parameter(torch.zeros(8))
+    scalar.grad = torch.tensor(-1.0)
+    opt = DeMo([scalar, unused], lr=0.5, exchange=LoopbackExchange.group(1)[0])
+    opt.step()
+    assert scalar.item() == pytest.approx(2.5) and torch.equal(unused, torch.zeros(8))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr": 0}, "lr"),
+        ({"compression_decay": 1.0}, "compression_decay"),
+        ({"error_feedback": 1.5}, "error_feedback"),
+        ({"weight_decay": -1}, "weight_decay"),
+        ({"value_bits": 2}, "value_bits"),
+        ({"compression_topk": 0}, "topk"),
+    ],
+)
+def test_bad_settings_name_the_setting(kwargs, match):
+    settings = {"lr": 1e-3, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        DeMo([torch.nn.Parameter(torch.zeros(4))], exchange=LoopbackExchange.group(1)[0], **settings)
