@@ -1,0 +1,77 @@
+"""The embedded model and data: shapes, initial loss, disjoint deterministic batches, the corpora."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from shoal.peer.data import BatchPlan, stdlib_corpus, text_directory, token_file, validation_batches
+from shoal.peer.model import GPTConfig, TinyGPT
+
+
+def test_initial_loss_is_near_uniform_and_gradients_flow():
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig.preset("tiny"))
+    tokens = torch.randint(0, 256, (4, 65))
+    loss = model(tokens[:, :-1], targets=tokens[:, 1:])
+    assert abs(loss.item() - math.log(256)) < 0.1
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert model(tokens[:, :-1]).shape == (4, 64, 256)
+
+
+def test_default_model_has_a_few_million_parameters():
+    assert 2_000_000 < sum(p.numel() for p in TinyGPT(GPTConfig.preset("small")).parameters()) < 5_000_000
+
+
+def test_model_is_causal():
+    torch.manual_seed(1)
+    model = TinyGPT(GPTConfig.preset("tiny")).eval()
+    tokens = torch.randint(0, 256, (1, 32))
+    changed = tokens.clone()
+    changed[0, 20] = (changed[0, 20] + 1) % 256
+    torch.testing.assert_close(model(tokens)[0, :20], model(changed)[0, :20])
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"n_head": 3}, "n_head"), ({"d_model": 0}, "d_model")])
+def test_bad_model_config_names_the_setting(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig.preset("tiny", **kwargs)
+
+
+def test_workers_get_disjoint_deterministic_windows():
+    stream = torch.arange(10_000)
+    plan = BatchPlan(seq_len=15, batch_size=4, workers=3, seed=7)
+    for step in (0, 1, 50):
+        starts = [set(plan.batch(stream, step, w)[0][:, 0].tolist()) for w in range(3)]
+        assert all(len(s) == 4 for s in starts)
+        assert not (starts[0] & starts[1] or starts[0] & starts[2] or starts[1] & starts[2])
+        assert torch.equal(plan.batch(stream, step, 2)[0], plan.batch(stream, step, 2)[0])
+    inputs, targets = plan.batch(stream, 3, 1)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are inputs shifted by one
+
+
+def test_stdlib_corpus_is_split_by_file_and_is_bytes():
+    streams = stdlib_corpus(max_bytes=2 << 20)
+    assert streams.train.numel() > 1_000_000 and streams.validation.numel() > 10_000
+    assert streams.train.max() < 256 and streams.vocab_size == 256
+    assert torch.equal(stdlib_corpus(max_bytes=2 << 20).validation, streams.validation)
+
+
+def test_text_directory_and_token_file(tmp_path):
+    for i in range(40):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 50)
+    streams = text_directory(tmp_path)
+    assert streams.train.numel() > 0 and streams.validation.numel() > 0
+    tokens = np.arange(5000, dtype="<u2") % 1000
+    tokens.tofile(tmp_path / "tokens.bin")
+    from_file = token_file(tmp_path / "tokens.bin")
+    assert from_file.vocab_size == 1000 and from_file.train.numel() + from_file.validation.numel() == 5000
+    with pytest.raises(ValueError, match="not a directory"):
+        text_directory(tmp_path / "missing")
+
+
+def test_validation_batches_are_fixed():
+    batches = validation_batches(torch.arange(1000), seq_len=9, batch_size=4, batches=3)
+    assert [b.shape for b in batches] == [(4, 10)] * 3
