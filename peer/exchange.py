@@ -83,6 +83,10 @@ class LoopbackExchange(Exchange):
     def gather(self, payload: bytes, samples: int) -> list[Contribution]:
         return self._hub.all_gather(self._rank, Contribution(self._rank, bytes(payload), samples))
 
+    def abort(self) -> None:
+        """Breaks the group's barrier: every worker waiting in a collective raises at once."""
+        self._hub.abort()
+
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         entries = self._hub.all_gather(self._rank, (tensor.detach().clone(), float(weight)))
         total = sum(w for _, w in entries)
@@ -100,6 +104,9 @@ class _LoopbackHub:
         self._timeout_s = timeout.total_seconds()
         self._barrier = threading.Barrier(world_size)
         self._slots: list[object] = [None] * world_size
+
+    def abort(self) -> None:
+        self._barrier.abort()
 
     def all_gather(self, rank: int, item: object) -> list:
         self._slots[rank] = item

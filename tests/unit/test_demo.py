@@ -1,7 +1,6 @@
 """DeMo against an independent float64 re-computation of the reference, its options, its state."""
 
 import struct
-import threading
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from shoal.peer.demo import DeMo
 from shoal.peer.exchange import Contribution, Exchange, LoopbackExchange
 from shoal.protocol import Payload
 from tests import demo_reference
+from tests.workers import run_workers
 
 SHAPES = [(128, 192), (96,), (48, 64), (5, 7)]
 
@@ -23,34 +23,19 @@ def make_grads(steps: int, workers: int, seed: int = 0) -> list[list[list[torch.
     ]
 
 
-def run_workers(initial, grads, dtype=torch.float64, **demo_kwargs):
-    """Each worker on its own thread with a LoopbackExchange; returns every worker's params and optimizer."""
-    workers = len(grads[0])
-    exchanges = LoopbackExchange.group(workers)
-    results: list = [None] * workers
-    errors: list = []
+def train_workers(initial, grads, dtype=torch.float64, **demo_kwargs):
+    """Every worker's final params and optimizer, each worker a loopback thread."""
 
-    def work(rank: int) -> None:
-        try:
-            params = [torch.nn.Parameter(p.clone().to(dtype)) for p in initial]
-            opt = DeMo(params, exchange=exchanges[rank], **demo_kwargs)
-            for step_grads in grads:
-                for p, g in zip(params, step_grads[rank], strict=True):
-                    p.grad = g.to(dtype)
-                opt.step()
-            results[rank] = ([p.detach() for p in params], opt)
-        except BaseException as error:  # surfaced in the main thread
-            errors.append(error)
-            exchanges[rank]._hub._barrier.abort()
+    def work(rank, exchange):
+        params = [torch.nn.Parameter(p.clone().to(dtype)) for p in initial]
+        opt = DeMo(params, exchange=exchange, **demo_kwargs)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads[rank], strict=True):
+                p.grad = g.to(dtype)
+            opt.step()
+        return [p.detach() for p in params], opt
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    if errors:
-        raise errors[0]
-    return results
+    return run_workers(len(grads[0]), work)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
@@ -59,7 +44,7 @@ def test_steps_equal_float64_reference_recomputation(workers):
     initial = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
     grads = make_grads(steps=4, workers=workers)
     expected = demo_reference.demo_steps(initial, grads, lr=1e-3, weight_decay=0.1)
-    for params, _ in run_workers(initial, grads, lr=1e-3, weight_decay=0.1):
+    for params, _ in train_workers(initial, grads, lr=1e-3, weight_decay=0.1):
         for got, want in zip(params, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
@@ -69,7 +54,7 @@ def test_float32_steps_match_the_reference_up_to_rare_sign_flips():
     initial = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
     grads = make_grads(steps=3, workers=2, seed=1)
     expected = demo_reference.demo_steps(initial, grads, lr=1e-3)
-    params, _ = run_workers(initial, grads, dtype=torch.float32, lr=1e-3)[0]
+    params, _ = train_workers(initial, grads, dtype=torch.float32, lr=1e-3)[0]
     for got, want in zip(params, expected, strict=True):
         flipped = ((got.double() - want).abs() > 1e-5).float().mean().item()
         assert flipped < 1e-3  # fp32 vs fp64 only differs where the combined direction is ~0
@@ -79,7 +64,7 @@ def test_workers_hold_bit_identical_params_after_50_steps_with_quantized_values(
     torch.manual_seed(12)
     initial = [torch.randn(s) for s in SHAPES]
     grads = make_grads(steps=50, workers=4, seed=2)
-    results = run_workers(
+    results = train_workers(
         initial,
         grads,
         dtype=torch.float32,

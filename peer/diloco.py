@@ -1,0 +1,280 @@
+"""DiLoCo (Douillard et al., arXiv 2311.08105) with one-step-delayed and eager outer updates
+(Kale, Douillard, Donchev, arXiv 2502.12996), over any Exchange.
+
+Every `inner_steps` inner optimizer steps, participant m computes its outer pseudo-gradient
+`delta_m(t) = theta(t-1) - theta_m(t)` (start of the phase minus end) and the outer optimizer, SGD with
+Nesterov momentum, steps the global parameters theta:
+
+- standard: block until `delta(t)` = the sample-weighted mean of every delta_m(t) is known, then
+  `theta(t) = Outer(theta(t-1), delta(t))`; everyone restarts from theta(t), bit-identical.
+- delayed (naive overlap): send delta_m(t) in the background and apply the previous round's mean
+  delta(t-1) instead; the next phase starts from there. The paper measures this hurting loss badly.
+- eager: apply `delta(t-1) - share_m(t-1) + share_m(t)` at once: last round's mean with this
+  participant's stale share replaced by its fresh one (share = its samples over the round's total
+  times what it sent; 1/M each with equal samples: `delta(t-1) + (delta_m(t) - delta_m(t-1)) / M`).
+  When the true mean lands a round later it enters the next step. Participants differ by their own
+  fresh shares, a bounded amount, instead of being bit-identical.
+
+In delayed and eager mode the exchange runs on a background thread owned by this object while the
+next inner phase computes; `stats` records how long it took and how long the caller waited for it.
+Pseudo-gradients travel exactly (float32, the default) or through a codec of shoal.compression
+(dense int8/int4, DCT top-k) with error feedback: what the codec dropped joins the next round's.
+
+    diloco = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1,
+                    betas=(0.9, 0.95)), exchange=exchange, inner_steps=50, mode="eager")
+    for batch in batches:
+        model(batch).backward()
+        diloco.step()          # inner step, and every 50 steps an outer step
+    diloco.close()
+"""
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shoal.compression import Codec, DecodeLimits, DenseCodec, MalformedPayloadError, decode_tensor
+from shoal.peer.exchange import Contribution, Exchange
+from shoal.protocol import Payload, parse_message
+
+MODES = ("standard", "delayed", "eager")
+
+
+@dataclass(slots=True)
+class OuterStats:
+    """Counters of the outer steps, cumulative."""
+
+    outer_steps: int = 0
+    exchange_s: float = 0.0
+    """Seconds the exchanges took (encode, collective, decode), on either thread."""
+    waited_s: float = 0.0
+    """Seconds the training loop spent on exchanges (encoding, and waiting for collectives): all of
+    exchange_s in standard mode, ideally only the encoding in delayed and eager mode."""
+    bytes_sent: int = 0
+    """Payload bytes this participant sent."""
+    rejected: int = 0
+    """Contributions dropped as malformed."""
+
+    @property
+    def hidden_s(self) -> float:
+        """Exchange time overlapped with computation instead of waited for."""
+        return max(self.exchange_s - self.waited_s, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """What this participant sent in one round."""
+
+    payload: bytes
+    decoded: list[torch.Tensor]
+    """The pseudo-gradient as every receiver decodes it."""
+    samples: int
+
+
+@dataclass(frozen=True, slots=True)
+class _RoundResult:
+    mean: list[torch.Tensor]
+    """The sample-weighted mean of every accepted participant's pseudo-gradient, per parameter."""
+    total_samples: float
+    """The weight behind the mean: shares of it are samples / total_samples."""
+
+
+class DiLoCo:
+    """The outer loop around the user's model and (unchanged) inner optimizer.
+
+    Args:
+        model: the model whose trainable parameters are synchronized.
+        inner_optimizer: steps the model every call of `step` (AdamW in the paper).
+        exchange: how participants meet.
+        inner_steps: H, inner steps per outer step.
+        outer_lr: outer learning rate (DiLoCo: 0.7; the eager paper: 0.4).
+        outer_momentum: outer momentum (0.9).
+        nesterov: Nesterov momentum in the outer SGD.
+        mode: "standard", "delayed" or "eager".
+        codec: how pseudo-gradients travel; None sends them exactly (float32). A lossy codec gets
+            error feedback: what it dropped joins the next round's pseudo-gradient.
+        max_payload_bytes: contributions larger than this are rejected unread.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        exchange: Exchange,
+        inner_steps: int,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        mode: str = "standard",
+        codec: Codec | None = None,
+        max_payload_bytes: int = 1 << 31,
+    ):
+        if inner_steps < 1:
+            raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if not outer_lr > 0:
+            raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
+        if not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.inner_optimizer = inner_optimizer
+        self.exchange = exchange
+        self.inner_steps = inner_steps
+        self.mode = mode
+        self.codec = codec if codec is not None else DenseCodec(value_bits=32, zstd=False)
+        self.max_payload_bytes = max_payload_bytes
+        # theta: the global parameters every inner phase starts from, stepped by torch's own SGD
+        self.global_params = [p.detach().clone() for p in self.params]
+        self.outer_optimizer = torch.optim.SGD(
+            self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
+        )
+        self.residuals = [torch.zeros_like(p) for p in self.params] if codec is not None else None
+        self.stats = OuterStats()
+        self._inner_step = 0
+        self._samples = 0
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-exchange")
+        self._pending: Future[_RoundResult] | None = None
+        self._last_sent: _Sent | None = None
+
+    def step(self, *, samples: int = 1) -> None:
+        """One inner step (the inner optimizer's, then zero_grad); an outer step every `inner_steps`.
+
+        `samples` is what this inner step trained on; the round's total weights this participant.
+        """
+        self.inner_optimizer.step()
+        self.inner_optimizer.zero_grad(set_to_none=True)
+        self._inner_step += 1
+        self._samples += samples
+        if self._inner_step % self.inner_steps == 0:
+            self.outer_step()
+
+    @torch.no_grad()
+    def outer_step(self) -> None:
+        """Ends the inner phase now: exchange pseudo-gradients and step the global parameters."""
+        previous = self._collect_pending()  # before encoding: the codec is not shared across threads
+        pseudo = [start - p.detach() for start, p in zip(self.global_params, self.params, strict=True)]
+        sent = self._encode(pseudo, max(self._samples, 1))
+        self._samples = 0
+        if self.mode == "standard":
+            start = time.perf_counter()
+            result = self._round(sent)
+            self.stats.waited_s += time.perf_counter() - start
+            self._apply(result.mean)
+        else:
+            self._pending = self._background.submit(self._round, sent)
+            if self.mode == "eager":
+                self._apply(self._eager_direction(previous, sent))
+            elif previous is not None:
+                self._apply(previous.mean)
+        self._last_sent = sent
+        for p, start in zip(self.params, self.global_params, strict=True):
+            p.copy_(start)
+        self.stats.outer_steps += 1
+
+    def _eager_direction(self, previous: _RoundResult | None, fresh: _Sent) -> list[torch.Tensor]:
+        """delta(t-1) - own stale share + own fresh share (DESIGN.md; arXiv 2502.12996).
+
+        The fresh share is weighted against the last round's total (this round's is not known yet);
+        in the first round, against M equal participants.
+        """
+        if previous is None or self._last_sent is None:
+            return [d / self.exchange.world_size for d in fresh.decoded]
+        stale = self._last_sent
+        stale_share = stale.samples / previous.total_samples
+        fresh_share = fresh.samples / previous.total_samples
+        return [
+            mean - stale_share * old + fresh_share * new
+            for mean, old, new in zip(previous.mean, stale.decoded, fresh.decoded, strict=True)
+        ]
+
+    def _collect_pending(self) -> _RoundResult | None:
+        """Waits for the previous background round, if one is in flight (counted as waiting)."""
+        if self._pending is None:
+            return None
+        start = time.perf_counter()
+        result = self._pending.result()
+        self.stats.waited_s += time.perf_counter() - start
+        self._pending = None
+        return result
+
+    def _encode(self, pseudo: list[torch.Tensor], samples: int) -> _Sent:
+        """Encodes the pseudo-gradient (plus error feedback); keeps what the codec dropped."""
+        start = time.perf_counter()
+        if self.residuals is not None:
+            pseudo = [d + r for d, r in zip(pseudo, self.residuals, strict=True)]
+        payload = Payload(tensors=[self.codec.encode(d) for d in pseudo])
+        decoded = [
+            self.codec.decode(m, device=d.device).to(d.dtype)
+            for m, d in zip(payload.tensors, pseudo, strict=True)
+        ]
+        if self.residuals is not None:
+            for r, d, sent in zip(self.residuals, pseudo, decoded, strict=True):
+                torch.sub(d, sent, out=r)
+        data = payload.SerializeToString()
+        self.stats.bytes_sent += len(data)
+        elapsed = time.perf_counter() - start  # always on the training thread: waited for
+        self.stats.exchange_s += elapsed
+        self.stats.waited_s += elapsed
+        return _Sent(data, decoded, samples)
+
+    def _round(self, sent: _Sent) -> _RoundResult:
+        """Gathers every participant's payload and returns the weighted mean (rank order)."""
+        start = time.perf_counter()
+        contributions = self.exchange.gather(sent.payload, sent.samples)
+        total = 0.0
+        mean = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        accepted = []
+        for contribution in contributions:
+            try:
+                accepted.append((self._decode(contribution), contribution.samples))
+            except MalformedPayloadError:
+                self.stats.rejected += 1
+        total = float(sum(samples for _, samples in accepted))
+        for tensors, samples in accepted:  # rank order: the same float sums on every participant
+            for m, t in zip(mean, tensors, strict=True):
+                m.add_(t, alpha=samples / total)
+        self.stats.exchange_s += time.perf_counter() - start
+        return _RoundResult(mean, total)
+
+    def _decode(self, contribution: Contribution) -> list[torch.Tensor]:
+        if contribution.samples <= 0:
+            raise MalformedPayloadError("bad_samples", f"sample count {contribution.samples}")
+        payload = parse_message(Payload, contribution.payload, max_bytes=self.max_payload_bytes)
+        if len(payload.tensors) != len(self.params):
+            raise MalformedPayloadError(
+                "wrong_structure", f"{len(payload.tensors)} tensors for {len(self.params)}"
+            )
+        decoded = []
+        for message, p in zip(payload.tensors, self.params, strict=True):
+            limits = DecodeLimits(max_numel=max(p.numel(), 1))
+            tensor = decode_tensor(message, device=p.device, limits=limits)
+            if tensor.shape != p.shape:
+                raise MalformedPayloadError(
+                    "wrong_structure", f"shape {list(tensor.shape)}, expected {list(p.shape)}"
+                )
+            decoded.append(tensor.float())
+        return decoded
+
+    def _apply(self, direction: list[torch.Tensor]) -> None:
+        for start, d in zip(self.global_params, direction, strict=True):
+            start.grad = d.to(start.dtype)
+        self.outer_optimizer.step()
+        self.outer_optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        """Waits for the exchange in flight (collectives must complete on every participant) and
+        stops the background thread."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        self._background.shutdown(wait=True)
+
+    def __enter__(self) -> "DiLoCo":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

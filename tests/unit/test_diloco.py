@@ -1,0 +1,222 @@
+"""DiLoCo: reductions to AdamW and to standard mode, agreement, the eager formula, overlap, codecs."""
+
+import time
+
+import pytest
+import torch
+
+from shoal.compression import DCTTopKCodec, DenseCodec
+from shoal.peer.diloco import DiLoCo
+from shoal.peer.exchange import Contribution, LoopbackExchange
+from shoal.peer.model import GPTConfig, TinyGPT
+from tests.workers import run_workers
+
+CONFIG = GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16)
+
+
+def batches(rank: int, steps: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randint(0, 256, (4, CONFIG.seq_len + 1), generator=generator) for _ in range(steps)]
+
+
+torch.manual_seed(0)
+INITIAL = TinyGPT(CONFIG).state_dict()
+
+
+def make_model() -> TinyGPT:
+    """The same initial model every time, also on worker threads (which share torch's global RNG)."""
+    model = TinyGPT(CONFIG)
+    model.load_state_dict(INITIAL)
+    return model
+
+
+def adamw(model: TinyGPT) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+
+
+def train(model, diloco, data):
+    for tokens in data:
+        model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+        diloco.step(samples=tokens.shape[0])
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_one_worker_outer_lr_1_no_momentum_equals_plain_adamw():
+    data = batches(0, 12)
+    reference = make_model()
+    optimizer = adamw(reference)
+    for tokens in data:
+        reference(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model = make_model()
+    with DiLoCo(
+        model,
+        adamw(model),
+        exchange=LoopbackExchange.group(1)[0],
+        inner_steps=4,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+    ) as diloco:
+        params = train(model, diloco, data)
+    assert diloco.stats.outer_steps == 3
+    for got, want in zip(params, reference.parameters(), strict=True):
+        # theta - (theta - theta_m) is theta_m up to one rounding of the subtraction
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("codec", [None, DenseCodec(8), DCTTopKCodec(topk=16, value_bits=8)])
+def test_standard_mode_workers_hold_identical_params_after_each_outer_step(codec):
+    def work(rank, exchange):
+        model = make_model()
+        with DiLoCo(model, adamw(model), exchange=exchange, inner_steps=5, codec=codec) as diloco:
+            return train(model, diloco, batches(rank, 15)), diloco.stats
+
+    results = run_workers(3, work)
+    for params, _ in results[1:]:
+        for a, b in zip(params, results[0][0], strict=True):
+            assert torch.equal(a, b)
+    initial = list(make_model().parameters())
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(results[0][0], initial, strict=True))
+    assert all(stats.outer_steps == 3 and stats.bytes_sent > 0 for _, stats in results)
+
+
+@pytest.mark.parametrize("codec", [None, DenseCodec(4)])
+def test_eager_with_one_worker_and_instant_exchange_equals_standard(codec):
+    runs = {}
+    for mode in ("standard", "eager"):
+        model = make_model()
+        with DiLoCo(
+            model, adamw(model), exchange=LoopbackExchange.group(1)[0], inner_steps=3, mode=mode, codec=codec
+        ) as diloco:
+            runs[mode] = train(model, diloco, batches(0, 12))
+    for a, b in zip(runs["standard"], runs["eager"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_delayed_mode_applies_the_previous_rounds_mean():
+    model = make_model()
+    start = [p.detach().clone() for p in model.parameters()]
+    diloco = DiLoCo(
+        model,
+        adamw(model),
+        exchange=LoopbackExchange.group(1)[0],
+        inner_steps=2,
+        mode="delayed",
+        outer_lr=1.0,
+        outer_momentum=0.0,
+    )
+    train(model, diloco, batches(0, 2))
+    # round 1: nothing has arrived yet, so everyone restarts from the unchanged global params
+    for p, s in zip(model.parameters(), start, strict=True):
+        assert torch.equal(p.detach(), s)
+    round_one = diloco._pending.result().mean
+    train(model, diloco, batches(1, 2))
+    for p, s, d in zip(model.parameters(), start, round_one, strict=True):
+        torch.testing.assert_close(p.detach(), s - d, rtol=0, atol=1e-7)  # theta(2) = theta(1) - delta(1)
+    diloco.close()
+
+
+def test_eager_direction_replaces_the_stale_own_share_by_the_fresh_one():
+    """Two workers, equal samples: delta~_m(t) = delta(t-1) + (delta_m(t) - delta_m(t-1)) / 2."""
+
+    def work(rank, exchange):
+        model = make_model()
+        diloco = DiLoCo(
+            model,
+            adamw(model),
+            exchange=exchange,
+            inner_steps=2,
+            mode="eager",
+            outer_lr=1.0,
+            outer_momentum=0.0,
+        )
+        snapshots = []
+        outer_step = diloco.outer_step
+
+        def recorded_outer_step():  # theta before, own pseudo-gradient, theta after
+            before = [g.clone() for g in diloco.global_params]
+            own = [b - p.detach() for b, p in zip(before, diloco.params, strict=True)]
+            outer_step()
+            snapshots.append((before, own, [g.clone() for g in diloco.global_params]))
+
+        diloco.outer_step = recorded_outer_step
+        train(model, diloco, batches(rank, 6))
+        diloco.close()
+        return snapshots
+
+    histories = run_workers(2, work)
+    for rank in (0, 1):
+        (_, own1, after1), (before2, own2, after2), _ = histories[rank]
+        # round 1: only the own fresh share, 1/M of it
+        for b, o, a in zip(histories[rank][0][0], own1, after1, strict=True):
+            torch.testing.assert_close(a, b - o / 2, rtol=0, atol=1e-6)
+        # round 2: the true round-1 mean, own stale share swapped for the fresh one
+        mean1 = [(x + y) / 2 for x, y in zip(histories[0][0][1], histories[1][0][1], strict=True)]
+        for b, m, o1, o2, a in zip(before2, mean1, own1, own2, after2, strict=True):
+            torch.testing.assert_close(a, b - (m - o1 / 2 + o2 / 2), rtol=0, atol=1e-6)
+
+
+class SlowExchange(LoopbackExchange):
+    """A real loopback exchange whose gather takes `latency_s` longer: a slow link, injected."""
+
+    def __init__(self, inner: LoopbackExchange, latency_s: float):
+        super().__init__(inner._hub, inner.rank)
+        self.latency_s = latency_s
+
+    def gather(self, payload: bytes, samples: int) -> list[Contribution]:
+        time.sleep(self.latency_s)
+        return super().gather(payload, samples)
+
+
+LATENCY_S = 0.05  # well under an inner phase of 20 tiny-model steps (~0.2 s here)
+
+
+@pytest.mark.parametrize("mode", ["delayed", "eager"])
+def test_background_exchange_hides_a_slow_link_behind_the_inner_phase(mode):
+    waited = {}
+    for run_mode in ("standard", mode):
+        model = make_model()
+        exchange = SlowExchange(LoopbackExchange.group(1)[0], latency_s=LATENCY_S)
+        with DiLoCo(model, adamw(model), exchange=exchange, inner_steps=20, mode=run_mode) as diloco:
+            train(model, diloco, batches(0, 80))
+        waited[run_mode] = diloco.stats
+    assert waited["standard"].waited_s > 4 * LATENCY_S
+    assert waited[mode].hidden_s > 3 * LATENCY_S * 0.8  # every round but the last, still in flight at close
+    assert waited[mode].waited_s < waited["standard"].waited_s / 2
+
+
+def test_lossy_codec_keeps_what_it_dropped_for_the_next_round():
+    model = make_model()
+    codec = DCTTopKCodec(topk=2, value_bits=32)
+    with DiLoCo(
+        model, adamw(model), exchange=LoopbackExchange.group(1)[0], inner_steps=3, codec=codec
+    ) as diloco:
+        start = [p.detach().clone() for p in diloco.global_params]
+        for tokens in batches(0, 3)[:-1]:
+            model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+            diloco.step()
+        tokens = batches(0, 3)[-1]
+        model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+        diloco.inner_optimizer.step()
+        pseudo = [s - p.detach() for s, p in zip(start, diloco.params, strict=True)]
+        diloco.outer_step()
+    for residual, d in zip(diloco.residuals, pseudo, strict=True):
+        sent = codec.decode(codec.encode(d)) if d.numel() > 1 else d
+        torch.testing.assert_close(residual, d - sent.reshape(d.shape), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"inner_steps": 0}, "inner_steps"),
+        ({"mode": "async"}, "mode"),
+        ({"outer_lr": 0}, "outer_lr"),
+        ({"outer_momentum": 1.0}, "outer_momentum"),
+    ],
+)
+def test_bad_settings_name_the_setting(kwargs, match):
+    model = make_model()
+    settings = {"inner_steps": 5, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        DiLoCo(model, adamw(model), exchange=LoopbackExchange.group(1)[0], **settings)
