@@ -69,6 +69,13 @@ class ChunkPlan:
             chunk_cols=largest_divisor_at_most(cols, chunk),
         )
 
+    @staticmethod
+    def bands(num_chunks: int, chunk_rows: int, chunk_cols: int) -> "ChunkPlan":
+        """A batch of tiles stacked as row bands: the `(num_chunks * r, c)` matrix whose tile t is
+        rows `[t r, (t + 1) r)`. How DeMo transforms every tensor of one chunk shape at once."""
+        rows = num_chunks * chunk_rows
+        return ChunkPlan((rows, chunk_cols), rows, chunk_cols, chunk_rows, chunk_cols)
+
     @property
     def chunk_numel(self) -> int:
         return self.chunk_rows * self.chunk_cols

@@ -96,10 +96,11 @@ class DCTTopKCodec(Codec):
     def plan(self, shape: tuple[int, ...]) -> dct.ChunkPlan:
         return dct.ChunkPlan.for_shape(shape, self.chunk)
 
-    def select(self, tensor: torch.Tensor) -> TopKCoefficients:
+    def select(self, tensor: torch.Tensor, plan: dct.ChunkPlan | None = None) -> TopKCoefficients:
         """The top-k coefficients of every chunk of `tensor` (computed in float32, or float64 for
-        float64 input), with indices sorted within each chunk."""
-        plan = self.plan(tuple(tensor.shape))
+        float64 input), with indices sorted within each chunk. `plan` overrides the chunking (it must
+        describe `tensor`'s shape), e.g. `ChunkPlan.bands` for a batch of tiles."""
+        plan = plan or self.plan(tuple(tensor.shape))
         compute = tensor.detach().to(torch.float64 if tensor.dtype == torch.float64 else torch.float32)
         coeffs = dct.forward(compute, plan, self.workspace)
         k = min(self.topk, plan.chunk_numel)

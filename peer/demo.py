@@ -12,7 +12,9 @@ Per step and parameter p with gradient g (DESIGN.md, "DeMo"):
 
 With the defaults (error_feedback 1, 32-bit values, unweighted) a step equals the reference code
 published with the paper (github.com/bloc97/DeMo, demo.py), whose all-gather + scatter_reduce("mean")
-this reproduces. One payload per step carries every parameter, so a step is one collective.
+this reproduces. Parameters of one chunk shape are transformed together as one batch of tiles
+(`shoal.peer.tile_groups`), and one payload per step carries them all: a step is one collective,
+with one message header per slice instead of per tensor.
 Every participant decodes the same gathered bytes in rank order, its own included, so replicas stay
 bit-identical even with quantized values. A malformed contribution is dropped and counted by reason.
 
@@ -26,8 +28,10 @@ from collections.abc import Callable, Iterable
 import torch
 
 from shoal.compression import DCTTopKCodec, DecodeLimits, MalformedPayloadError, dct
+from shoal.compression.dct import ChunkPlan
 from shoal.compression.dct_topk import TopKCoefficients, unpack
 from shoal.peer.exchange import Contribution, Exchange
+from shoal.peer.tile_groups import Slice, slice_parameters
 from shoal.protocol import Payload, parse_message
 
 
@@ -47,6 +51,8 @@ class DeMo(torch.optim.Optimizer):
         weight_decay: decoupled weight decay.
         weight_by_samples: weight each participant's coefficients by its sample count.
         max_payload_bytes: contributions larger than this are rejected unread.
+        max_slice_numel: parameters of one chunk shape are transformed together in slices of at most
+            this many elements (a larger parameter alone); bounds the codec's scratch memory.
     """
 
     def __init__(
@@ -63,6 +69,7 @@ class DeMo(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         weight_by_samples: bool = False,
         max_payload_bytes: int = 1 << 30,
+        max_slice_numel: int = 1 << 24,
     ):
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr}")
@@ -79,6 +86,8 @@ class DeMo(torch.optim.Optimizer):
         self.error_feedback = error_feedback
         self.weight_by_samples = weight_by_samples
         self.max_payload_bytes = max_payload_bytes
+        self.max_slice_numel = max_slice_numel
+        self._slice_cache: list[Slice] | None = None
         self.rejected: Counter[str] = Counter()
         """Contributions dropped, by MalformedPayloadError reason."""
         self.bytes_sent = 0
@@ -86,8 +95,13 @@ class DeMo(torch.optim.Optimizer):
         self.bytes_received = 0
         """Payload bytes received from the other participants, in total."""
 
-    def _trainable(self) -> list[tuple[dict, torch.Tensor]]:
-        return [(group, p) for group in self.param_groups for p in group["params"] if p.requires_grad]
+    def _trainable(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def _slices(self) -> list[Slice]:
+        if self._slice_cache is None:
+            self._slice_cache = slice_parameters(self._trainable(), self.codec.chunk, self.max_slice_numel)
+        return self._slice_cache
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, samples: int = 1) -> float | None:
@@ -96,51 +110,57 @@ class DeMo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        trainable = self._trainable()
+        settings = {
+            p: (group["lr"], group["weight_decay"]) for group in self.param_groups for p in group["params"]
+        }
+        slices = self._slices()
         payload = Payload(
-            tensors=[self.codec.pack(self._compress(group, p), p.dtype) for group, p in trainable]
+            tensors=[
+                self.codec.pack(self._compress(piece, settings), piece.members[0].param.dtype)
+                for piece in slices
+            ]
         )
         data = payload.SerializeToString()
         contributions = self.exchange.gather(data, samples)
         self.bytes_sent += len(data)
         self.bytes_received += sum(len(c.payload) for c in contributions if c.rank != self.exchange.rank)
-        received = self._accept(contributions, [p for _, p in trainable])
-        for index, (group, p) in enumerate(trainable):
-            direction = self._combine([(coeffs[index], weight) for coeffs, weight in received], p)
+        received = self._accept(contributions, slices)
+        for index, piece in enumerate(slices):
+            direction = self._combine([(coeffs[index], weight) for coeffs, weight in received], piece.plan)
             # finite but huge values from a hostile peer can sum to inf and inf - inf to NaN: never apply NaN
-            p.add_(torch.sign(torch.nan_to_num(direction, nan=0.0)).view_as(p), alpha=-group["lr"])
+            signs = torch.sign(torch.nan_to_num(direction, nan=0.0))
+            for member in piece.members:
+                member.matrix(member.param).add_(member.tiles(signs), alpha=-settings[member.param][0])
         return loss
 
-    def _compress(self, group: dict, p: torch.Tensor) -> TopKCoefficients:
-        """Steps 1-5: decay, accumulate, select, error feedback. Returns what this participant sends."""
-        lr, weight_decay = group["lr"], group["weight_decay"]
-        state = self.state[p]
-        if "delta" not in state:
-            state["delta"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+    def _compress(self, piece: Slice, settings: dict) -> TopKCoefficients:
+        """Steps 1-5 for a slice: decay, accumulate, select, error feedback. Returns what is sent."""
+        state = self.state[piece.members[0].param]
+        if "delta" not in state:  # the slice's momentum, tile-major (DESIGN: one parameter-sized buffer)
+            first = piece.members[0].param
+            state["delta"] = torch.zeros(piece.plan.shape, dtype=first.dtype, device=first.device)
         delta = state["delta"]
-        if weight_decay:
-            p.mul_(1 - lr * weight_decay)
         delta.mul_(self.decay)
-        if (
-            p.grad is not None
-        ):  # an unused parameter still sends (its decayed momentum): same payload shape everywhere
-            delta.add_(p.grad, alpha=lr)
-        selection = self.codec.select(_matrix_view(delta))
+        for member in piece.members:
+            lr, weight_decay = settings[member.param]
+            if weight_decay:
+                member.param.mul_(1 - lr * weight_decay)
+            if member.param.grad is not None:  # an unused parameter still sends: same payload everywhere
+                member.tiles(delta).add_(member.matrix(member.param.grad.contiguous()), alpha=lr)
+        selection = self.codec.select(delta, plan=piece.plan)
         if self.error_feedback:
-            delta.sub_(
-                self.codec.reconstruct(selection).view_as(delta).to(delta.dtype), alpha=self.error_feedback
-            )
+            delta.sub_(self.codec.reconstruct(selection).to(delta.dtype), alpha=self.error_feedback)
         return selection
 
     def _accept(
-        self, contributions: list[Contribution], params: list[torch.Tensor]
+        self, contributions: list[Contribution], slices: list[Slice]
     ) -> list[tuple[list[TopKCoefficients], float]]:
         """Decodes and validates every contribution (rank order); drops and counts the malformed."""
-        limits = DecodeLimits(max_numel=max((p.numel() for p in params), default=1))
+        limits = DecodeLimits(max_numel=max(piece.plan.numel for piece in slices))
         accepted = []
         for contribution in contributions:
             try:
-                coeffs = self._decode(contribution, params, limits)
+                coeffs = self._decode(contribution, slices, limits)
             except MalformedPayloadError as error:
                 self.rejected[error.reason] += 1
                 continue
@@ -150,38 +170,32 @@ class DeMo(torch.optim.Optimizer):
         return accepted
 
     def _decode(
-        self, contribution: Contribution, params: list[torch.Tensor], limits: DecodeLimits
+        self, contribution: Contribution, slices: list[Slice], limits: DecodeLimits
     ) -> list[TopKCoefficients]:
         payload = parse_message(Payload, contribution.payload, max_bytes=self.max_payload_bytes)
-        if len(payload.tensors) != len(params):
+        if len(payload.tensors) != len(slices):
             raise MalformedPayloadError(
-                "wrong_structure", f"{len(payload.tensors)} tensors for {len(params)} params"
+                "wrong_structure", f"{len(payload.tensors)} tensors for {len(slices)} slices"
             )
         if contribution.samples < 0:
             raise MalformedPayloadError("bad_samples", f"negative sample count {contribution.samples}")
         decoded = []
-        for message, p in zip(payload.tensors, params, strict=True):
-            expected = self.codec.plan(tuple(_matrix_view(p).shape))
-            coeffs = unpack(message, p.device, limits)
-            if coeffs.plan != expected:
+        for message, piece in zip(payload.tensors, slices, strict=True):
+            coeffs = unpack(message, piece.members[0].param.device, limits)
+            if coeffs.plan != piece.plan:
                 raise MalformedPayloadError(
-                    "wrong_structure", f"tensor of plan {coeffs.plan} where {expected} was expected"
+                    "wrong_structure", f"plan {coeffs.plan} where {piece.plan} was expected"
                 )
             decoded.append(coeffs)
         return decoded
 
-    def _combine(self, received: list[tuple[TopKCoefficients, float]], p: torch.Tensor) -> torch.Tensor:
-        """Steps 7: per coefficient, the (weighted) mean over the participants that sent it; then idct."""
-        plan = self.codec.plan(tuple(_matrix_view(p).shape))
-        sums = torch.zeros(plan.num_chunks, plan.chunk_numel, device=p.device)
+    def _combine(self, received: list[tuple[TopKCoefficients, float]], plan: ChunkPlan) -> torch.Tensor:
+        """Step 7: per coefficient, the (weighted) mean over the participants that sent it; then idct."""
+        device = received[0][0].values.device if received else None
+        sums = torch.zeros(plan.num_chunks, plan.chunk_numel, device=device)
         weights = torch.zeros_like(sums)
         for coeffs, weight in received:  # rank order: the same float sums on every participant
             sums.scatter_add_(1, coeffs.indices, coeffs.values * weight)
             weights.scatter_add_(1, coeffs.indices, torch.full_like(coeffs.values, weight))
         combined = torch.where(weights > 0, sums / weights.clamp_min(1e-30), 0.0)
         return dct.inverse_dense(combined, plan, self.codec.workspace)
-
-
-def _matrix_view(tensor: torch.Tensor) -> torch.Tensor:
-    """0-d tensors travel as one-element 1-D tensors; every other tensor as it is."""
-    return tensor.reshape(1) if tensor.dim() == 0 else tensor

@@ -15,11 +15,15 @@ pickled, and their size is what really crosses the wire.
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +98,36 @@ class LoopbackExchange(Exchange):
         for value, w in entries:  # rank order: the same float sum on every worker
             result.add_(value, alpha=w / total)
         return result
+
+
+def run_loopback(
+    count: int, work: Callable[[int, "LoopbackExchange"], T], *, timeout: timedelta = timedelta(minutes=10)
+) -> list[T]:
+    """Runs work(rank, exchange) for `count` loopback workers, one thread each; results in rank order.
+
+    A worker that raises breaks the others' barrier, so they stop too, and its exception is raised here.
+    """
+    exchanges = LoopbackExchange.group(count, timeout=timeout)
+    results: list = [None] * count
+    errors: list[BaseException] = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = work(rank, exchanges[rank])
+        except BaseException as error:
+            errors.append(error)
+            exchanges[rank].abort()
+
+    threads = [threading.Thread(target=target, args=(rank,), daemon=True) for rank in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout.total_seconds())
+    if errors:
+        raise errors[0]
+    if any(thread.is_alive() for thread in threads):
+        raise TimeoutError(f"loopback workers still running after {timeout}")
+    return results
 
 
 class _LoopbackHub:

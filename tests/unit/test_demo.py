@@ -8,9 +8,9 @@ import torch
 from shoal.compression import DCTTopKCodec
 from shoal.peer.demo import DeMo
 from shoal.peer.exchange import Contribution, Exchange, LoopbackExchange
+from shoal.peer.exchange import run_loopback as run_workers
 from shoal.protocol import Payload
 from tests import demo_reference
-from tests.workers import run_workers
 
 SHAPES = [(128, 192), (96,), (48, 64), (5, 7)]
 
@@ -200,9 +200,21 @@ def test_state_is_one_parameter_sized_buffer():
         p.grad = torch.ones_like(p)
     opt = DeMo(params, lr=1e-3, exchange=LoopbackExchange.group(1)[0])
     opt.step()
+    state = [v for entry in opt.state.values() for v in entry.values() if torch.is_tensor(v)]
+    assert sum(t.numel() for t in state) == sum(p.numel() for p in params)
+    assert all(t.dtype == torch.float32 for t in state)
+
+
+def test_tensors_of_one_chunk_shape_travel_as_one_message():
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in [(128, 64), (64, 64), (64,), (128,), (5, 7)]]
     for p in params:
-        tensors = [v for v in opt.state[p].values() if torch.is_tensor(v)]
-        assert len(tensors) == 1 and tensors[0].shape == p.shape and tensors[0].dtype == p.dtype
+        p.grad = torch.randn_like(p)
+    recorded: list[bytes] = []
+    recorder = _FixedExchange([])
+    recorder.gather = lambda payload, samples: recorded.append(payload) or [Contribution(0, payload, samples)]
+    DeMo(params, lr=1e-3, exchange=recorder).step()
+    shapes = [list(t.chunk_shape) for t in Payload.FromString(recorded[0]).tensors]
+    assert sorted(shapes) == [[1, 64], [5, 7], [64, 64]]
 
 
 def test_scalar_and_unused_parameters_take_part():

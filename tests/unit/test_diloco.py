@@ -8,8 +8,8 @@ import torch
 from shoal.compression import DCTTopKCodec, DenseCodec
 from shoal.peer.diloco import DiLoCo
 from shoal.peer.exchange import Contribution, LoopbackExchange
+from shoal.peer.exchange import run_loopback as run_workers
 from shoal.peer.model import GPTConfig, TinyGPT
-from tests.workers import run_workers
 
 CONFIG = GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16)
 

@@ -1,0 +1,185 @@
+"""`shoal bench converge`: DeMo, DiLoCo and data-parallel AdamW on one model, one data set, one budget.
+
+    shoal bench converge --quick          # a table, within 3 minutes on 2 CPU cores
+    shoal bench converge --json           # {"results": [{"method", "final_val_loss", ...}]}
+
+Four simulated workers (threads, LoopbackExchange) train the embedded byte-level GPT on the standard
+library corpus for the same number of optimizer steps each, with disjoint batches per worker and step:
+
+- adamw_dp: data-parallel AdamW, the float32 gradient averaged every step (what DDP sends);
+- demo_reference: DeMo with the paper's reference settings (k=32, 32-bit values, beta 0.999, alpha 1);
+- demo_compact: DeMo with k=4, 1-bit values, beta 0.995, alpha 0.5;
+- diloco_standard / diloco_delayed / diloco_eager: AdamW inner steps, an outer Nesterov step every
+  `inner_steps`, exact float32 pseudo-gradients.
+
+Reported per method: validation loss of worker 0's final parameters on fixed validation batches,
+payload bytes each worker sent, and wall time.
+"""
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus, validation_batches
+from shoal.peer.demo import DeMo
+from shoal.peer.diloco import DiLoCo
+from shoal.peer.exchange import Exchange, run_loopback
+from shoal.peer.model import GPTConfig, TinyGPT
+
+METHODS = ("adamw_dp", "demo_reference", "demo_compact", "diloco_standard", "diloco_delayed", "diloco_eager")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConvergeConfig:
+    """One benchmark setting."""
+
+    model: str
+    """GPTConfig preset."""
+    steps: int
+    """Optimizer steps per worker (inner steps for DiLoCo): the same token budget for every method."""
+    batch_size: int
+    """Sequences per worker per step."""
+    workers: int = 4
+    inner_steps: int = 25
+    """DiLoCo's H."""
+    adamw_lr: float = 1e-3
+    """AdamW learning rate, also DiLoCo's inner one."""
+    demo_lr: float = 1e-3
+    """DeMo's sign-step learning rate."""
+    eval_batches: int = 8
+    seed: int = 0
+
+    @property
+    def gpt(self) -> GPTConfig:
+        return GPTConfig.preset(self.model)
+
+
+QUICK = ConvergeConfig(model="tiny", steps=300, batch_size=16, inner_steps=25)
+FULL = ConvergeConfig(model="small", steps=1000, batch_size=16, inner_steps=50, eval_batches=16)
+
+
+@dataclass(slots=True)
+class MethodResult:
+    method: str
+    final_val_loss: float
+    bytes_sent_per_worker: int
+    wall_s: float
+
+
+@dataclass(slots=True)
+class _WorkerOutcome:
+    model: TinyGPT
+    bytes_sent: int
+
+
+def _adamw(model: TinyGPT, config: ConvergeConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=config.adamw_lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _loss(model: TinyGPT, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return model(inputs, targets=targets)
+
+
+def _train_adamw_dp(model, exchange, batches, config) -> int:
+    optimizer = _adamw(model, config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    sent = 0
+    for inputs, targets in batches:
+        _loss(model, inputs, targets).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        averaged = exchange.mean(flat)
+        sent += flat.numel() * 4
+        offset = 0
+        for p in params:
+            p.grad.copy_(averaged[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return sent
+
+
+def _train_demo(model, exchange, batches, config, **settings) -> int:
+    optimizer = DeMo(model.parameters(), lr=config.demo_lr, exchange=exchange, weight_decay=0.1, **settings)
+    for inputs, targets in batches:
+        _loss(model, inputs, targets).backward()
+        optimizer.step(samples=inputs.shape[0])
+        optimizer.zero_grad(set_to_none=True)
+    return optimizer.bytes_sent
+
+
+def _train_diloco(model, exchange, batches, config, mode: str) -> int:
+    with DiLoCo(
+        model, _adamw(model, config), exchange=exchange, inner_steps=config.inner_steps, mode=mode
+    ) as diloco:
+        for inputs, targets in batches:
+            _loss(model, inputs, targets).backward()
+            diloco.step(samples=inputs.shape[0])
+    return diloco.stats.bytes_sent
+
+
+TRAINERS: dict[str, Callable[..., int]] = {
+    "adamw_dp": _train_adamw_dp,
+    "demo_reference": lambda *a: _train_demo(*a),
+    "demo_compact": lambda *a: _train_demo(
+        *a, compression_topk=4, value_bits=1, compression_decay=0.995, error_feedback=0.5
+    ),
+    "diloco_standard": lambda *a: _train_diloco(*a, mode="standard"),
+    "diloco_delayed": lambda *a: _train_diloco(*a, mode="delayed"),
+    "diloco_eager": lambda *a: _train_diloco(*a, mode="eager"),
+}
+
+
+@torch.no_grad()
+def validation_loss(model: TinyGPT, streams: TokenStreams, config: ConvergeConfig) -> float:
+    model.eval()
+    windows = validation_batches(
+        streams.validation, config.gpt.seq_len, config.batch_size, config.eval_batches
+    )
+    losses = [_loss(model, w[:, :-1], w[:, 1:]).item() for w in windows]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> MethodResult:
+    """Trains `config.workers` workers with `method` and evaluates worker 0."""
+    torch.manual_seed(config.seed)
+    initial = TinyGPT(config.gpt).state_dict()
+    plan = BatchPlan(
+        seq_len=config.gpt.seq_len, batch_size=config.batch_size, workers=config.workers, seed=config.seed
+    )
+
+    def work(rank: int, exchange: Exchange) -> _WorkerOutcome:
+        model = TinyGPT(config.gpt)
+        model.load_state_dict(initial)
+        batches = (plan.batch(streams.train, step, rank) for step in range(config.steps))
+        return _WorkerOutcome(model, TRAINERS[method](model, exchange, batches, config))
+
+    start = time.perf_counter()
+    outcomes = run_loopback(config.workers, work)
+    wall = time.perf_counter() - start
+    loss = validation_loss(outcomes[0].model, streams, config)
+    if not math.isfinite(loss):
+        raise RuntimeError(f"{method}: validation loss is {loss}")
+    return MethodResult(method, loss, outcomes[0].bytes_sent, wall)
+
+
+def main(*, as_json: bool, quick: bool) -> int:
+    config = QUICK if quick else FULL
+    streams = stdlib_corpus()
+    results = []
+    for method in METHODS:
+        result = run_method(method, config, streams)
+        results.append(result)
+        if not as_json:
+            print(
+                f"{result.method:<16} val loss {result.final_val_loss:.4f}  sent/worker "
+                f"{result.bytes_sent_per_worker:>12,d} B  {result.wall_s:6.1f} s",
+                flush=True,
+            )
+    if as_json:
+        print(json.dumps({"results": [asdict(r) for r in results]}))
+    return 0
