@@ -2,6 +2,7 @@
 
     shoal --help
     shoal bench codec [--json] [--repeat N]
+    shoal bench converge [--json] [--quick]
 
 Subcommands appear here as they are built; there are no placeholders.
 """
@@ -26,6 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     codec.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
     codec.add_argument("--repeat", type=_positive_int, default=5, help="timed runs per measurement (median)")
+    converge = benchmarks.add_parser(
+        "converge",
+        help="DeMo, DiLoCo and data-parallel AdamW on one model, data and token budget",
+    )
+    converge.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
+    converge.add_argument(
+        "--quick", action="store_true", help="the tiny model for 300 steps (~3 minutes on 2 cores)"
+    )
     return parser
 
 
@@ -45,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         from shoal.compression import benchmark  # imports torch: only when needed
 
         return benchmark.main(as_json=args.json, repeat=args.repeat)
+    if args.command == "bench" and args.benchmark == "converge":
+        from shoal.peer import convergence
+
+        return convergence.main(as_json=args.json, quick=args.quick)
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -8,7 +8,7 @@ library corpus for the same number of optimizer steps each, with disjoint batche
 
 - adamw_dp: data-parallel AdamW, the float32 gradient averaged every step (what DDP sends);
 - demo_reference: DeMo with the paper's reference settings (k=32, 32-bit values, beta 0.999, alpha 1);
-- demo_compact: DeMo with k=4, 1-bit values, beta 0.995, alpha 0.5;
+- demo_compact: DeMo with k=4, 1-bit values, beta 0.99, alpha 1 (the best of the alpha/beta we tried);
 - diloco_standard / diloco_delayed / diloco_eager: AdamW inner steps, an outer Nesterov step every
   `inner_steps`, exact float32 pseudo-gradients.
 
@@ -46,9 +46,11 @@ class ConvergeConfig:
     workers: int = 4
     inner_steps: int = 25
     """DiLoCo's H."""
-    adamw_lr: float = 1e-3
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (Nesterov momentum 0.9)."""
+    adamw_lr: float = 4e-3
     """AdamW learning rate, also DiLoCo's inner one."""
-    demo_lr: float = 1e-3
+    demo_lr: float = 2e-3
     """DeMo's sign-step learning rate."""
     eval_batches: int = 8
     seed: int = 0
@@ -113,11 +115,17 @@ def _train_demo(model, exchange, batches, config, **settings) -> int:
 
 def _train_diloco(model, exchange, batches, config, mode: str) -> int:
     with DiLoCo(
-        model, _adamw(model, config), exchange=exchange, inner_steps=config.inner_steps, mode=mode
+        model,
+        _adamw(model, config),
+        exchange=exchange,
+        inner_steps=config.inner_steps,
+        mode=mode,
+        outer_lr=config.outer_lr,
     ) as diloco:
         for inputs, targets in batches:
             _loss(model, inputs, targets).backward()
             diloco.step(samples=inputs.shape[0])
+        diloco.finish()
     return diloco.stats.bytes_sent
 
 
@@ -125,7 +133,7 @@ TRAINERS: dict[str, Callable[..., int]] = {
     "adamw_dp": _train_adamw_dp,
     "demo_reference": lambda *a: _train_demo(*a),
     "demo_compact": lambda *a: _train_demo(
-        *a, compression_topk=4, value_bits=1, compression_decay=0.995, error_feedback=0.5
+        *a, compression_topk=4, value_bits=1, compression_decay=0.99, error_feedback=1.0
     ),
     "diloco_standard": lambda *a: _train_diloco(*a, mode="standard"),
     "diloco_delayed": lambda *a: _train_diloco(*a, mode="delayed"),

@@ -25,6 +25,7 @@ Pseudo-gradients travel exactly (float32, the default) or through a codec of sho
     for batch in batches:
         model(batch).backward()
         diloco.step()          # inner step, and every 50 steps an outer step
+    diloco.finish()            # apply the last round still in flight
     diloco.close()
 """
 
@@ -264,6 +265,23 @@ class DiLoCo:
             start.grad = d.to(start.dtype)
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Ends training: waits for the exchange in flight and applies what is left of it, so every
+        mode ends with the full last round (delayed: its mean; eager: its mean minus the own share
+        already applied). The model then holds the final global parameters. Standard mode: no-op."""
+        previous = self._collect_pending()
+        if previous is None:
+            return
+        if self.mode == "eager":
+            share = self._last_sent.samples / previous.total_samples
+            self._apply([m - share * s for m, s in zip(previous.mean, self._last_sent.decoded, strict=True)])
+        else:
+            self._apply(previous.mean)
+        self._last_sent = None
+        for p, start in zip(self.params, self.global_params, strict=True):
+            p.copy_(start)
 
     def close(self) -> None:
         """Waits for the exchange in flight (collectives must complete on every participant) and

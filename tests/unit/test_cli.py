@@ -69,3 +69,17 @@ def test_reference_style_baseline_computes_the_same_transform(shape):
     got = values.abs().reshape(-1, 8).sort(dim=1).values
     torch.testing.assert_close(got, expected.values.abs().sort(dim=1).values)
     torch.testing.assert_close(reference.decode(indices, values), DCTTopKCodec(topk=8).reconstruct(expected))
+
+
+def test_bench_converge_json_reports_every_method(monkeypatch, capsys):
+    from shoal.peer import convergence
+
+    tiny = convergence.ConvergeConfig(model="tiny", steps=6, batch_size=2, inner_steps=3, eval_batches=1)
+    monkeypatch.setattr(convergence, "QUICK", tiny)
+    assert cli.main(["bench", "converge", "--json", "--quick"]) == 0
+    rows = {r["method"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert set(rows) == set(convergence.METHODS)
+    for row in rows.values():
+        assert set(row) == {"method", "final_val_loss", "bytes_sent_per_worker", "wall_s"}
+        assert 0 < row["final_val_loss"] < 10 and row["bytes_sent_per_worker"] > 0
+    assert rows["demo_compact"]["bytes_sent_per_worker"] * 100 < rows["adamw_dp"]["bytes_sent_per_worker"]

@@ -117,6 +117,29 @@ def test_delayed_mode_applies_the_previous_rounds_mean():
     diloco.close()
 
 
+@pytest.mark.parametrize("mode", ["delayed", "eager"])
+def test_finish_applies_the_last_round_so_one_worker_ends_like_standard(mode):
+    ends = {}
+    for run_mode in ("standard", mode):
+        model = make_model()
+        with DiLoCo(
+            model,
+            adamw(model),
+            exchange=LoopbackExchange.group(1)[0],
+            inner_steps=3,
+            mode=run_mode,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+        ) as diloco:
+            train(
+                model, diloco, batches(0, 3)
+            )  # one round: standard applied it, the others have it in flight
+            diloco.finish()
+        ends[run_mode] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(ends["standard"], ends[mode], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
 def test_eager_direction_replaces_the_stale_own_share_by_the_fresh_one():
     """Two workers, equal samples: delta~_m(t) = delta(t-1) + (delta_m(t) - delta_m(t-1)) / 2."""
 

@@ -1,0 +1,61 @@
+"""How long a DeMo step takes next to the forward+backward pass it follows (DESIGN.md: <= 4%).
+
+    python -m tests.benchmarks.demo_step_overhead [--model small] [--batch 16] [--repeat 10]
+
+One worker (LoopbackExchange of 1: encode, gather, decode and apply all run; no network), the
+embedded GPT on random bytes. Prints one JSON object with median milliseconds.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from shoal.peer.demo import DeMo
+from shoal.peer.exchange import LoopbackExchange
+from shoal.peer.model import GPTConfig, TinyGPT
+
+
+def median_ms(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=10)
+    args = parser.parse_args()
+    config = GPTConfig.preset(args.model)
+    torch.manual_seed(0)
+    model = TinyGPT(config)
+    tokens = torch.randint(0, 256, (args.batch, config.seq_len + 1))
+    results = {"model": args.model, "params": sum(p.numel() for p in model.parameters()), "batch": args.batch}
+
+    def forward_backward() -> None:
+        model.zero_grad(set_to_none=False)
+        model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+
+    results["forward_backward_ms"] = median_ms(forward_backward, args.repeat)
+    for name, settings in {
+        "demo_reference": {},
+        "demo_compact": {"compression_topk": 4, "value_bits": 1},
+    }.items():
+        optimizer = DeMo(model.parameters(), lr=1e-4, exchange=LoopbackExchange.group(1)[0], **settings)
+        results[f"{name}_step_ms"] = median_ms(optimizer.step, args.repeat)
+        results[f"{name}_step_share"] = results[f"{name}_step_ms"] / results["forward_backward_ms"]
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
