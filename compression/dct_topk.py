@@ -113,12 +113,7 @@ class DCTTopKCodec(Codec):
         """The message for a selection of a tensor of `dtype`."""
         plan = selection.plan
         bits = index_bits(plan.chunk_numel)
-        index_bytes, indices_zstd = streams.to_wire(bitpack.pack(selection.indices, bits), try_zstd=False)
-        encoded = values.encode(selection.values, self.encoding, selection.topk)
-        value_bytes, values_zstd = streams.to_wire(
-            encoded.values, try_zstd=self.zstd and values.BITS[self.encoding] > 1
-        )
-        scale_bytes, scales_zstd = streams.to_wire(encoded.scales, try_zstd=self.zstd)
+        index_bytes, _ = streams.to_wire(bitpack.pack(selection.indices, bits), try_zstd=False)
         return EncodedTensor(
             codec=self.codec_id,
             shape=plan.shape,
@@ -127,12 +122,7 @@ class DCTTopKCodec(Codec):
             topk=selection.topk,
             index_bits=bits,
             indices=index_bytes,
-            indices_zstd=indices_zstd,
-            value_encoding=self.encoding,
-            values=value_bytes,
-            values_zstd=values_zstd,
-            scales=scale_bytes,
-            scales_zstd=scales_zstd,
+            **values.message_fields(selection.values, self.encoding, selection.topk, zstd=self.zstd),
         )
 
     def encode(self, tensor: torch.Tensor) -> EncodedTensor:
@@ -188,24 +178,9 @@ def unpack(message: EncodedTensor, device: torch.device, limits: DecodeLimits) -
     bits = index_bits(plan.chunk_numel)
     if message.index_bits != bits:
         raise MalformedPayloadError("bad_index_bits", f"index_bits {message.index_bits}, expected {bits}")
-    encoding = message.value_encoding
-    if encoding not in values.BITS:
-        raise MalformedPayloadError("unknown_value_encoding", f"value encoding {encoding} is not known")
     k, count = message.topk, plan.num_chunks * message.topk
     index_stream = streams.from_wire(
         message.indices, message.indices_zstd, bitpack.packed_size(count, bits), "indices", device
-    )
-    encoded = values.EncodedValues(
-        streams.from_wire(
-            message.values, message.values_zstd, values.values_size(encoding, count), "values", device
-        ),
-        streams.from_wire(
-            message.scales,
-            message.scales_zstd,
-            4 * values.scale_count(encoding, plan.num_chunks),
-            "scales",
-            device,
-        ),
     )
     indices = bitpack.unpack(index_stream, bits, count).view(plan.num_chunks, k)
     in_range = bool((indices[:, -1] < plan.chunk_numel).all())
@@ -214,5 +189,5 @@ def unpack(message: EncodedTensor, device: torch.device, limits: DecodeLimits) -
         raise MalformedPayloadError(
             "bad_indices", "indices must be < chunk size and strictly increasing within each chunk"
         )
-    kept = values.decode(encoded, encoding, count, k).view(plan.num_chunks, k)
+    kept = values.from_message(message, count, k, device).view(plan.num_chunks, k)
     return TopKCoefficients(plan, indices, kept)

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from shoal.compression import streams, values
+from shoal.compression import values
 from shoal.compression.codec import Codec, DecodeLimits, checked_output, checked_shape, register, wire_dtype
 from shoal.protocol import CodecId, EncodedTensor, MalformedPayloadError
 
@@ -49,22 +49,12 @@ class DenseCodec(Codec):
         self.zstd = zstd
 
     def encode(self, tensor: torch.Tensor) -> EncodedTensor:
-        dtype = wire_dtype(tensor)
-        encoded = values.encode(tensor.detach().reshape(-1), self.encoding, self.block)
-        value_bytes, values_zstd = streams.to_wire(
-            encoded.values, try_zstd=self.zstd and values.BITS[self.encoding] > 1
-        )
-        scale_bytes, scales_zstd = streams.to_wire(encoded.scales, try_zstd=self.zstd)
         return EncodedTensor(
             codec=self.codec_id,
             shape=tensor.shape,
-            dtype=dtype,
-            value_encoding=self.encoding,
-            values=value_bytes,
-            values_zstd=values_zstd,
+            dtype=wire_dtype(tensor),
             block_size=self.block,
-            scales=scale_bytes,
-            scales_zstd=scales_zstd,
+            **values.message_fields(tensor.detach().reshape(-1), self.encoding, self.block, zstd=self.zstd),
         )
 
     @classmethod
@@ -72,24 +62,7 @@ class DenseCodec(Codec):
         cls, message: EncodedTensor, *, device: torch.device, limits: DecodeLimits
     ) -> torch.Tensor:
         shape, dtype = checked_shape(message, limits)
-        encoding = message.value_encoding
-        if encoding not in values.BITS:
-            raise MalformedPayloadError("unknown_value_encoding", f"value encoding {encoding} is not known")
         if message.block_size < 1:
             raise MalformedPayloadError("bad_block", "block_size must be >= 1")
-        count = math.prod(shape)
-        blocks = -(-count // message.block_size)
-        encoded = values.EncodedValues(
-            streams.from_wire(
-                message.values, message.values_zstd, values.values_size(encoding, count), "values", device
-            ),
-            streams.from_wire(
-                message.scales,
-                message.scales_zstd,
-                4 * values.scale_count(encoding, blocks),
-                "scales",
-                device,
-            ),
-        )
-        decoded = values.decode(encoded, encoding, count, message.block_size)
+        decoded = values.from_message(message, math.prod(shape), message.block_size, device)
         return checked_output(decoded, dtype).reshape(shape)

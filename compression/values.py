@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.compression import bitpack
+from shoal.compression import bitpack, streams
 from shoal.protocol import MalformedPayloadError, ValueEncoding
 
 if sys.byteorder != "little":  # tensors are viewed as bytes; the wire is little-endian
@@ -131,6 +131,39 @@ def decode(encoded: EncodedValues, encoding: int, count: int, group: int) -> tor
     if not bool(torch.isfinite(decoded).all()):
         raise MalformedPayloadError("non_finite", "decoded values contain NaN or infinity")
     return decoded
+
+
+def message_fields(values: torch.Tensor, encoding: int, group: int, *, zstd: bool) -> dict:
+    """The EncodedTensor fields that carry `values` (flat, `group` per scale): encoding, the value
+    and scale streams, and their zstd flags. zstd is tried on scales and on values of more than one
+    bit (sign bits do not compress)."""
+    encoded = encode(values, encoding, group)
+    value_bytes, values_zstd = streams.to_wire(encoded.values, try_zstd=zstd and BITS[encoding] > 1)
+    scale_bytes, scales_zstd = streams.to_wire(encoded.scales, try_zstd=zstd)
+    return {
+        "value_encoding": encoding,
+        "values": value_bytes,
+        "values_zstd": values_zstd,
+        "scales": scale_bytes,
+        "scales_zstd": scales_zstd,
+    }
+
+
+def from_message(message, count: int, group: int, device: torch.device) -> torch.Tensor:
+    """The `count` float32 values an untrusted EncodedTensor carries, `group` per scale."""
+    encoding = message.value_encoding
+    if encoding not in BITS:
+        raise MalformedPayloadError("unknown_value_encoding", f"value encoding {encoding} is not known")
+    groups = -(-count // group)
+    encoded = EncodedValues(
+        streams.from_wire(
+            message.values, message.values_zstd, values_size(encoding, count), "values", device
+        ),
+        streams.from_wire(
+            message.scales, message.scales_zstd, 4 * scale_count(encoding, groups), "scales", device
+        ),
+    )
+    return decode(encoded, encoding, count, group)
 
 
 def _decode_unit(stream: torch.Tensor, encoding: int, count: int) -> torch.Tensor:

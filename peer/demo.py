@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterable
 import torch
 
 from shoal.compression import DCTTopKCodec, DecodeLimits, MalformedPayloadError, dct
-from shoal.compression.dct import ChunkPlan
 from shoal.compression.dct_topk import TopKCoefficients, unpack
 from shoal.peer.exchange import Contribution, Exchange
 from shoal.peer.tile_groups import Slice, slice_parameters
@@ -126,7 +125,7 @@ class DeMo(torch.optim.Optimizer):
         self.bytes_received += sum(len(c.payload) for c in contributions if c.rank != self.exchange.rank)
         received = self._accept(contributions, slices)
         for index, piece in enumerate(slices):
-            direction = self._combine([(coeffs[index], weight) for coeffs, weight in received], piece.plan)
+            direction = self._combine([(coeffs[index], weight) for coeffs, weight in received], piece)
             # finite but huge values from a hostile peer can sum to inf and inf - inf to NaN: never apply NaN
             signs = torch.sign(torch.nan_to_num(direction, nan=0.0))
             for member in piece.members:
@@ -189,10 +188,10 @@ class DeMo(torch.optim.Optimizer):
             decoded.append(coeffs)
         return decoded
 
-    def _combine(self, received: list[tuple[TopKCoefficients, float]], plan: ChunkPlan) -> torch.Tensor:
+    def _combine(self, received: list[tuple[TopKCoefficients, float]], piece: Slice) -> torch.Tensor:
         """Step 7: per coefficient, the (weighted) mean over the participants that sent it; then idct."""
-        device = received[0][0].values.device if received else None
-        sums = torch.zeros(plan.num_chunks, plan.chunk_numel, device=device)
+        plan = piece.plan
+        sums = torch.zeros(plan.num_chunks, plan.chunk_numel, device=piece.members[0].param.device)
         weights = torch.zeros_like(sums)
         for coeffs, weight in received:  # rank order: the same float sums on every participant
             sums.scatter_add_(1, coeffs.indices, coeffs.values * weight)

@@ -14,6 +14,7 @@ pickled, and their size is what really crosses the wire.
 """
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,10 +71,14 @@ class LoopbackExchange(Exchange):
         self._rank = rank
 
     @staticmethod
-    def group(world_size: int, *, timeout: timedelta = timedelta(seconds=60)) -> list["LoopbackExchange"]:
+    def group(
+        world_size: int, *, timeout: timedelta = timedelta(seconds=60), latency: timedelta = timedelta(0)
+    ) -> list["LoopbackExchange"]:
+        """`world_size` exchanges meeting in this process. `latency` is added to every collective, to
+        simulate a slow link."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        hub = _LoopbackHub(world_size, timeout)
+        hub = _LoopbackHub(world_size, timeout, latency)
         return [LoopbackExchange(hub, rank) for rank in range(world_size)]
 
     @property
@@ -101,13 +106,18 @@ class LoopbackExchange(Exchange):
 
 
 def run_loopback(
-    count: int, work: Callable[[int, "LoopbackExchange"], T], *, timeout: timedelta = timedelta(minutes=10)
+    count: int,
+    work: Callable[[int, "LoopbackExchange"], T],
+    *,
+    timeout: timedelta = timedelta(minutes=10),
+    latency: timedelta = timedelta(0),
 ) -> list[T]:
     """Runs work(rank, exchange) for `count` loopback workers, one thread each; results in rank order.
 
     A worker that raises breaks the others' barrier, so they stop too, and its exception is raised here.
+    `latency` is added to every collective (`LoopbackExchange.group`).
     """
-    exchanges = LoopbackExchange.group(count, timeout=timeout)
+    exchanges = LoopbackExchange.group(count, timeout=timeout, latency=latency)
     results: list = [None] * count
     errors: list[BaseException] = []
 
@@ -133,9 +143,10 @@ def run_loopback(
 class _LoopbackHub:
     """The shared slots and barrier of one LoopbackExchange group."""
 
-    def __init__(self, world_size: int, timeout: timedelta):
+    def __init__(self, world_size: int, timeout: timedelta, latency: timedelta):
         self.world_size = world_size
         self._timeout_s = timeout.total_seconds()
+        self._latency_s = latency.total_seconds()
         self._barrier = threading.Barrier(world_size)
         self._slots: list[object] = [None] * world_size
 
@@ -143,6 +154,8 @@ class _LoopbackHub:
         self._barrier.abort()
 
     def all_gather(self, rank: int, item: object) -> list:
+        if self._latency_s:
+            time.sleep(self._latency_s)
         self._slots[rank] = item
         self._barrier.wait(self._timeout_s)  # everyone has written
         items = list(self._slots)

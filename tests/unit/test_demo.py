@@ -81,6 +81,17 @@ def test_workers_hold_bit_identical_params_after_50_steps_with_quantized_values(
     assert any(not torch.equal(a, torch.as_tensor(b).float()) for a, b in zip(first, initial, strict=True))
 
 
+@pytest.mark.parametrize("bits", [16, 8, 4, 1])
+def test_quantized_values_keep_two_workers_identical_and_steps_of_size_lr(bits):
+    torch.manual_seed(15)
+    initial = [torch.randn(s) for s in SHAPES]
+    grads = make_grads(steps=3, workers=2, seed=3)
+    results = train_workers(initial, grads, dtype=torch.float32, lr=1e-2, value_bits=bits, compression_topk=8)
+    for a, b, start in zip(results[0][0], results[1][0], initial, strict=True):
+        assert torch.equal(a, b)
+        assert (a - start).abs().max().item() <= 3 * 1e-2 + 1e-6  # sign steps: at most lr per step
+
+
 def test_error_feedback_fraction_leaves_the_rest_in_momentum():
     p = torch.nn.Parameter(torch.zeros(64, 64))
     p.grad = torch.randn(64, 64)

@@ -1,13 +1,13 @@
 """DiLoCo: reductions to AdamW and to standard mode, agreement, the eager formula, overlap, codecs."""
 
-import time
+from datetime import timedelta
 
 import pytest
 import torch
 
 from shoal.compression import DCTTopKCodec, DenseCodec
 from shoal.peer.diloco import DiLoCo
-from shoal.peer.exchange import Contribution, LoopbackExchange
+from shoal.peer.exchange import LoopbackExchange
 from shoal.peer.exchange import run_loopback as run_workers
 from shoal.peer.model import GPTConfig, TinyGPT
 
@@ -180,18 +180,6 @@ def test_eager_direction_replaces_the_stale_own_share_by_the_fresh_one():
             torch.testing.assert_close(a, b - (m - o1 / 2 + o2 / 2), rtol=0, atol=1e-6)
 
 
-class SlowExchange(LoopbackExchange):
-    """A real loopback exchange whose gather takes `latency_s` longer: a slow link, injected."""
-
-    def __init__(self, inner: LoopbackExchange, latency_s: float):
-        super().__init__(inner._hub, inner.rank)
-        self.latency_s = latency_s
-
-    def gather(self, payload: bytes, samples: int) -> list[Contribution]:
-        time.sleep(self.latency_s)
-        return super().gather(payload, samples)
-
-
 LATENCY_S = 0.05  # well under an inner phase of 20 tiny-model steps (~0.2 s here)
 
 
@@ -200,7 +188,7 @@ def test_background_exchange_hides_a_slow_link_behind_the_inner_phase(mode):
     waited = {}
     for run_mode in ("standard", mode):
         model = make_model()
-        exchange = SlowExchange(LoopbackExchange.group(1)[0], latency_s=LATENCY_S)
+        exchange = LoopbackExchange.group(1, latency=timedelta(seconds=LATENCY_S))[0]
         with DiLoCo(model, adamw(model), exchange=exchange, inner_steps=20, mode=run_mode) as diloco:
             train(model, diloco, batches(0, 80))
         waited[run_mode] = diloco.stats
