@@ -158,18 +158,26 @@ def matrix_offsets(indices: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
     return row * plan.cols + col
 
 
-def inverse_dense(tiles: torch.Tensor, plan: ChunkPlan, workspace: Workspace) -> torch.Tensor:
-    """The tensor whose tile coefficients are `tiles` (num_chunks, chunk_numel); new tensor of plan.shape."""
+def inverse_dense(
+    tiles: torch.Tensor, plan: ChunkPlan, workspace: Workspace, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The tensor whose tile coefficients are `tiles` (num_chunks, chunk_numel), of plan.shape: a new
+    tensor, or `out` (plan.numel elements, not aliasing workspace slots 0 and 1) if given."""
     r, c = plan.chunk_rows, plan.chunk_cols
     device, dtype = tiles.device, tiles.dtype
     x = tiles.view(plan.num_chunks, r, c)
     if c > 1:
-        out = workspace.get(0, plan.numel, device, dtype).view(-1, c)
-        x = torch.matmul(x.reshape(-1, c), dct_basis(c, device, dtype), out=out).view(plan.num_chunks, r, c)
+        scratch = workspace.get(0, plan.numel, device, dtype).view(-1, c)
+        x = torch.matmul(x.reshape(-1, c), dct_basis(c, device, dtype), out=scratch).view(
+            plan.num_chunks, r, c
+        )
     if r > 1:
-        out = workspace.get(1, plan.numel, device, dtype).view(plan.num_chunks, r, c)
-        x = torch.matmul(dct_basis(r, device, dtype).T, x, out=out)
-    return _tiles_to_tensor(x, plan)
+        x = torch.matmul(
+            dct_basis(r, device, dtype).T,
+            x,
+            out=workspace.get(1, plan.numel, device, dtype).view(plan.num_chunks, r, c),
+        )
+    return _tiles_to_tensor(x, plan, out)
 
 
 def inverse_sparse(
@@ -200,7 +208,9 @@ def sparse_is_cheaper(k: int, plan: ChunkPlan) -> bool:
     return 4 * k <= plan.chunk_rows + plan.chunk_cols
 
 
-def _tiles_to_tensor(tiles: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-    tensor = torch.empty(plan.matrix_layout(), device=tiles.device, dtype=tiles.dtype)
+def _tiles_to_tensor(tiles: torch.Tensor, plan: ChunkPlan, out: torch.Tensor | None = None) -> torch.Tensor:
+    if out is None:
+        out = torch.empty(plan.numel, device=tiles.device, dtype=tiles.dtype)
+    tensor = out.view(plan.matrix_layout())
     tensor.copy_(tiles.view(plan.tile_layout()).transpose(1, 2))
     return tensor.view(plan.shape)

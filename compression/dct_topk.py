@@ -103,11 +103,21 @@ class DCTTopKCodec(Codec):
         plan = plan or self.plan(tuple(tensor.shape))
         compute = tensor.detach().to(torch.float64 if tensor.dtype == torch.float64 else torch.float32)
         coeffs = dct.forward(compute, plan, self.workspace)
-        k = min(self.topk, plan.chunk_numel)
         magnitudes = dct.tile_magnitudes(coeffs, plan, self.workspace)
-        indices = torch.topk(magnitudes, k, dim=1, sorted=False).indices.sort(dim=1).values
+        indices = self._top_indices(magnitudes, plan)
         kept = coeffs.reshape(-1)[dct.matrix_offsets(indices, plan)]
         return TopKCoefficients(plan, indices, kept)
+
+    def select_coefficients(self, coeffs: torch.Tensor, plan: dct.ChunkPlan) -> TopKCoefficients:
+        """The top-k of coefficients already in tile-major order, (plan.num_chunks, plan.chunk_numel),
+        e.g. momentum kept in the DCT domain. Uses workspace slot 0 for the magnitudes."""
+        magnitudes = self.workspace.get(0, plan.numel, coeffs.device, coeffs.dtype).view(coeffs.shape)
+        indices = self._top_indices(torch.abs(coeffs, out=magnitudes), plan)
+        return TopKCoefficients(plan, indices, torch.gather(coeffs, 1, indices))
+
+    def _top_indices(self, magnitudes: torch.Tensor, plan: dct.ChunkPlan) -> torch.Tensor:
+        k = min(self.topk, plan.chunk_numel)
+        return torch.topk(magnitudes, k, dim=1, sorted=False).indices.sort(dim=1).values
 
     def pack(self, selection: TopKCoefficients, dtype: torch.dtype) -> EncodedTensor:
         """The message for a selection of a tensor of `dtype`."""

@@ -3,9 +3,9 @@
 Per step and parameter p with gradient g (DESIGN.md, "DeMo"):
 
     p     *= 1 - lr * weight_decay
-    delta  = decay * delta + lr * g
+    delta  = decay * delta + lr * g                              (kept as DCT coefficients)
     kept   = top-k DCT coefficients of every chunk of delta     (sent: indices + values)
-    delta -= error_feedback * idct(kept)                         (unquantized kept part)
+    delta -= error_feedback * kept                               (unquantized kept part)
     combined[c] = mean over the participants that sent coefficient c of their values
                   (weighted by sample counts if asked)
     p     -= lr * sign(idct(combined))
@@ -32,6 +32,9 @@ from shoal.compression.dct_topk import TopKCoefficients, unpack
 from shoal.peer.exchange import Contribution, Exchange
 from shoal.peer.tile_groups import Slice, slice_parameters
 from shoal.protocol import Payload, parse_message
+
+# workspace slots beyond the codec's 0 and 1 (transform scratch, magnitudes)
+GRADIENT_SLOT, SUM_SLOT, WEIGHT_SLOT = 2, 2, 3
 
 
 class DeMo(torch.optim.Optimizer):
@@ -133,22 +136,37 @@ class DeMo(torch.optim.Optimizer):
         return loss
 
     def _compress(self, piece: Slice, settings: dict) -> TopKCoefficients:
-        """Steps 1-5 for a slice: decay, accumulate, select, error feedback. Returns what is sent."""
-        state = self.state[piece.members[0].param]
-        if "delta" not in state:  # the slice's momentum, tile-major (DESIGN: one parameter-sized buffer)
-            first = piece.members[0].param
-            state["delta"] = torch.zeros(piece.plan.shape, dtype=first.dtype, device=first.device)
+        """Steps 1-5 for a slice: decay, accumulate, select, error feedback. Returns what is sent.
+
+        The momentum lives in the DCT domain: the transform is linear and orthonormal, so
+        `dct(decay * delta + lr * g) = decay * dct(delta) + lr * dct(g)`. Each step then transforms
+        only the gradient, and removing the sent part is a scatter of k values per chunk instead of
+        an inverse transform.
+        """
+        first, plan = piece.members[0].param, piece.plan
+        state = self.state[first]
+        if "delta" not in state:  # the slice's momentum, DCT coefficients tile-major: one param-sized buffer
+            state["delta"] = torch.zeros(
+                plan.num_chunks, plan.chunk_numel, dtype=first.dtype, device=first.device
+            )
         delta = state["delta"]
-        delta.mul_(self.decay)
+        gradients = self.codec.workspace.get(GRADIENT_SLOT, plan.numel, first.device, torch.float32).view(
+            plan.shape
+        )
         for member in piece.members:
             lr, weight_decay = settings[member.param]
             if weight_decay:
                 member.param.mul_(1 - lr * weight_decay)
-            if member.param.grad is not None:  # an unused parameter still sends: same payload everywhere
-                member.tiles(delta).add_(member.matrix(member.param.grad.contiguous()), alpha=lr)
-        selection = self.codec.select(delta, plan=piece.plan)
+            if member.param.grad is None:  # an unused parameter still sends: same payload everywhere
+                member.tiles(gradients).zero_()
+            else:
+                torch.mul(member.matrix(member.param.grad.contiguous()), lr, out=member.tiles(gradients))
+        coefficients = dct.forward(gradients, plan, self.codec.workspace)
+        delta.mul_(self.decay).add_(coefficients.reshape(delta.shape).to(delta.dtype))
+        selection = self.codec.select_coefficients(delta, plan)
         if self.error_feedback:
-            delta.sub_(self.codec.reconstruct(selection).to(delta.dtype), alpha=self.error_feedback)
+            kept = selection.values.to(delta.dtype) * (1 - self.error_feedback)
+            delta.scatter_(1, selection.indices, kept)
         return selection
 
     def _accept(
@@ -189,12 +207,17 @@ class DeMo(torch.optim.Optimizer):
         return decoded
 
     def _combine(self, received: list[tuple[TopKCoefficients, float]], piece: Slice) -> torch.Tensor:
-        """Step 7: per coefficient, the (weighted) mean over the participants that sent it; then idct."""
-        plan = piece.plan
-        sums = torch.zeros(plan.num_chunks, plan.chunk_numel, device=piece.members[0].param.device)
-        weights = torch.zeros_like(sums)
+        """Step 7: per coefficient, the (weighted) mean over the participants that sent it; then idct.
+
+        Returns a view into the codec's workspace, valid until its next use."""
+        plan, workspace = piece.plan, self.codec.workspace
+        device = piece.members[0].param.device
+        sums = workspace.get(SUM_SLOT, plan.numel, device, torch.float32).view(plan.num_chunks, -1).zero_()
+        weights = (
+            workspace.get(WEIGHT_SLOT, plan.numel, device, torch.float32).view(plan.num_chunks, -1).zero_()
+        )
         for coeffs, weight in received:  # rank order: the same float sums on every participant
             sums.scatter_add_(1, coeffs.indices, coeffs.values * weight)
             weights.scatter_add_(1, coeffs.indices, torch.full_like(coeffs.values, weight))
-        combined = torch.where(weights > 0, sums / weights.clamp_min(1e-30), 0.0)
-        return dct.inverse_dense(combined, plan, self.codec.workspace)
+        sums.div_(weights.clamp_(min=1e-30))  # where nobody sent a coefficient: 0 / tiny = 0
+        return dct.inverse_dense(sums, plan, workspace, out=sums)  # sums is read before out is written

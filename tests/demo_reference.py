@@ -11,12 +11,12 @@ import math
 import torch
 
 
-def basis(n: int) -> torch.Tensor:
+def basis(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     k = torch.arange(n, dtype=torch.float64)[:, None]
     i = torch.arange(n, dtype=torch.float64)[None, :]
     b = torch.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt(2 / n)
     b[0] *= math.sqrt(0.5)
-    return b  # coefficient = b @ x
+    return b.to(dtype)  # coefficient = b @ x
 
 
 def split(n: int, chunk: int) -> int:
@@ -27,20 +27,53 @@ def encode(x: torch.Tensor, chunk: int) -> torch.Tensor:
     """(..., tile_elems) coefficients: 2-D -> (y, x, h*w), 1-D -> (x, w)."""
     if x.dim() == 1:
         w = split(x.shape[0], chunk)
-        return torch.einsum("xj,bj->xb", x.reshape(-1, w), basis(w))
+        return torch.einsum("xj,bj->xb", x.reshape(-1, w), basis(w, x.dtype))
     h, w = split(x.shape[0], chunk), split(x.shape[1], chunk)
     tiles = x.reshape(x.shape[0] // h, h, x.shape[1] // w, w)
-    coeffs = torch.einsum("yjxl,bj,dl->yxbd", tiles, basis(h), basis(w))
+    coeffs = torch.einsum("yjxl,bj,dl->yxbd", tiles, basis(h, x.dtype), basis(w, x.dtype))
     return coeffs.reshape(coeffs.shape[0], coeffs.shape[1], h * w)
 
 
 def decode(coeffs: torch.Tensor, shape: tuple[int, ...], chunk: int) -> torch.Tensor:
     if len(shape) == 1:
         w = split(shape[0], chunk)
-        return torch.einsum("xb,bj->xj", coeffs, basis(w)).reshape(shape)
+        return torch.einsum("xb,bj->xj", coeffs, basis(w, coeffs.dtype)).reshape(shape)
     h, w = split(shape[0], chunk), split(shape[1], chunk)
     tiles = coeffs.reshape(coeffs.shape[0], coeffs.shape[1], h, w)
-    return torch.einsum("yxbd,bj,dl->yjxl", tiles, basis(h), basis(w)).reshape(shape)
+    return torch.einsum("yxbd,bj,dl->yjxl", tiles, basis(h, coeffs.dtype), basis(w, coeffs.dtype)).reshape(
+        shape
+    )
+
+
+class ReferenceDeMo:
+    """Replicated parameters and every worker's momentum, stepped the reference's way (in the
+    dtype of the given parameters)."""
+
+    def __init__(self, params, workers, *, lr, decay=0.999, topk=32, chunk=64, weight_decay=0.0):
+        self.params = [p.clone() for p in params]
+        self.deltas = [[torch.zeros_like(p) for p in self.params] for _ in range(workers)]
+        self.lr, self.decay, self.topk, self.chunk, self.weight_decay = lr, decay, topk, chunk, weight_decay
+
+    def step(self, grads: list[list[torch.Tensor]]) -> None:
+        """grads[worker][param]: one step of every worker, all-gather in rank order."""
+        for i, p in enumerate(self.params):
+            p.mul_(1 - self.lr * self.weight_decay)
+            idx_all, val_all = [], []
+            for m, delta in enumerate(d[i] for d in self.deltas):
+                delta.mul_(self.decay).add_(grads[m][i].to(p.dtype), alpha=self.lr)
+                coeffs = encode(delta, self.chunk)
+                k = min(self.topk, coeffs.shape[-1])
+                idx = torch.topk(coeffs.abs(), k, dim=-1).indices
+                val = torch.gather(coeffs, -1, idx)
+                sent = torch.zeros_like(coeffs).scatter_(-1, idx, val)
+                delta.sub_(decode(sent, tuple(p.shape), self.chunk))
+                idx_all.append(idx)
+                val_all.append(val)
+            combined = torch.zeros_like(encode(p, self.chunk))
+            combined.scatter_reduce_(
+                -1, torch.cat(idx_all, -1), torch.cat(val_all, -1), "mean", include_self=False
+            )
+            p.sub_(torch.sign(decode(combined, tuple(p.shape), self.chunk)), alpha=self.lr)
 
 
 def demo_steps(
@@ -53,28 +86,16 @@ def demo_steps(
     chunk: int = 64,
     weight_decay: float = 0.0,
 ) -> list[torch.Tensor]:
-    """The replicated parameters after len(grads) steps; grads[step][worker][param]."""
-    params = [p.double().clone() for p in params]
-    workers = len(grads[0])
-    deltas = [[torch.zeros_like(p) for p in params] for _ in range(workers)]
+    """The replicated float64 parameters after len(grads) steps; grads[step][worker][param]."""
+    reference = ReferenceDeMo(
+        [p.double() for p in params],
+        len(grads[0]),
+        lr=lr,
+        decay=decay,
+        topk=topk,
+        chunk=chunk,
+        weight_decay=weight_decay,
+    )
     for step_grads in grads:
-        for i, p in enumerate(params):
-            p.mul_(1 - lr * weight_decay)
-            idx_all, val_all = [], []
-            for m in range(workers):
-                delta = deltas[m][i]
-                delta.mul_(decay).add_(step_grads[m][i].double(), alpha=lr)
-                coeffs = encode(delta, chunk)
-                k = min(topk, coeffs.shape[-1])
-                idx = torch.topk(coeffs.abs(), k, dim=-1).indices
-                val = torch.gather(coeffs, -1, idx)
-                sent = torch.zeros_like(coeffs).scatter_(-1, idx, val)
-                delta.sub_(decode(sent, tuple(p.shape), chunk))
-                idx_all.append(idx)
-                val_all.append(val)
-            combined = torch.zeros_like(encode(p, chunk))
-            combined.scatter_reduce_(
-                -1, torch.cat(idx_all, -1), torch.cat(val_all, -1), "mean", include_self=False
-            )
-            p.sub_(torch.sign(decode(combined, tuple(p.shape), chunk)), alpha=lr)
-    return params
+        reference.step(step_grads)
+    return reference.params

@@ -3,7 +3,9 @@
     python -m tests.benchmarks.demo_step_overhead [--model small] [--batch 16] [--repeat 10]
 
 One worker (LoopbackExchange of 1: encode, gather, decode and apply all run; no network), the
-embedded GPT on random bytes. Prints one JSON object with median milliseconds.
+embedded GPT on random bytes. Also times the same step written the way the paper's reference code
+is (tests/demo_reference.py: per tensor, einsum bases, scatter_reduce). Prints one JSON object with
+median milliseconds.
 """
 
 import argparse
@@ -16,6 +18,7 @@ import torch
 from shoal.peer.demo import DeMo
 from shoal.peer.exchange import LoopbackExchange
 from shoal.peer.model import GPTConfig, TinyGPT
+from tests.demo_reference import ReferenceDeMo
 
 
 def median_ms(fn, repeat: int) -> float:
@@ -47,6 +50,9 @@ def main() -> None:
         model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
 
     results["forward_backward_ms"] = median_ms(forward_backward, args.repeat)
+    reference = ReferenceDeMo([p.detach() for p in model.parameters()], 1, lr=1e-4)
+    grads = [[p.grad for p in model.parameters()]]
+    results["reference_style_step_ms"] = median_ms(lambda: reference.step(grads), args.repeat)
     for name, settings in {
         "demo_reference": {},
         "demo_compact": {"compression_topk": 4, "value_bits": 1},
