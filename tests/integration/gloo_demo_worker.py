@@ -3,7 +3,8 @@
     python -m tests.integration.gloo_demo_worker RANK WORLD STORE OUT MODE
 
 
-MODE `reference`: 4 float64 steps with reference settings; `determinism`: 50 float32 steps, compact settings.
+MODE `reference`: 4 float64 DeMo steps with reference settings; `determinism`: 50 float32 DeMo steps,
+compact settings; `diloco_standard` / `diloco_delayed` / `diloco_eager`: DiLoCo on the tiny GPT.
 Writes the final parameters to OUT with torch.save (read back with weights_only=True).
 """
 
@@ -13,8 +14,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shoal.compression import DenseCodec
 from shoal.peer.demo import DeMo
+from shoal.peer.diloco import DiLoCo
 from shoal.peer.exchange import TorchDistributedExchange
+from shoal.peer.model import GPTConfig, TinyGPT
 from tests.unit.test_demo import SHAPES, make_grads
 
 SETTINGS = {
@@ -27,10 +31,34 @@ SETTINGS = {
 }
 
 
+def train_diloco(rank: int, mode: str) -> dict:
+    """DiLoCo over gloo: 12 inner steps, H = 4; delayed and eager collectives run on its background thread."""
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(rank)
+    with DiLoCo(
+        model, inner, exchange=TorchDistributedExchange(), inner_steps=4, mode=mode, codec=DenseCodec(8)
+    ) as diloco:
+        for _ in range(12):
+            tokens = torch.randint(0, 256, (4, 17), generator=generator)
+            model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+            diloco.step(samples=4)
+        diloco.finish()
+    return {
+        "params": [p.detach() for p in model.parameters()],
+        "sent": diloco.stats.bytes_sent,
+        "outer_steps": diloco.stats.outer_steps,
+    }
+
+
 def main(rank: int, world: int, store_path: str, out: str, mode: str) -> None:
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
+        if mode.startswith("diloco_"):
+            torch.save(train_diloco(rank, mode.removeprefix("diloco_")), out)
+            return
         settings = SETTINGS[mode]
         torch.manual_seed(10)
         initial = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
