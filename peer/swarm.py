@@ -1,0 +1,303 @@
+"""SwarmExchange: the Exchange of DeMo and DiLoCo over a hivemind DHT and its libp2p transport.
+
+For round r, a participant
+1. holds its serialized payload and serves it through a libp2p stream handler;
+2. announces `(digest, size, samples)` in the DHT under `<run>.round.<r>`, subkey = its peer id
+   (DHT values stay tiny: payload bytes never go through the DHT);
+3. until the round's deadline, reads the announcements and pulls every payload it does not hold from
+   the peer that announced it, with bounded concurrency, a timeout per call and retries; a payload
+   is accepted only if its size and SHA-256 match the announcement, and what it pulled it holds and
+   serves too;
+4. at the deadline returns the payloads it holds, ordered by peer id, so that participants holding
+   the same payloads aggregate them in the same order.
+
+Rounds are clock-synchronous: a `RoundSchedule` (start time, round length) fixes every deadline. A
+participant that calls `gather` late joins the round in progress; one whose announcement comes too
+late for others to pull is left out of their round.
+
+The DHT is the caller's (create it before starting threads: hivemind forks a process for it). This
+object runs one event loop on a thread it owns for the handler and the downloads; `close()` stops it.
+"""
+
+import asyncio
+import hashlib
+import math
+import struct
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
+
+import hivemind
+import torch
+from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
+from hivemind.utils.asyncio import aiter_with_timeout
+
+from shoal.compression import DecodeLimits, DenseCodec, decode_tensor
+from shoal.peer.exchange import Contribution, Exchange
+from shoal.protocol import EncodedTensor, MalformedPayloadError, parse_message
+from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest
+
+CHUNK_BYTES = 1 << 20  # libp2p unary messages stop at 4 MiB; streamed chunks of 1 MiB are fastest here
+DIGEST_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundSchedule:
+    """Clock-synchronous rounds: round r ends at `start_time + (r + 1) * round_seconds`."""
+
+    start_time: float
+    """Unix time at which round 0 starts."""
+    round_seconds: float
+    """Length of a round (compute and exchange), seconds."""
+
+    def __post_init__(self) -> None:
+        if not self.round_seconds > 0:
+            raise ValueError(f"round_seconds must be > 0, got {self.round_seconds}")
+
+    def round_at(self, now: float) -> int:
+        """The round in progress at `now` (0 before the start)."""
+        return max(0, math.floor((now - self.start_time) / self.round_seconds))
+
+    def deadline(self, round_number: int) -> float:
+        return self.start_time + (round_number + 1) * self.round_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    """A validated DHT announcement of one participant's payload for a round."""
+
+    peer: str
+    digest: bytes
+    size: int
+    samples: int
+
+    @staticmethod
+    def parse(peer: object, value: object, max_bytes: int) -> "Announcement":
+        """From an untrusted DHT subkey and value; raises MalformedPayloadError."""
+        if not isinstance(peer, str) or not isinstance(value, dict):
+            raise MalformedPayloadError("bad_announcement", "announcement is not {peer: {...}}")
+        try:
+            PeerID.from_base58(peer)
+        except ValueError:
+            raise MalformedPayloadError("bad_announcement", f"{peer!r} is not a peer id") from None
+        digest, size, samples = value.get("digest"), value.get("size"), value.get("samples")
+        if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
+            raise MalformedPayloadError("bad_announcement", f"{peer}: digest is not {DIGEST_BYTES} bytes")
+        if type(size) is not int or not 0 < size <= max_bytes:
+            raise MalformedPayloadError("too_large", f"{peer}: size {size!r} outside (0, {max_bytes}]")
+        if type(samples) is not int or samples < 0:
+            raise MalformedPayloadError("bad_announcement", f"{peer}: samples {samples!r}")
+        return Announcement(peer, digest, size, samples)
+
+
+class SwarmExchange(Exchange):
+    """Exchange over a hivemind swarm; see the module docstring.
+
+    Args:
+        dht: a running hivemind.DHT of this swarm.
+        run: the run's name, shared by its participants; namespaces DHT keys and the handler.
+        schedule: the rounds' clock.
+        max_payload_bytes: announcements of larger payloads are rejected unread.
+        fetch_timeout: limit of one download attempt.
+        max_concurrent_fetches: downloads in flight at once.
+        poll_interval: how often announcements are re-read during a round.
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        *,
+        run: str,
+        schedule: RoundSchedule,
+        max_payload_bytes: int = 1 << 30,
+        fetch_timeout: timedelta = timedelta(seconds=30),
+        max_concurrent_fetches: int = 4,
+        poll_interval: timedelta = timedelta(milliseconds=200),
+    ):
+        self.dht = dht
+        self.run = run
+        self.schedule = schedule
+        self.max_payload_bytes = max_payload_bytes
+        self.fetch_timeout_s = fetch_timeout.total_seconds()
+        self.poll_interval_s = poll_interval.total_seconds()
+        self.peer_id = dht.peer_id.to_base58()
+        self.rejected: Counter[str] = Counter()
+        """Announcements and downloads dropped, by reason."""
+        self.bytes_received = 0
+        self.last_round: int | None = None
+        """The round of the last `gather`."""
+        self._handler = f"shoal.{run}.payload"
+        self._held: dict[tuple[int, bytes], bytes] = {}  # touched only on the loop thread
+        self._next_round = 0
+        self._participants = [self.peer_id]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-swarm", daemon=True)
+        self._thread.start()
+        self._semaphore = asyncio.Semaphore(max_concurrent_fetches)
+        self._p2p = self._call(self._start())
+
+    @property
+    def rank(self) -> int:
+        return self._participants.index(self.peer_id) if self.peer_id in self._participants else 0
+
+    @property
+    def world_size(self) -> int:
+        return len(self._participants)
+
+    def gather(self, payload: bytes, samples: int) -> list[Contribution]:
+        round_number = max(self._next_round, self.schedule.round_at(time.time()))
+        self._next_round = round_number + 1
+        self.last_round = round_number
+        return self._call(self._round(round_number, bytes(payload), samples))
+
+    def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        message = DenseCodec(32, zstd=False).encode(tensor.detach().float().cpu()).SerializeToString()
+        contributions = self.gather(struct.pack("<d", weight) + message, samples=0)
+        limits = DecodeLimits(max_numel=max(tensor.numel(), 1))
+        total, result = 0.0, torch.zeros_like(tensor, dtype=torch.float32)
+        for contribution in contributions:  # peer-id order: the same float sums everywhere
+            try:
+                other_weight, other = self._decode_mean_part(contribution.payload, tensor.shape, limits)
+            except MalformedPayloadError as error:
+                self.rejected[error.reason] += 1
+                continue
+            result.add_(other.to(result.device), alpha=other_weight)
+            total += other_weight
+        return (result / max(total, 1e-30)).to(tensor.dtype)
+
+    @staticmethod
+    def _decode_mean_part(data: bytes, shape: torch.Size, limits: DecodeLimits) -> tuple[float, torch.Tensor]:
+        if len(data) < 8:
+            raise MalformedPayloadError("unparsable", "mean contribution shorter than its weight")
+        (weight,) = struct.unpack("<d", data[:8])
+        if not (math.isfinite(weight) and weight >= 0):
+            raise MalformedPayloadError("bad_samples", f"weight {weight}")
+        message = parse_message(EncodedTensor, data[8:], max_bytes=len(data))
+        tensor = decode_tensor(message, limits=limits)
+        if tensor.shape != shape:
+            raise MalformedPayloadError(
+                "wrong_structure", f"shape {list(tensor.shape)}, expected {list(shape)}"
+            )
+        return weight, tensor
+
+    def close(self) -> None:
+        """Removes the handler, closes this process's P2P replica and stops the loop thread."""
+        if not self._thread.is_alive():
+            return
+        self._call(self._stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> "SwarmExchange":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- on the loop thread ---
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def _start(self):
+        p2p = await self.dht.replicate_p2p()
+        await p2p.add_protobuf_handler(self._handler, self._serve, PayloadRequest, stream_output=True)
+        return p2p
+
+    async def _stop(self) -> None:
+        await self._p2p.remove_protobuf_handler(self._handler, stream_output=True)
+        await self._p2p.shutdown()
+
+    async def _serve(self, request: PayloadRequest, _context):
+        data = self._held.get((request.round, request.digest))
+        if data is None:
+            return
+        for start in range(0, len(data), CHUNK_BYTES):
+            yield PayloadChunk(data=data[start : start + CHUNK_BYTES])
+
+    async def _round(self, round_number: int, payload: bytes, samples: int) -> list[Contribution]:
+        deadline = self.schedule.deadline(round_number)
+        digest = hashlib.sha256(payload).digest()
+        self._held[(round_number, digest)] = payload
+        for key in [k for k in self._held if k[0] < round_number - 1]:  # keep the last round for late pullers
+            del self._held[key]
+        key = f"{self.run}.round.{round_number}"
+        record = {"digest": digest, "size": len(payload), "samples": samples}
+        await self.dht.store(key, record, deadline + 60, subkey=self.peer_id, return_future=True)
+        announced = {self.peer_id: Announcement(self.peer_id, digest, len(payload), samples)}
+        fetches: dict[str, asyncio.Task] = {}
+        while True:
+            for announcement in await self._announcements(key):
+                if announcement.peer not in announced:
+                    announced[announcement.peer] = announcement
+                    if (round_number, announcement.digest) not in self._held:
+                        fetches[announcement.peer] = asyncio.create_task(
+                            self._fetch(round_number, announcement)
+                        )
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                break
+            await asyncio.sleep(min(self.poll_interval_s, remaining))
+        for task in fetches.values():
+            task.cancel()
+        await asyncio.gather(*fetches.values(), return_exceptions=True)
+        held = sorted(a.peer for a in announced.values() if (round_number, a.digest) in self._held)
+        self._participants = held if self.peer_id in held else sorted([*held, self.peer_id])
+        return [
+            Contribution(rank, self._held[(round_number, announced[peer].digest)], announced[peer].samples)
+            for rank, peer in enumerate(held)
+        ]
+
+    async def _announcements(self, key: str) -> list[Announcement]:
+        found = await self.dht.get(key, latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        announcements = []
+        for peer, entry in found.value.items():
+            try:
+                announcements.append(
+                    Announcement.parse(peer, getattr(entry, "value", None), self.max_payload_bytes)
+                )
+            except MalformedPayloadError as error:
+                self.rejected[error.reason] += 1
+        return announcements
+
+    async def _fetch(self, round_number: int, announcement: Announcement, attempts: int = 3) -> None:
+        """Pulls one payload into `_held`, verifying size and digest; retries with backoff."""
+        request = PayloadRequest(round=round_number, digest=announcement.digest)
+        for attempt in range(attempts):
+            try:
+                async with self._semaphore:
+                    data = await self._download(announcement, request)
+            except MalformedPayloadError as error:
+                self.rejected[error.reason] += 1
+                return
+            except (TimeoutError, P2PDaemonError, P2PHandlerError, OSError, asyncio.IncompleteReadError):
+                await asyncio.sleep(0.1 * 2**attempt)
+                continue
+            self._held[(round_number, announcement.digest)] = data
+            self.bytes_received += len(data)
+            return
+
+    async def _download(self, announcement: Announcement, request: PayloadRequest) -> bytes:
+        peer = PeerID.from_base58(announcement.peer)
+        stream = await asyncio.wait_for(
+            self._p2p.iterate_protobuf_handler(peer, self._handler, request, PayloadChunk),
+            self.fetch_timeout_s,
+        )
+        parts, size = [], 0
+        async for chunk in aiter_with_timeout(stream, self.fetch_timeout_s):
+            size += len(chunk.data)
+            if size > announcement.size:
+                raise MalformedPayloadError("too_large", f"{announcement.peer} sent more than it announced")
+            parts.append(chunk.data)
+        data = b"".join(parts)
+        if size == 0:
+            raise TimeoutError(f"{announcement.peer} does not hold the payload (yet)")
+        if size != announcement.size or hashlib.sha256(data).digest() != announcement.digest:
+            raise MalformedPayloadError(
+                "digest_mismatch", f"{announcement.peer}: payload does not match its announcement"
+            )
+        return data
