@@ -17,9 +17,9 @@ import signal
 import time
 from datetime import timedelta
 
-import hivemind
 import torch
 
+from shoal.peer.bootstrap import start_dht
 from shoal.peer.data import BatchPlan, stdlib_corpus
 from shoal.peer.demo import DeMo
 from shoal.peer.model import GPTConfig, TinyGPT
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--die-after", type=int, default=None, help="kill -9 itself after this many rounds")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[args.initial_peer])
+    dht = start_dht([args.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     schedule = RoundSchedule(start_time=args.start, round_seconds=args.round_seconds)
     exchange = SwarmExchange(dht, run="test", schedule=schedule, fetch_timeout=timedelta(seconds=5))
     try:

@@ -1,0 +1,85 @@
+"""Joining a swarm's DHT, with a message a volunteer can act on when it fails.
+
+hivemind reports an unreachable bootstrap peer as `P2PDaemonError: Daemon failed to start: failed to
+connect to bootstrap peers`. `start_dht` checks each initial peer's address first, and on failure
+probes each one's TCP port so that the error says which address was tried, whether anything answers
+there, and what to try next.
+"""
+
+import socket
+from collections.abc import Sequence
+from datetime import timedelta
+
+import hivemind
+from hivemind.p2p import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
+
+
+class BootstrapError(RuntimeError):
+    """The swarm could not be joined; the message says why and what to try."""
+
+
+def start_dht(
+    initial_peers: Sequence[str],
+    *,
+    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
+    probe_timeout: timedelta = timedelta(seconds=3),
+    **dht_kwargs,
+) -> hivemind.DHT:
+    """A running DHT joined through `initial_peers` (none: a new swarm). Create it before starting
+    threads: hivemind forks a process for it."""
+    addresses = [_parse(peer) for peer in initial_peers]
+    try:
+        return hivemind.DHT(
+            start=True, initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), **dht_kwargs
+        )
+    except P2PDaemonError as error:
+        if not addresses:
+            raise BootstrapError(f"could not start the DHT on {list(host_maddrs)}: {error}") from None
+        reports = "\n".join(
+            f"  {peer}: {_probe(address, probe_timeout)}"
+            for peer, address in zip(initial_peers, addresses, strict=True)
+        )
+        raise BootstrapError(
+            "could not join the swarm through any initial peer:\n"
+            f"{reports}\n"
+            "Check that the address is current (a restarted peer prints a new one) and that its port is open "
+            "to you. If the bootstrap peer is behind NAT, it can be reached through a libp2p relay "
+            "(hivemind's use_relay / use_auto_relay)."
+        ) from None
+
+
+def _parse(peer: str) -> Multiaddr:
+    try:
+        address = Multiaddr(peer)
+        address.value_for_protocol("p2p")
+    except MultiaddrError:
+        raise BootstrapError(
+            f"initial peer {peer!r} is not a peer multiaddress like /ip4/203.0.113.7/tcp/31337/p2p/12D3Koo..."
+        ) from None
+    return address
+
+
+def _probe(address: Multiaddr, timeout: timedelta) -> str:
+    """Whether the address's TCP port answers, in words."""
+    host = next(
+        (address.value_for_protocol(p) for p in ("ip4", "ip6", "dns", "dns4", "dns6") if _has(address, p)),
+        None,
+    )
+    port = address.value_for_protocol("tcp") if _has(address, "tcp") else None
+    if host is None or port is None:
+        return "no TCP address to probe (only TCP addresses are checked)"
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout.total_seconds()):
+            return f"TCP {host}:{port} accepts connections, but the libp2p handshake failed (wrong peer id?)"
+    except ConnectionRefusedError:
+        return f"TCP {host}:{port} refused the connection: nothing listens there"
+    except TimeoutError:
+        return f"TCP {host}:{port} did not answer within {timeout.total_seconds():.0f} s (firewall or NAT?)"
+    except OSError as error:
+        return f"TCP {host}:{port} unreachable: {error.strerror or error}"
+
+
+def _has(address: Multiaddr, protocol: str) -> bool:
+    return any(p.name == protocol for p in address.protocols())
