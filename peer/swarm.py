@@ -2,14 +2,16 @@
 
 For round r, a participant
 1. holds its serialized payload and serves it through a libp2p stream handler;
-2. announces `(digest, size, samples)` in the DHT under `<run>.round.<r>`, subkey = its peer id
+2. heartbeats its signed `PeerRecord` (shoal.peer.membership) and announces `(peer id, digest, size,
+   samples)` under `<run>.round.<r>`, both under its public-key subkey, which only it can write
    (DHT values stay tiny: payload bytes never go through the DHT);
-3. until the round's deadline, reads the announcements and pulls every payload it does not hold from
-   the peer that announced it, with bounded concurrency, a timeout per call and retries; a payload
-   is accepted only if its size and SHA-256 match the announcement, and what it pulled it holds and
-   serves too;
-4. at the deadline returns the payloads it holds, ordered by peer id, so that participants holding
-   the same payloads aggregate them in the same order.
+3. until the round's deadline, reads the announcements of compatible peers (same run configuration
+   and shoal major.minor; others are refused, naming what differs) and pulls every payload it does
+   not hold from the peer that announced it, with bounded concurrency, a timeout per call and
+   retries; a payload is accepted only if its size and SHA-256 match the announcement, and what it
+   pulled it holds and serves too;
+4. at the deadline returns the payloads it holds, ordered by public key, so that participants
+   holding the same payloads aggregate them in the same order.
 
 Rounds are clock-synchronous: a `RoundSchedule` (start time, round length) fixes every deadline. A
 participant that calls `gather` late joins the round in progress; one whose announcement comes too
@@ -26,6 +28,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,11 +36,17 @@ import hivemind
 import torch
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.logging import get_logger
+from pydantic.v1 import ValidationError
 
 from shoal.compression import DecodeLimits, DenseCodec, decode_tensor
 from shoal.peer.exchange import Contribution, Exchange
+from shoal.peer.membership import SHOAL_VERSION, PeerRecord, incompatibility, owner_subkey, run_hash
 from shoal.protocol import EncodedTensor, MalformedPayloadError, parse_message
 from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest
+
+logger = get_logger(__name__)
 
 CHUNK_BYTES = 1 << 20  # libp2p unary messages stop at 4 MiB; streamed chunks of 1 MiB are fastest here
 DIGEST_BYTES = 32
@@ -68,37 +77,45 @@ class RoundSchedule:
 class Announcement:
     """A validated DHT announcement of one participant's payload for a round."""
 
+    owner: bytes
+    """The announcing peer's public-key subkey: who it is, unforgeably."""
     peer: str
+    """Its libp2p peer id, where the payload is pulled from."""
     digest: bytes
     size: int
     samples: int
 
     @staticmethod
-    def parse(peer: object, value: object, max_bytes: int) -> "Announcement":
+    def parse(owner: object, value: object, max_bytes: int) -> "Announcement":
         """From an untrusted DHT subkey and value; raises MalformedPayloadError."""
-        if not isinstance(peer, str) or not isinstance(value, dict):
-            raise MalformedPayloadError("bad_announcement", "announcement is not {peer: {...}}")
+        if not isinstance(owner, bytes) or not isinstance(value, dict):
+            raise MalformedPayloadError("bad_announcement", "announcement is not {public key: {...}}")
+        peer, digest, size, samples = (value.get(k) for k in ("peer", "digest", "size", "samples"))
         try:
             PeerID.from_base58(peer)
-        except ValueError:
+        except (TypeError, ValueError):
             raise MalformedPayloadError("bad_announcement", f"{peer!r} is not a peer id") from None
-        digest, size, samples = value.get("digest"), value.get("size"), value.get("samples")
         if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
             raise MalformedPayloadError("bad_announcement", f"{peer}: digest is not {DIGEST_BYTES} bytes")
         if type(size) is not int or not 0 < size <= max_bytes:
             raise MalformedPayloadError("too_large", f"{peer}: size {size!r} outside (0, {max_bytes}]")
         if type(samples) is not int or samples < 0:
             raise MalformedPayloadError("bad_announcement", f"{peer}: samples {samples!r}")
-        return Announcement(peer, digest, size, samples)
+        return Announcement(owner, peer, digest, size, samples)
 
 
 class SwarmExchange(Exchange):
     """Exchange over a hivemind swarm; see the module docstring.
 
     Args:
-        dht: a running hivemind.DHT of this swarm.
+        dht: a running hivemind.DHT of this swarm, started with `membership.record_validators(run,
+            identity)`.
         run: the run's name, shared by its participants; namespaces DHT keys and the handler.
         schedule: the rounds' clock.
+        identity: this peer's RSA key; its records sit under its public-key subkey.
+        config: the run's configuration (model, algorithm, hyperparameters); peers whose
+            configuration or shoal version differ are refused, with the differing settings named.
+        device: reported in this peer's record.
         max_payload_bytes: announcements of larger payloads are rejected unread.
         fetch_timeout: limit of one download attempt.
         max_concurrent_fetches: downloads in flight at once.
@@ -111,6 +128,9 @@ class SwarmExchange(Exchange):
         *,
         run: str,
         schedule: RoundSchedule,
+        identity: RSAPrivateKey,
+        config: Mapping[str, str],
+        device: str = "cpu",
         max_payload_bytes: int = 1 << 30,
         fetch_timeout: timedelta = timedelta(seconds=30),
         max_concurrent_fetches: int = 4,
@@ -123,15 +143,27 @@ class SwarmExchange(Exchange):
         self.fetch_timeout_s = fetch_timeout.total_seconds()
         self.poll_interval_s = poll_interval.total_seconds()
         self.peer_id = dht.peer_id.to_base58()
+        self.owner = owner_subkey(identity)
+        self.record = PeerRecord(
+            peer_id=self.peer_id,
+            version=SHOAL_VERSION,
+            run_hash=run_hash(config),
+            config=dict(config),
+            device=device,
+            throughput=0.0,
+            round=0,
+        )
         self.rejected: Counter[str] = Counter()
         """Announcements and downloads dropped, by reason."""
+        self.refused: dict[str, str] = {}
+        """Incompatible peers seen (peer id: which settings differ)."""
         self.bytes_received = 0
         self.last_round: int | None = None
         """The round of the last `gather`."""
         self._handler = f"shoal.{run}.payload"
         self._held: dict[tuple[int, bytes], bytes] = {}  # touched only on the loop thread
         self._next_round = 0
-        self._participants = [self.peer_id]
+        self._participants = [self.owner]
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-swarm", daemon=True)
         self._thread.start()
@@ -140,7 +172,7 @@ class SwarmExchange(Exchange):
 
     @property
     def rank(self) -> int:
-        return self._participants.index(self.peer_id) if self.peer_id in self._participants else 0
+        return self._participants.index(self.owner) if self.owner in self._participants else 0
 
     @property
     def world_size(self) -> int:
@@ -223,19 +255,27 @@ class SwarmExchange(Exchange):
         self._held[(round_number, digest)] = payload
         for key in [k for k in self._held if k[0] < round_number - 1]:  # keep the last round for late pullers
             del self._held[key]
+        self.record = self.record.copy(update={"round": round_number})
+        await self.dht.store(
+            f"{self.run}_peers",
+            self.record.dict(),
+            deadline + 3 * self.schedule.round_seconds,
+            subkey=self.owner,
+            return_future=True,
+        )
         key = f"{self.run}.round.{round_number}"
-        record = {"digest": digest, "size": len(payload), "samples": samples}
-        await self.dht.store(key, record, deadline + 60, subkey=self.peer_id, return_future=True)
-        announced = {self.peer_id: Announcement(self.peer_id, digest, len(payload), samples)}
-        fetches: dict[str, asyncio.Task] = {}
+        record = {"peer": self.peer_id, "digest": digest, "size": len(payload), "samples": samples}
+        await self.dht.store(key, record, deadline + 60, subkey=self.owner, return_future=True)
+        announced = {self.owner: Announcement(self.owner, self.peer_id, digest, len(payload), samples)}
+        fetches: dict[bytes, asyncio.Task] = {}
         while True:
+            compatible = await self._compatible_peers()
             for announcement in await self._announcements(key):
-                if announcement.peer not in announced:
-                    announced[announcement.peer] = announcement
-                    if (round_number, announcement.digest) not in self._held:
-                        fetches[announcement.peer] = asyncio.create_task(
-                            self._fetch(round_number, announcement)
-                        )
+                if announcement.owner in announced or announcement.owner not in compatible:
+                    continue
+                announced[announcement.owner] = announcement
+                if (round_number, announcement.digest) not in self._held:
+                    fetches[announcement.owner] = asyncio.create_task(self._fetch(round_number, announcement))
             remaining = deadline - time.time()
             if remaining <= 0:
                 break
@@ -243,22 +283,42 @@ class SwarmExchange(Exchange):
         for task in fetches.values():
             task.cancel()
         await asyncio.gather(*fetches.values(), return_exceptions=True)
-        held = sorted(a.peer for a in announced.values() if (round_number, a.digest) in self._held)
-        self._participants = held if self.peer_id in held else sorted([*held, self.peer_id])
+        held = sorted(owner for owner, a in announced.items() if (round_number, a.digest) in self._held)
+        self._participants = held
         return [
-            Contribution(rank, self._held[(round_number, announced[peer].digest)], announced[peer].samples)
-            for rank, peer in enumerate(held)
+            Contribution(rank, self._held[(round_number, announced[owner].digest)], announced[owner].samples)
+            for rank, owner in enumerate(held)
         ]
+
+    async def _compatible_peers(self) -> set[bytes]:
+        """Public-key subkeys of the peers whose current record is compatible with this one's."""
+        found = await self.dht.get(f"{self.run}_peers", latest=True, return_future=True)
+        compatible = {self.owner}
+        if found is None or not isinstance(found.value, dict):
+            return compatible
+        for owner, entry in found.value.items():
+            try:
+                record = PeerRecord.parse_obj(getattr(entry, "value", None))
+            except ValidationError:
+                self.rejected["bad_record"] += 1
+                continue
+            reason = incompatibility(self.record, record)
+            if reason is None:
+                compatible.add(owner)
+            elif record.peer_id not in self.refused:
+                self.refused[record.peer_id] = reason
+                logger.warning(f"refusing peer {record.peer_id}: {reason}")
+        return compatible
 
     async def _announcements(self, key: str) -> list[Announcement]:
         found = await self.dht.get(key, latest=True, return_future=True)
         if found is None or not isinstance(found.value, dict):
             return []
         announcements = []
-        for peer, entry in found.value.items():
+        for owner, entry in found.value.items():
             try:
                 announcements.append(
-                    Announcement.parse(peer, getattr(entry, "value", None), self.max_payload_bytes)
+                    Announcement.parse(owner, getattr(entry, "value", None), self.max_payload_bytes)
                 )
             except MalformedPayloadError as error:
                 self.rejected[error.reason] += 1

@@ -18,10 +18,12 @@ import time
 from datetime import timedelta
 
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 from shoal.peer.bootstrap import start_dht
 from shoal.peer.data import BatchPlan, stdlib_corpus
 from shoal.peer.demo import DeMo
+from shoal.peer.membership import record_validators
 from shoal.peer.model import GPTConfig, TinyGPT
 from shoal.peer.swarm import RoundSchedule, SwarmExchange
 
@@ -35,16 +37,32 @@ def main() -> None:
     for name in ("--rounds", "--index", "--peers"):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--die-after", type=int, default=None, help="kill -9 itself after this many rounds")
+    parser.add_argument(
+        "--topk", type=int, default=32, help="DeMo's compression_topk (part of the run config)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dht = start_dht([args.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    identity = RSAPrivateKey()
+    dht = start_dht(
+        [args.initial_peer],
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        record_validators=record_validators("test", identity),
+    )
     schedule = RoundSchedule(start_time=args.start, round_seconds=args.round_seconds)
-    exchange = SwarmExchange(dht, run="test", schedule=schedule, fetch_timeout=timedelta(seconds=5))
+    config = {"model": "tiny", "algorithm": "demo", "lr": "2e-3", "compression_topk": str(args.topk)}
+    exchange = SwarmExchange(
+        dht,
+        run="test",
+        schedule=schedule,
+        identity=identity,
+        config=config,
+        fetch_timeout=timedelta(seconds=5),
+    )
     try:
         config = GPTConfig.preset("tiny")
         torch.manual_seed(0)
         model = TinyGPT(config)
-        optimizer = DeMo(model.parameters(), lr=2e-3, exchange=exchange)
+        optimizer = DeMo(model.parameters(), lr=2e-3, exchange=exchange, compression_topk=args.topk)
         streams = stdlib_corpus(max_bytes=2 << 20)
         plan = BatchPlan(seq_len=config.seq_len, batch_size=8, workers=args.peers)
         losses, participants, lateness = [], [], []
@@ -69,6 +87,7 @@ def main() -> None:
             "lateness": lateness,
             "rejected": dict(exchange.rejected) | dict(optimizer.rejected),
             "received": exchange.bytes_received,
+            "refused": exchange.refused,
         }
         with open(args.out, "w") as out:
             json.dump(report, out)

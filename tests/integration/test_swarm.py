@@ -44,10 +44,15 @@ def bootstrap_address(node: subprocess.Popen, timeout_s: float = 30) -> str:
 
 
 def run_swarm(
-    tmp_path, peers: int, rounds: int, round_seconds: float, die: dict[int, int] | None = None
+    tmp_path,
+    peers: int,
+    rounds: int,
+    round_seconds: float,
+    die: dict[int, int] | None = None,
+    extra: dict[int, list[str]] | None = None,
 ) -> list:
-    """Reports of the peers that finished (None for those told to die)."""
-    die = die or {}
+    """Reports of the peers that finished (None for those told to die); `extra`: more flags per peer."""
+    die, extra = die or {}, extra or {}
     node = start(
         [str(HIVEMIND_DHT), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], stderr=subprocess.PIPE, text=True
     )
@@ -57,7 +62,7 @@ def run_swarm(
         begin = time.time() + 15  # room for every peer to import torch/hivemind and join
         outs = [tmp_path / f"peer{i}.json" for i in range(peers)]
         for i in range(peers):
-            extra = ["--die-after", str(die[i])] if i in die else []
+            flags = (["--die-after", str(die[i])] if i in die else []) + extra.get(i, [])
             processes.append(
                 start(
                     [
@@ -78,7 +83,7 @@ def run_swarm(
                         str(peers),
                         "--out",
                         str(outs[i]),
-                        *extra,
+                        *flags,
                     ]
                 )
             )
@@ -114,3 +119,16 @@ def test_killing_a_peer_mid_run_does_not_stall_the_others(tmp_path):
         assert len(report["losses"]) == rounds
         assert report["participants"][:3] == [3, 3, 3] and report["participants"][-1] == 2
         assert max(report["lateness"]) < 0.5  # no round waited past its deadline for the dead peer
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_with_another_run_configuration_is_refused_naming_the_setting(tmp_path):
+    rounds = 5
+    reports = run_swarm(tmp_path, peers=3, rounds=rounds, round_seconds=1.5, extra={2: ["--topk", "4"]})
+    for report in reports[:2]:
+        assert report["participants"] == [2] * rounds
+        (reason,) = report["refused"].values()
+        assert "compression_topk is 4 there, 32 here" in reason
+    assert reports[0]["param_hash"] == reports[1]["param_hash"]
+    assert reports[2]["participants"] == [1] * rounds
+    assert "compression_topk is 32 there, 4 here" in next(iter(reports[2]["refused"].values()))

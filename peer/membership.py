@@ -1,0 +1,80 @@
+"""Who may take part in a run: the run's configuration hash, the compatibility check that names the
+setting that differs, and the signed, schema-checked DHT records peers heartbeat.
+
+Records are protected the way hivemind protects its own: every record a peer writes sits under a
+subkey carrying its RSA public key (`RSASignatureValidator`), so no one else can overwrite it, and
+the run's fixed keys are checked against pydantic models (`SchemaValidator`; hivemind 1.1.12 needs
+`pydantic.v1` models). A peer is identified by that public-key subkey: it cannot be forged, unlike
+a peer id written inside a value.
+"""
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from importlib.metadata import version
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.utils.crypto import RSAPrivateKey
+from pydantic.v1 import BaseModel, StrictStr, confloat, conint, constr
+
+SHOAL_VERSION = version("shoal")
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
+
+
+class PeerRecord(BaseModel):
+    """What a peer says about itself, refreshed every round."""
+
+    peer_id: constr(strict=True, min_length=1, max_length=128)  # base58 libp2p peer id, to pull payloads from
+    version: constr(strict=True, max_length=32)  # shoal version; major.minor must match
+    run_hash: constr(strict=True, regex=r"^[0-9a-f]{64}$")  # sha256 of the run configuration
+    config: dict[StrictStr, StrictStr]  # the configuration itself, to name what differs
+    device: constr(strict=True, max_length=64)  # cpu, cuda:0, mps, ...
+    throughput: confloat(ge=0, strict=True)  # samples per second
+    round: conint(ge=0, strict=True)  # the round this record was written in
+
+
+class RunRecords(BaseModel):
+    """The run's fixed DHT keys (`<run>_<field>`): one entry per peer public key."""
+
+    peers: dict[BytesWithPublicKey, PeerRecord | None]
+
+
+def check_run_name(run: str) -> str:
+    if not RUN_NAME.match(run):
+        raise ValueError(
+            f"run name {run!r} must be 1-64 letters, digits or '-', starting with a letter or digit"
+        )
+    return run
+
+
+def record_validators(run: str, identity: RSAPrivateKey) -> list:
+    """What the DHT of a run must validate records with (pass to `start_dht(record_validators=...)`)."""
+    return [SchemaValidator(RunRecords, prefix=check_run_name(run)), RSASignatureValidator(identity)]
+
+
+def owner_subkey(identity: RSAPrivateKey) -> bytes:
+    """The subkey that marks a record as written (and only writable) by `identity`."""
+    return RSASignatureValidator(identity).local_public_key
+
+
+def run_hash(config: Mapping[str, str]) -> str:
+    """sha256 over the configuration, canonically serialized."""
+    return hashlib.sha256(json.dumps(dict(config), sort_keys=True).encode()).hexdigest()
+
+
+def incompatibility(mine: PeerRecord, theirs: PeerRecord) -> str | None:
+    """Why a peer cannot take part in this peer's rounds, naming each differing setting; None if it can."""
+    if mine.version.split(".")[:2] != theirs.version.split(".")[:2]:
+        return f"shoal {theirs.version} there, {mine.version} here (major.minor must match)"
+    if mine.run_hash == theirs.run_hash:
+        return None
+    keys = sorted(mine.config.keys() | theirs.config.keys())
+    differing = [k for k in keys if mine.config.get(k) != theirs.config.get(k)]
+    if not differing:
+        return f"run hash {theirs.run_hash[:12]} there does not match its own configuration"
+    return "; ".join(
+        f"{k} is {theirs.config.get(k, '(unset)')} there, {mine.config.get(k, '(unset)')} here"
+        for k in differing
+    )
