@@ -132,3 +132,24 @@ def test_a_peer_with_another_run_configuration_is_refused_naming_the_setting(tmp
     assert reports[0]["param_hash"] == reports[1]["param_hash"]
     assert reports[2]["participants"] == [1] * rounds
     assert "compression_topk is 32 there, 4 here" in next(iter(reports[2]["refused"].values()))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["standard", "eager"])
+def test_three_peers_train_diloco_over_the_swarm(tmp_path, mode):
+    peers, rounds = 3, 5
+    reports = run_swarm(
+        tmp_path,
+        peers,
+        rounds,
+        round_seconds=1.5,
+        extra={i: ["--algorithm", f"diloco-{mode}"] for i in range(peers)},
+    )
+    for report in reports:
+        # world_size is that of the last completed round: in eager mode the round just started is in flight
+        seen = report["participants"] if mode == "standard" else report["participants"][1:]
+        assert seen == [peers] * len(seen) and report["rejected"] == {}
+        assert report["losses"][-1] < report["losses"][0]
+    if mode == "standard":  # eager peers overlap their rounds and differ by their own fresh shares
+        assert all(max(r["lateness"]) < 0.5 for r in reports)
+        assert len({r["param_hash"] for r in reports}) == 1
