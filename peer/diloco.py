@@ -226,7 +226,6 @@ class DiLoCo:
         """Gathers every participant's payload and returns the weighted mean (rank order)."""
         start = time.perf_counter()
         contributions = self.exchange.gather(sent.payload, sent.samples)
-        total = 0.0
         mean = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         accepted = []
         for contribution in contributions:

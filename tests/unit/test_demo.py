@@ -106,15 +106,18 @@ def test_error_feedback_fraction_leaves_the_rest_in_momentum():
 
 
 class _FixedExchange(Exchange):
-    """Returns prepared contributions around this participant's own; for unit tests only."""
+    """Returns prepared contributions around this participant's own and keeps what it was sent;
+    for unit tests only."""
 
     def __init__(self, others: list[Contribution]):
         self.others = others
+        self.sent: list[bytes] = []
 
     rank = property(lambda self: 0)
     world_size = property(lambda self: 1 + len(self.others))
 
     def gather(self, payload: bytes, samples: int) -> list[Contribution]:
+        self.sent.append(payload)
         return [Contribution(0, payload, samples), *self.others]
 
     def mean(self, tensor, weight=1.0):
@@ -128,8 +131,6 @@ def test_weighting_by_samples_weights_each_participants_coefficients():
     other.grad = other_grad
     # the other participant's payload, produced by a real DeMo step
     recorder = _FixedExchange([])
-    recorded: list[bytes] = []
-    recorder.gather = lambda payload, samples: recorded.append(payload) or [Contribution(0, payload, samples)]
     DeMo([other], lr=1.0, exchange=recorder, compression_topk=64, compression_decay=0.0).step()
 
     mine = torch.nn.Parameter(torch.zeros(64))
@@ -138,7 +139,7 @@ def test_weighting_by_samples_weights_each_participants_coefficients():
     opt = DeMo(
         [mine],
         lr=1.0,
-        exchange=_FixedExchange([Contribution(1, recorded[0], 3)]),
+        exchange=_FixedExchange([Contribution(1, recorder.sent[0], 3)]),
         compression_topk=64,
         compression_decay=0.0,
         weight_by_samples=True,
@@ -171,13 +172,11 @@ def test_huge_finite_values_from_a_peer_never_make_params_nan():
 
 
 def _payload_of(grad: torch.Tensor) -> bytes:
-    recorded: list[bytes] = []
     recorder = _FixedExchange([])
-    recorder.gather = lambda payload, samples: recorded.append(payload) or [Contribution(0, payload, samples)]
     p = torch.nn.Parameter(torch.zeros_like(grad))
     p.grad = grad
     DeMo([p], lr=1.0, exchange=recorder, compression_topk=32, value_bits=32).step()
-    return recorded[0]
+    return recorder.sent[0]
 
 
 def test_state_dict_round_trip_continues_identically():
@@ -222,11 +221,9 @@ def test_tensors_of_one_chunk_shape_travel_as_one_message():
     params = [torch.nn.Parameter(torch.zeros(s)) for s in [(128, 64), (64, 64), (64,), (128,), (5, 7)]]
     for p in params:
         p.grad = torch.randn_like(p)
-    recorded: list[bytes] = []
     recorder = _FixedExchange([])
-    recorder.gather = lambda payload, samples: recorded.append(payload) or [Contribution(0, payload, samples)]
     DeMo(params, lr=1e-3, exchange=recorder).step()
-    shapes = [list(t.chunk_shape) for t in Payload.FromString(recorded[0]).tensors]
+    shapes = [list(t.chunk_shape) for t in Payload.FromString(recorder.sent[0]).tensors]
     assert sorted(shapes) == [[1, 64], [5, 7], [64, 64]]
 
 
