@@ -16,7 +16,10 @@ this reproduces. Parameters of one chunk shape are transformed together as one b
 (`shoal.peer.tile_groups`), and one payload per step carries them all: a step is one collective,
 with one message header per slice instead of per tensor.
 Every participant decodes the same gathered bytes in rank order, its own included, so replicas stay
-bit-identical even with quantized values. A malformed contribution is dropped and counted by reason.
+bit-identical even with quantized values. A malformed contribution is dropped and counted by reason
+(and reported to the exchange, which may strike its sender); one whose norm exceeds `clip_ratio`
+times the round's median is scaled down to it (shoal.peer.robust) and counted as `clipped`. The
+shared state is the parameters: the exchange may replace them with the swarm's before the update.
 
     opt = DeMo(model.parameters(), lr=1e-3, exchange=LoopbackExchange.group(1)[0])
     loss.backward(); opt.step(); opt.zero_grad()
@@ -24,12 +27,14 @@ bit-identical even with quantized values. A malformed contribution is dropped an
 
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 
 from shoal.compression import DCTTopKCodec, DecodeLimits, MalformedPayloadError, dct
 from shoal.compression.dct_topk import TopKCoefficients, unpack
 from shoal.peer.exchange import Contribution, Exchange
+from shoal.peer.robust import DEFAULT_CLIP_RATIO, clip_scales
 from shoal.peer.tile_groups import Slice, slice_parameters
 from shoal.protocol import Payload, parse_message
 
@@ -55,6 +60,8 @@ class DeMo(torch.optim.Optimizer):
         max_payload_bytes: contributions larger than this are rejected unread.
         max_slice_numel: parameters of one chunk shape are transformed together in slices of at most
             this many elements (a larger parameter alone); bounds the codec's scratch memory.
+        clip_ratio: contributions whose norm exceeds this times the round's median are scaled down
+            to it; None turns clipping off.
     """
 
     def __init__(
@@ -72,6 +79,7 @@ class DeMo(torch.optim.Optimizer):
         weight_by_samples: bool = False,
         max_payload_bytes: int = 1 << 30,
         max_slice_numel: int = 1 << 24,
+        clip_ratio: float | None = DEFAULT_CLIP_RATIO,
     ):
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr}")
@@ -89,9 +97,15 @@ class DeMo(torch.optim.Optimizer):
         self.weight_by_samples = weight_by_samples
         self.max_payload_bytes = max_payload_bytes
         self.max_slice_numel = max_slice_numel
+        self.clip_ratio = clip_ratio
+        clip_scales([1.0], clip_ratio)  # validates it
         self._slice_cache: list[Slice] | None = None
         self.rejected: Counter[str] = Counter()
         """Contributions dropped, by MalformedPayloadError reason."""
+        self.clipped = 0
+        """Contributions scaled down to the round's norm bound."""
+        self.resyncs = 0
+        """Times the exchange replaced this participant's parameters with the swarm's."""
         self.bytes_sent = 0
         """Payload bytes this participant has sent, in total."""
         self.bytes_received = 0
@@ -123,7 +137,11 @@ class DeMo(torch.optim.Optimizer):
             ]
         )
         data = payload.SerializeToString()
-        contributions = self.exchange.gather(data, samples)
+        params = self._trainable()
+        contributions = self.exchange.gather(data, samples, state=params)
+        adopted = self.exchange.adopted_state()
+        if adopted is not None:
+            self.load_shared_state(adopted)
         self.bytes_sent += len(data)
         self.bytes_received += sum(len(c.payload) for c in contributions if c.rank != self.exchange.rank)
         received = self._accept(contributions, slices)
@@ -134,6 +152,20 @@ class DeMo(torch.optim.Optimizer):
             for member in piece.members:
                 member.matrix(member.param).add_(member.tiles(signs), alpha=-settings[member.param][0])
         return loss
+
+    def shared_state(self) -> list[torch.Tensor]:
+        """What every participant holds alike: the trainable parameters (the momentum is local)."""
+        return self._trainable()
+
+    @torch.no_grad()
+    def load_shared_state(self, tensors: list[torch.Tensor]) -> None:
+        """Replaces the parameters with the swarm's (same order and shapes as `shared_state`)."""
+        params = self._trainable()
+        if [t.shape for t in tensors] != [p.shape for p in params]:
+            raise ValueError("shared state does not match this optimizer's parameters")
+        for p, t in zip(params, tensors, strict=True):
+            p.copy_(t)
+        self.resyncs += 1
 
     def _compress(self, piece: Slice, settings: dict) -> TopKCoefficients:
         """Steps 1-5 for a slice: decay, accumulate, select, error feedback. Returns what is sent.
@@ -172,7 +204,8 @@ class DeMo(torch.optim.Optimizer):
     def _accept(
         self, contributions: list[Contribution], slices: list[Slice]
     ) -> list[tuple[list[TopKCoefficients], float]]:
-        """Decodes and validates every contribution (rank order); drops and counts the malformed."""
+        """Decodes and validates every contribution (rank order); drops and counts the malformed,
+        clips the outsized."""
         limits = DecodeLimits(max_numel=max(piece.plan.numel for piece in slices))
         accepted = []
         for contribution in contributions:
@@ -180,11 +213,22 @@ class DeMo(torch.optim.Optimizer):
                 coeffs = self._decode(contribution, slices, limits)
             except MalformedPayloadError as error:
                 self.rejected[error.reason] += 1
+                self.exchange.reject(contribution, error.reason)
                 continue
             weight = float(contribution.samples) if self.weight_by_samples else 1.0
             if weight > 0:
                 accepted.append((coeffs, weight))
-        return accepted
+        if len(accepted) < 2 or self.clip_ratio is None:
+            return accepted
+        norms = torch.stack(
+            [torch.stack([c.values.float().square().sum() for c in coeffs]).sum() for coeffs, _ in accepted]
+        )
+        scales = clip_scales(norms.sqrt().tolist(), self.clip_ratio)  # one host sync per step
+        self.clipped += sum(scale < 1 for scale in scales)
+        return [
+            (coeffs if scale == 1 else [replace(c, values=c.values * scale) for c in coeffs], weight)
+            for (coeffs, weight), scale in zip(accepted, scales, strict=True)
+        ]
 
     def _decode(
         self, contribution: Contribution, slices: list[Slice], limits: DecodeLimits

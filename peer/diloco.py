@@ -15,6 +15,18 @@ Nesterov momentum, steps the global parameters theta:
   When the true mean lands a round later it enters the next step. Participants differ by their own
   fresh shares, a bounded amount, instead of being bit-identical.
 
+Shared state: what every participant holds alike, for the exchange to compare and for joiners to
+download: the global parameters and the outer momentum. In eager mode those differ per participant,
+so a second copy is kept: the *consensus* parameters and momentum, stepped with the true means only
+(delta(t-1) at step t, as in delayed mode), identical everywhere. The outer SGD is linear in its
+inputs, so the eager parameters are always the consensus plus this participant's own-share
+correction; a joiner starts with no correction. `finish()` applies the last mean to the consensus and
+ends every eager participant there, on bit-identical parameters (the sequence delta(0..T) applied in
+order, as standard mode would).
+
+Each round's contributions are clipped to `clip_ratio` times the round's median norm
+(shoal.peer.robust); malformed ones are dropped and reported to the exchange.
+
 In delayed and eager mode the exchange runs on a background thread owned by this object while the
 next inner phase computes; `stats` records how long it took and how long the caller waited for it.
 Pseudo-gradients travel exactly (float32, the default) or through a codec of shoal.compression
@@ -38,6 +50,7 @@ from torch import nn
 
 from shoal.compression import Codec, DecodeLimits, DenseCodec, MalformedPayloadError, decode_tensor
 from shoal.peer.exchange import Contribution, Exchange
+from shoal.peer.robust import DEFAULT_CLIP_RATIO, clip_scales
 from shoal.protocol import Payload, parse_message
 
 MODES = ("standard", "delayed", "eager")
@@ -57,6 +70,10 @@ class OuterStats:
     """Payload bytes this participant sent."""
     rejected: int = 0
     """Contributions dropped as malformed."""
+    clipped: int = 0
+    """Contributions scaled down to the round's norm bound."""
+    resyncs: int = 0
+    """Times the exchange replaced the shared state with the swarm's."""
 
     @property
     def hidden_s(self) -> float:
@@ -80,6 +97,8 @@ class _RoundResult:
     """The sample-weighted mean of every accepted participant's pseudo-gradient, per parameter."""
     total_samples: float
     """The weight behind the mean: shares of it are samples / total_samples."""
+    adopted: list[torch.Tensor] | None = None
+    """The swarm's shared state, when this participant's differed at the start of the round."""
 
 
 class DiLoCo:
@@ -97,6 +116,8 @@ class DiLoCo:
         codec: how pseudo-gradients travel; None sends them exactly (float32). A lossy codec gets
             error feedback: what it dropped joins the next round's pseudo-gradient.
         max_payload_bytes: contributions larger than this are rejected unread.
+        clip_ratio: contributions whose norm exceeds this times the round's median are scaled down
+            to it; None turns clipping off.
     """
 
     def __init__(
@@ -112,6 +133,7 @@ class DiLoCo:
         mode: str = "standard",
         codec: Codec | None = None,
         max_payload_bytes: int = 1 << 31,
+        clip_ratio: float | None = DEFAULT_CLIP_RATIO,
     ):
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -128,11 +150,18 @@ class DiLoCo:
         self.mode = mode
         self.codec = codec if codec is not None else DenseCodec(value_bits=32, zstd=False)
         self.max_payload_bytes = max_payload_bytes
+        self.clip_ratio = clip_ratio
+        clip_scales([1.0], clip_ratio)  # validates it
+        settings = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov and outer_momentum > 0}
         # theta: the global parameters every inner phase starts from, stepped by torch's own SGD
         self.global_params = [p.detach().clone() for p in self.params]
-        self.outer_optimizer = torch.optim.SGD(
-            self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
-        )
+        self.outer_optimizer = torch.optim.SGD(self.global_params, **settings)
+        # what every participant holds alike: theta itself, except in eager mode (module docstring)
+        self.consensus_params = self.global_params
+        self.consensus_optimizer = self.outer_optimizer
+        if mode == "eager":
+            self.consensus_params = [p.detach().clone() for p in self.params]
+            self.consensus_optimizer = torch.optim.SGD(self.consensus_params, **settings)
         self.residuals = [torch.zeros_like(p) for p in self.params] if codec is not None else None
         self.stats = OuterStats()
         self._inner_step = 0
@@ -162,19 +191,50 @@ class DiLoCo:
         self._samples = 0
         if self.mode == "standard":
             start = time.perf_counter()
-            result = self._round(sent)
+            result = self._round(sent, self.shared_state())
             self.stats.waited_s += time.perf_counter() - start
+            self._adopt(result)
             self._apply(result.mean)
         else:
-            self._pending = self._background.submit(self._round, sent)
+            if previous is not None:  # the true mean of the last round enters the consensus first
+                self._adopt(previous)
+                self._apply(previous.mean, self.consensus_params, self.consensus_optimizer)
+            # the state compared in this round is the one its mean will be applied to, a step from now
+            self._pending = self._background.submit(self._round, sent, self.shared_state())
             if self.mode == "eager":
                 self._apply(self._eager_direction(previous, sent))
-            elif previous is not None:
-                self._apply(previous.mean)
         self._last_sent = sent
         for p, start in zip(self.params, self.global_params, strict=True):
             p.copy_(start)
         self.stats.outer_steps += 1
+
+    def shared_state(self) -> list[torch.Tensor]:
+        """The consensus parameters, then their outer momentum (zeros before the first outer step)."""
+        state = self.consensus_optimizer.state
+        momentum = [state[p].get("momentum_buffer", torch.zeros_like(p)) for p in self.consensus_params]
+        return [*self.consensus_params, *momentum]
+
+    @torch.no_grad()
+    def load_shared_state(self, tensors: list[torch.Tensor]) -> None:
+        """Replaces the consensus (and, in eager mode, the eager parameters: no own correction yet)
+        with the swarm's; same order and shapes as `shared_state`."""
+        count = len(self.consensus_params)
+        if [t.shape for t in tensors] != [p.shape for p in self.consensus_params] * 2:
+            raise ValueError("shared state does not match this DiLoCo's parameters")
+        copies = [(self.consensus_params, self.consensus_optimizer)]
+        if self.consensus_params is not self.global_params:
+            copies.append((self.global_params, self.outer_optimizer))
+        for params, optimizer in copies:
+            for p, value, momentum in zip(params, tensors[:count], tensors[count:], strict=True):
+                p.copy_(value)
+                optimizer.state[p]["momentum_buffer"] = momentum.to(p.device, p.dtype, copy=True)
+        for p, start in zip(self.params, self.global_params, strict=True):
+            p.copy_(start)
+        self.stats.resyncs += 1
+
+    def _adopt(self, result: _RoundResult) -> None:
+        if result.adopted is not None:
+            self.load_shared_state(result.adopted)
 
     def _eager_direction(self, previous: _RoundResult | None, fresh: _Sent) -> list[torch.Tensor]:
         """delta(t-1) - own stale share + own fresh share (DESIGN.md; arXiv 2502.12996).
@@ -222,23 +282,35 @@ class DiLoCo:
         self.stats.waited_s += elapsed
         return _Sent(data, decoded, samples)
 
-    def _round(self, sent: _Sent) -> _RoundResult:
-        """Gathers every participant's payload and returns the weighted mean (rank order)."""
+    def _round(self, sent: _Sent, state: list[torch.Tensor]) -> _RoundResult:
+        """Gathers every participant's payload and returns the weighted mean (rank order), clipped."""
         start = time.perf_counter()
-        contributions = self.exchange.gather(sent.payload, sent.samples)
+        contributions = self.exchange.gather(sent.payload, sent.samples, state=state)
+        adopted = self.exchange.adopted_state()
         mean = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         accepted = []
         for contribution in contributions:
             try:
                 accepted.append((self._decode(contribution), contribution.samples))
-            except MalformedPayloadError:
+            except MalformedPayloadError as error:
                 self.stats.rejected += 1
+                self.exchange.reject(contribution, error.reason)
+        if len(accepted) > 1 and self.clip_ratio is not None:
+            norms = torch.stack(
+                [torch.stack([t.square().sum() for t in tensors]).sum() for tensors, _ in accepted]
+            )
+            scales = clip_scales(norms.sqrt().tolist(), self.clip_ratio)  # one host sync per round
+            self.stats.clipped += sum(scale < 1 for scale in scales)
+        else:
+            scales = [1.0] * len(accepted)
         total = float(sum(samples for _, samples in accepted))
-        for tensors, samples in accepted:  # rank order: the same float sums on every participant
+        for (tensors, samples), scale in zip(
+            accepted, scales, strict=True
+        ):  # rank order: same sums everywhere
             for m, t in zip(mean, tensors, strict=True):
-                m.add_(t, alpha=samples / total)
+                m.add_(t, alpha=samples / total * scale)
         self.stats.exchange_s += time.perf_counter() - start
-        return _RoundResult(mean, total)
+        return _RoundResult(mean, total, adopted)
 
     def _decode(self, contribution: Contribution) -> list[torch.Tensor]:
         if contribution.samples <= 0:
@@ -259,28 +331,33 @@ class DiLoCo:
             decoded.append(tensor.float())
         return decoded
 
-    def _apply(self, direction: list[torch.Tensor]) -> None:
-        for start, d in zip(self.global_params, direction, strict=True):
+    def _apply(
+        self,
+        direction: list[torch.Tensor],
+        params: list[torch.Tensor] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        """One outer step of `params` (the global parameters by default) along `direction`."""
+        params, optimizer = params or self.global_params, optimizer or self.outer_optimizer
+        for start, d in zip(params, direction, strict=True):
             start.grad = d.to(start.dtype)
-        self.outer_optimizer.step()
-        self.outer_optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def finish(self) -> None:
         """Ends training: waits for the exchange in flight and applies what is left of it, so every
-        mode ends with the full last round (delayed: its mean; eager: its mean minus the own share
-        already applied). The model then holds the final global parameters. Standard mode: no-op."""
+        mode ends with the full last round (delayed: its mean; eager: its mean, to the consensus, which
+        the model then takes: bit-identical on every participant). Standard mode: no-op."""
         previous = self._collect_pending()
         if previous is None:
             return
-        if self.mode == "eager":
-            share = self._last_sent.samples / previous.total_samples
-            self._apply([m - share * s for m, s in zip(previous.mean, self._last_sent.decoded, strict=True)])
-        else:
-            self._apply(previous.mean)
+        self._adopt(previous)
+        self._apply(previous.mean, self.consensus_params, self.consensus_optimizer)
         self._last_sent = None
-        for p, start in zip(self.params, self.global_params, strict=True):
-            p.copy_(start)
+        for p, start, final in zip(self.params, self.global_params, self.consensus_params, strict=True):
+            start.copy_(final)
+            p.copy_(final)
 
     def close(self) -> None:
         """Waits for the exchange in flight (collectives must complete on every participant) and

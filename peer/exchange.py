@@ -3,20 +3,26 @@
 An exchange does two things, both collective (every participant of the round calls them in the same
 order):
 
-- `gather(payload, samples)`: every participant's serialized payload and sample count, in rank order
-  (the same order on every participant, so that aggregation is deterministic);
+- `gather(payload, samples, state)`: every participant's serialized payload and sample count, in rank
+  order (the same order on every participant, so that aggregation is deterministic);
 - `mean(tensor, weight)`: the weighted mean of a dense tensor over the participants.
+
+Two optional duties, which only the swarm needs (its members are not trusted to agree): `state` is
+this participant's shared state at the start of the round (parameters, outer momentum); an exchange
+that compares states returns from `adopted_state()` the round's majority state when this one's
+differed, for the caller to load before it applies the round. `reject(contribution, reason)` tells
+the exchange the caller dropped a contribution, so that it can strike its sender.
 
 Implementations: `LoopbackExchange` (N workers as threads of one process: tests and simulations),
 `TorchDistributedExchange` (torch.distributed: gloo on CPU, nccl on GPU, for torchrun users), and the
-hivemind swarm (shoal.peer.swarm, a later issue). Payloads are bytes (serialized protobuf): never
+hivemind swarm (`shoal.peer.swarm.SwarmExchange`). Payloads are bytes (serialized protobuf): never
 pickled, and their size is what really crosses the wire.
 """
 
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
@@ -34,6 +40,8 @@ class Contribution:
     rank: int
     payload: bytes
     samples: int
+    sender: bytes = b""
+    """Who sent it, for exchanges that tell senders apart (the swarm: its public key)."""
 
 
 class Exchange(ABC):
@@ -50,8 +58,22 @@ class Exchange(ABC):
         """How many participants take part in each collective."""
 
     @abstractmethod
-    def gather(self, payload: bytes, samples: int) -> list[Contribution]:
-        """Every participant's payload (this one's included), ordered by rank."""
+    def gather(
+        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None
+    ) -> list[Contribution]:
+        """Every participant's payload (this one's included), ordered by rank.
+
+        `state`: this participant's shared state at the start of the round (see the module docstring);
+        exchanges that do not compare states ignore it."""
+
+    def adopted_state(self) -> list[torch.Tensor] | None:
+        """After `gather` (same thread): the majority's shared state, when this participant's differed;
+        the caller loads it before applying the round. None when it agreed or nothing was compared."""
+        return None
+
+    def reject(self, contribution: Contribution, reason: str) -> None:
+        """The caller dropped `contribution` of the last gather (malformed, or an outlier)."""
+        return None
 
     @abstractmethod
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
@@ -89,7 +111,9 @@ class LoopbackExchange(Exchange):
     def world_size(self) -> int:
         return self._hub.world_size
 
-    def gather(self, payload: bytes, samples: int) -> list[Contribution]:
+    def gather(
+        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None
+    ) -> list[Contribution]:
         return self._hub.all_gather(self._rank, Contribution(self._rank, bytes(payload), samples))
 
     def abort(self) -> None:
@@ -198,7 +222,9 @@ class TorchDistributedExchange(Exchange):
     def world_size(self) -> int:
         return dist.get_world_size(self._group)
 
-    def gather(self, payload: bytes, samples: int) -> list[Contribution]:
+    def gather(
+        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None
+    ) -> list[Contribution]:
         header = torch.tensor([len(payload), samples], dtype=torch.int64, device=self._device)
         headers = [torch.empty_like(header) for _ in range(self.world_size)]
         dist.all_gather(headers, header, group=self._group)

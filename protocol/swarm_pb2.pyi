@@ -1,5 +1,7 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -17,3 +19,25 @@ class PayloadChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class StateManifest(_message.Message):
+    __slots__ = ("round", "size", "chunk_bytes", "chunk_digests")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    size: int
+    chunk_bytes: int
+    chunk_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, round: _Optional[int] = ..., size: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("state", "manifest", "chunk")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    state: bytes
+    manifest: bool
+    chunk: int
+    def __init__(self, state: _Optional[bytes] = ..., manifest: _Optional[bool] = ..., chunk: _Optional[int] = ...) -> None: ...

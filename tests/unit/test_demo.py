@@ -109,19 +109,27 @@ class _FixedExchange(Exchange):
     """Returns prepared contributions around this participant's own and keeps what it was sent;
     for unit tests only."""
 
-    def __init__(self, others: list[Contribution]):
+    def __init__(self, others: list[Contribution], adopt: list[torch.Tensor] | None = None):
         self.others = others
         self.sent: list[bytes] = []
+        self.adopt = adopt
+        self.rejected: list[tuple[int, str]] = []
 
     rank = property(lambda self: 0)
     world_size = property(lambda self: 1 + len(self.others))
 
-    def gather(self, payload: bytes, samples: int) -> list[Contribution]:
+    def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
         self.sent.append(payload)
         return [Contribution(0, payload, samples), *self.others]
 
     def mean(self, tensor, weight=1.0):
         raise NotImplementedError
+
+    def adopted_state(self):
+        return self.adopt
+
+    def reject(self, contribution, reason):
+        self.rejected.append((contribution.rank, reason))
 
 
 def test_weighting_by_samples_weights_each_participants_coefficients():
@@ -153,9 +161,11 @@ def test_malformed_contributions_are_dropped_and_counted():
     p = torch.nn.Parameter(torch.zeros(64, 64))
     p.grad = torch.randn(64, 64)
     bad = [Contribution(1, b"\xff\xff", 1), Contribution(2, b"", 1), Contribution(3, b"x" * 100, 1)]
-    opt = DeMo([p], lr=0.1, exchange=_FixedExchange(bad))
+    exchange = _FixedExchange(bad)
+    opt = DeMo([p], lr=0.1, exchange=exchange)
     opt.step()
     assert sum(opt.rejected.values()) == 3
+    assert [rank for rank, _ in exchange.rejected] == [1, 2, 3]  # the exchange may strike the senders
     assert torch.isfinite(p).all() and p.abs().max().item() == pytest.approx(0.1)
 
 
@@ -251,3 +261,46 @@ def test_bad_settings_name_the_setting(kwargs, match):
     settings = {"lr": 1e-3, **kwargs}
     with pytest.raises(ValueError, match=match):
         DeMo([torch.nn.Parameter(torch.zeros(4))], exchange=LoopbackExchange.group(1)[0], **settings)
+
+
+def test_an_outsized_contribution_is_clipped_to_the_rounds_median_norm():
+    torch.manual_seed(21)
+    mine, honest, attack = torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 64)
+    others = [Contribution(1, _payload_of(honest), 1), Contribution(2, _payload_of(attack * 1000), 1)]
+
+    def update(clip_ratio):
+        p = torch.nn.Parameter(torch.zeros(64, 64))
+        p.grad = mine.clone()
+        opt = DeMo([p], lr=1.0, exchange=_FixedExchange(others), compression_topk=32, clip_ratio=clip_ratio)
+        opt.step()
+        return p.detach(), opt.clipped
+
+    unclipped, count = update(None)
+    assert count == 0
+    assert update(4.0)[1] == 1  # the default bound
+    clipped, count = update(1.0)
+    assert count == 1
+    attack_sign = -torch.sign(DeMo_direction(attack))
+    # unbounded, the attacker decides every coefficient it sends; clipped, it is one voice among three
+    assert (torch.sign(unclipped) == attack_sign).float().mean() > 0.95
+    assert (torch.sign(clipped) == attack_sign).float().mean() < 0.8
+
+
+def DeMo_direction(grad: torch.Tensor) -> torch.Tensor:
+    """The update direction DeMo applies for this gradient alone."""
+    p = torch.nn.Parameter(torch.zeros_like(grad))
+    p.grad = grad
+    DeMo([p], lr=1.0, exchange=_FixedExchange([]), compression_topk=32).step()
+    return -p.detach()
+
+
+def test_the_exchange_can_replace_the_parameters_before_the_update():
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    p.grad = torch.randn(8, 8)
+    swarm = torch.full((8, 8), 5.0)
+    opt = DeMo([p], lr=0.1, exchange=_FixedExchange([], adopt=[swarm]), compression_topk=4)
+    opt.step()
+    assert opt.resyncs == 1
+    assert torch.all((p - 5.0).abs() <= 0.1 + 1e-6) and not torch.equal(p.detach(), swarm)
+    with pytest.raises(ValueError, match="does not match"):
+        opt.load_shared_state([torch.zeros(3)])

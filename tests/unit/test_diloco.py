@@ -180,6 +180,45 @@ def test_eager_direction_replaces_the_stale_own_share_by_the_fresh_one():
             torch.testing.assert_close(a, b - (m - o1 / 2 + o2 / 2), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["standard", "delayed", "eager"])
+def test_every_mode_shares_one_state_and_ends_bit_identical(mode):
+    """The shared state (consensus parameters and outer momentum) is the same on every worker after
+    every outer step, eager mode included, and finish() puts every model on it."""
+
+    def work(rank, exchange):
+        model = make_model()
+        states = []
+        with DiLoCo(model, adamw(model), exchange=exchange, inner_steps=3, mode=mode) as diloco:
+            for step, tokens in enumerate(batches(rank, 12)):
+                model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+                diloco.step(samples=tokens.shape[0])
+                if (step + 1) % 3 == 0:
+                    states.append([t.clone() for t in diloco.shared_state()])
+            diloco.finish()
+        return states, [p.detach().clone() for p in model.parameters()]
+
+    (states_a, end_a), (states_b, end_b), (_, end_c) = run_workers(3, work)
+    for round_a, round_b in zip(states_a, states_b, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(round_a, round_b, strict=True))
+    assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(end_a, end_b, end_c, strict=True))
+    assert any(m.abs().sum() > 0 for m in states_a[-1][len(end_a) :])  # the momentum is part of it
+
+
+def test_loading_the_shared_state_makes_a_fresh_worker_continue_like_the_others():
+    model = make_model()
+    with DiLoCo(model, adamw(model), exchange=LoopbackExchange.group(1)[0], inner_steps=2, mode="eager") as a:
+        train(model, a, batches(0, 6))
+        state = [t.clone() for t in a.shared_state()]
+    other = TinyGPT(CONFIG)  # another initialization
+    with DiLoCo(other, adamw(other), exchange=LoopbackExchange.group(1)[0], inner_steps=2, mode="eager") as b:
+        b.load_shared_state(state)
+        assert b.stats.resyncs == 1
+        assert all(torch.equal(x, y) for x, y in zip(b.shared_state(), state, strict=True))
+        assert all(torch.equal(p, c) for p, c in zip(other.parameters(), b.consensus_params, strict=True))
+        with pytest.raises(ValueError, match="does not match"):
+            b.load_shared_state(state[:-1])
+
+
 LATENCY_S = 0.05  # well under an inner phase of 20 tiny-model steps (~0.2 s here)
 
 
