@@ -3,6 +3,7 @@
     shoal --help
     shoal bench codec [--json] [--repeat N]
     shoal bench converge [--json] [--quick]
+    shoal bench swarm-local [--json] [--peers N ...] [--model tiny|10m] [--rounds R] [--round-seconds S]
 
 Subcommands appear here as they are built; there are no placeholders.
 """
@@ -35,6 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     converge.add_argument(
         "--quick", action="store_true", help="the tiny model for 300 steps (~3 minutes on 2 cores)"
     )
+    swarm = benchmarks.add_parser(
+        "swarm-local",
+        help="a DeMo swarm of peer processes on loopback: bytes on the wire per peer and round vs the codec",
+    )
+    swarm.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
+    swarm.add_argument("--peers", type=_positive_int, nargs="+", default=[2, 4, 8], help="swarm sizes")
+    swarm.add_argument("--model", choices=["tiny", "10m"], default="tiny", help="tiny, or ~9.5M parameters")
+    swarm.add_argument("--rounds", type=_positive_int, default=10, help="rounds per swarm size")
+    swarm.add_argument("--round-seconds", type=float, default=2.0, help="length of a round")
     return parser
 
 
@@ -58,6 +68,19 @@ def main(argv: list[str] | None = None) -> int:
         from shoal.peer import convergence
 
         return convergence.main(as_json=args.json, quick=args.quick)
+    if args.command == "bench" and args.benchmark == "swarm-local":
+        from shoal.peer import swarm_bench
+
+        if not args.round_seconds > 0:
+            print("shoal: error: --round-seconds must be > 0", file=sys.stderr)
+            return 2
+        return swarm_bench.main(
+            as_json=args.json,
+            sizes=args.peers,
+            model=args.model,
+            rounds=args.rounds,
+            round_seconds=args.round_seconds,
+        )
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -33,6 +33,8 @@ class PeerRecord(BaseModel):
     device: constr(strict=True, max_length=64)  # cpu, cuda:0, mps, ...
     throughput: confloat(ge=0, strict=True)  # samples per second
     round: conint(ge=0, strict=True)  # the round this record was written in
+    start_time: confloat(ge=0, strict=True) = 0.0  # the run's round clock: unix time round 0 starts
+    round_seconds: confloat(gt=0, le=86400, strict=True) = 60.0  # and how long a round lasts
 
 
 class RunRecords(BaseModel):
@@ -68,6 +70,11 @@ def incompatibility(mine: PeerRecord, theirs: PeerRecord) -> str | None:
     """Why a peer cannot take part in this peer's rounds, naming each differing setting; None if it can."""
     if mine.version.split(".")[:2] != theirs.version.split(".")[:2]:
         return f"shoal {theirs.version} there, {mine.version} here (major.minor must match)"
+    if (mine.start_time, mine.round_seconds) != (theirs.start_time, theirs.round_seconds):
+        return (
+            f"round clock starts at {theirs.start_time} with {theirs.round_seconds} s rounds there, "
+            f"{mine.start_time} with {mine.round_seconds} s here"
+        )
     if mine.run_hash == theirs.run_hash:
         return None
     keys = sorted(mine.config.keys() | theirs.config.keys())

@@ -13,6 +13,20 @@ For round r, a participant
 4. at the deadline returns the payloads it holds, ordered by public key, so that participants
    holding the same payloads aggregate them in the same order.
 
+Agreement: with each payload a participant announces the digest of its shared state at the start of
+the round (shoal.peer.state: parameters, DiLoCo's outer momentum) and whether it was in sync last
+round. At the deadline the majority state is chosen (`state.majority`); contributions computed on
+another state are left out (`stale_state`), and a participant whose own state differs downloads the
+majority's from the peers that hold it (several at once, 1 MiB pieces checked against a manifest,
+another source taking over a lost one's pieces) and hands it to its optimizer (`adopted_state`), which
+loads it before applying the round. A new peer joins the same way: its first round re-syncs it.
+
+Hostile peers: announcements are validated and size-capped before any download; a digest already
+announced in an earlier round (a replay) is refused, and one announced by several peers this round
+counts once; a payload that does not match its announcement, or that the optimizer drops (`reject`),
+strikes its sender, and after `strike_limit` strikes its announcements are ignored for `ban_rounds`
+rounds.
+
 Rounds are clock-synchronous: a `RoundSchedule` (start time, round length) fixes every deadline. A
 participant that calls `gather` late joins the round in progress; one whose announcement comes too
 late for others to pull is left out of their round.
@@ -28,7 +42,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -43,8 +57,17 @@ from pydantic.v1 import ValidationError
 from shoal.compression import DecodeLimits, DenseCodec, decode_tensor
 from shoal.peer.exchange import Contribution, Exchange
 from shoal.peer.membership import SHOAL_VERSION, PeerRecord, incompatibility, owner_subkey, run_hash
+from shoal.peer.state import (
+    MAX_CHUNK_BYTES,
+    StateSnapshot,
+    StateUnavailable,
+    download,
+    majority,
+    restore,
+    state_size,
+)
 from shoal.protocol import EncodedTensor, MalformedPayloadError, parse_message
-from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest
+from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, StateRequest
 
 logger = get_logger(__name__)
 
@@ -72,6 +95,30 @@ class RoundSchedule:
     def deadline(self, round_number: int) -> float:
         return self.start_time + (round_number + 1) * self.round_seconds
 
+    @staticmethod
+    def discover(dht: hivemind.DHT, run: str, timeout: timedelta = timedelta(seconds=30)) -> "RoundSchedule":
+        """The clock the run's live peers follow (the one most of their records name), for a peer that
+        joins a running swarm; raises TimeoutError if no peer record shows up in time."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            found = dht.get(f"{run}_peers", latest=True)
+            clocks = Counter()
+            for entry in (
+                found.value if found is not None and isinstance(found.value, dict) else {}
+            ).values():
+                try:
+                    record = PeerRecord.parse_obj(getattr(entry, "value", None))
+                except ValidationError:
+                    continue
+                if record.start_time > 0:
+                    clocks[(record.start_time, record.round_seconds)] += 1
+            if clocks:
+                (start_time, round_seconds), _ = max(clocks.items(), key=lambda item: (item[1], item[0]))
+                return RoundSchedule(start_time=start_time, round_seconds=round_seconds)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no live peer of run {run!r} found in the DHT within {timeout}")
+            time.sleep(0.5)
+
 
 @dataclass(frozen=True, slots=True)
 class Announcement:
@@ -84,6 +131,10 @@ class Announcement:
     digest: bytes
     size: int
     samples: int
+    state: bytes = b""
+    """Digest of its shared state at the start of the round (shoal.peer.state); empty if none."""
+    synced: bool = False
+    """Whether it held the majority's state last round (only those vote while any exist)."""
 
     @staticmethod
     def parse(owner: object, value: object, max_bytes: int) -> "Announcement":
@@ -101,7 +152,10 @@ class Announcement:
             raise MalformedPayloadError("too_large", f"{peer}: size {size!r} outside (0, {max_bytes}]")
         if type(samples) is not int or samples < 0:
             raise MalformedPayloadError("bad_announcement", f"{peer}: samples {samples!r}")
-        return Announcement(owner, peer, digest, size, samples)
+        state, synced = value.get("state", b""), value.get("synced", False)
+        if not isinstance(state, bytes) or len(state) not in (0, DIGEST_BYTES) or type(synced) is not bool:
+            raise MalformedPayloadError("bad_announcement", f"{peer}: state {state!r}, synced {synced!r}")
+        return Announcement(owner, peer, digest, size, samples, state, synced)
 
 
 class SwarmExchange(Exchange):
@@ -120,6 +174,10 @@ class SwarmExchange(Exchange):
         fetch_timeout: limit of one download attempt.
         max_concurrent_fetches: downloads in flight at once.
         poll_interval: how often announcements are re-read during a round.
+        strike_limit: strikes (payloads that fail their announcement or that the optimizer drops)
+            after which a peer's announcements are ignored ...
+        ban_rounds: ... for this many rounds.
+        keep_states: state snapshots of the last rounds served to joining and re-syncing peers.
     """
 
     def __init__(
@@ -135,6 +193,9 @@ class SwarmExchange(Exchange):
         fetch_timeout: timedelta = timedelta(seconds=30),
         max_concurrent_fetches: int = 4,
         poll_interval: timedelta = timedelta(milliseconds=200),
+        strike_limit: int = 3,
+        ban_rounds: int = 10,
+        keep_states: int = 2,
     ):
         self.dht = dht
         self.run = run
@@ -152,16 +213,32 @@ class SwarmExchange(Exchange):
             device=device,
             throughput=0.0,
             round=0,
+            start_time=schedule.start_time,
+            round_seconds=schedule.round_seconds,
         )
+        self.strike_limit, self.ban_rounds, self.keep_states = strike_limit, ban_rounds, keep_states
         self.rejected: Counter[str] = Counter()
-        """Announcements and downloads dropped, by reason."""
+        """Announcements, downloads and contributions dropped, by reason."""
+        self.strikes: Counter[bytes] = Counter()
+        """Strikes per peer (public-key subkey) since its last ban."""
+        self.banned: dict[bytes, int] = {}
+        """Banned peers and the first round they are heard again."""
+        self.resyncs = 0
+        """Times this peer's shared state differed from the majority's and was replaced."""
+        self.synced = False
+        """Whether this peer held (or adopted) the majority's state in its last round."""
         self.refused: dict[str, str] = {}
         """Incompatible peers seen (peer id: which settings differ)."""
         self.bytes_received = 0
         self.last_round: int | None = None
         """The round of the last `gather`."""
         self._handler = f"shoal.{run}.payload"
-        self._held: dict[tuple[int, bytes], bytes] = {}  # touched only on the loop thread
+        self._state_handler = f"shoal.{run}.state"
+        # touched only on the loop thread:
+        self._held: dict[tuple[int, bytes], bytes] = {}
+        self._states: dict[bytes, StateSnapshot] = {}
+        self._seen: dict[bytes, tuple[int, bytes]] = {}  # payload digest: (round, owner) first announced
+        self._adopted: list[torch.Tensor] | None = None
         self._next_round = 0
         self._participants = [self.owner]
         self._loop = asyncio.new_event_loop()
@@ -178,11 +255,27 @@ class SwarmExchange(Exchange):
     def world_size(self) -> int:
         return len(self._participants)
 
-    def gather(self, payload: bytes, samples: int) -> list[Contribution]:
-        round_number = max(self._next_round, self.schedule.round_at(time.time()))
+    @property
+    def next_round(self) -> int:
+        """The round the next `gather` would join if called now."""
+        return max(self._next_round, self.schedule.round_at(time.time()))
+
+    def gather(
+        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None
+    ) -> list[Contribution]:
+        round_number = self.next_round
         self._next_round = round_number + 1
         self.last_round = round_number
-        return self._call(self._round(round_number, bytes(payload), samples))
+        self._adopted = None
+        snapshot = None if state is None else (StateSnapshot.capture(state, round_number), list(state))
+        return self._call(self._round(round_number, bytes(payload), samples, snapshot))
+
+    def adopted_state(self) -> list[torch.Tensor] | None:
+        adopted, self._adopted = self._adopted, None
+        return adopted
+
+    def reject(self, contribution: Contribution, reason: str) -> None:
+        self._loop.call_soon_threadsafe(self._strike, contribution.sender, reason)
 
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         message = DenseCodec(32, zstd=False).encode(tensor.detach().float().cpu()).SerializeToString()
@@ -236,11 +329,35 @@ class SwarmExchange(Exchange):
     async def _start(self):
         p2p = await self.dht.replicate_p2p()
         await p2p.add_protobuf_handler(self._handler, self._serve, PayloadRequest, stream_output=True)
+        await p2p.add_protobuf_handler(
+            self._state_handler, self._serve_state, StateRequest, stream_output=True
+        )
         return p2p
 
     async def _stop(self) -> None:
         await self._p2p.remove_protobuf_handler(self._handler, stream_output=True)
+        await self._p2p.remove_protobuf_handler(self._state_handler, stream_output=True)
         await self._p2p.shutdown()
+
+    async def _serve_state(self, request: StateRequest, _context):
+        snapshot = self._states.get(request.state)
+        if snapshot is None:
+            return
+        data = snapshot.manifest if request.manifest else snapshot.chunk(request.chunk)
+        for start in range(0, len(data), CHUNK_BYTES):
+            yield PayloadChunk(data=data[start : start + CHUNK_BYTES])
+
+    def _strike(self, owner: bytes, reason: str) -> None:
+        if not owner or owner == self.owner:
+            return
+        self.strikes[owner] += 1
+        if self.strikes[owner] >= self.strike_limit:
+            until = (self.last_round or 0) + 1 + self.ban_rounds
+            logger.warning(
+                f"ignoring a peer for {self.ban_rounds} rounds after {self.strikes[owner]} strikes"
+            )
+            self.banned[owner] = until
+            del self.strikes[owner]
 
     async def _serve(self, request: PayloadRequest, _context):
         data = self._held.get((request.round, request.digest))
@@ -249,12 +366,27 @@ class SwarmExchange(Exchange):
         for start in range(0, len(data), CHUNK_BYTES):
             yield PayloadChunk(data=data[start : start + CHUNK_BYTES])
 
-    async def _round(self, round_number: int, payload: bytes, samples: int) -> list[Contribution]:
+    async def _round(
+        self,
+        round_number: int,
+        payload: bytes,
+        samples: int,
+        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
+    ) -> list[Contribution]:
         deadline = self.schedule.deadline(round_number)
         digest = hashlib.sha256(payload).digest()
+        state = b""
+        if snapshot is not None:
+            state = snapshot[0].digest
+            self._states[state] = snapshot[0]
+            for old in list(self._states)[: -self.keep_states]:
+                del self._states[old]
         self._held[(round_number, digest)] = payload
         for key in [k for k in self._held if k[0] < round_number - 1]:  # keep the last round for late pullers
             del self._held[key]
+        for key in [k for k, (r, _) in self._seen.items() if r < round_number - 16]:
+            del self._seen[key]
+        self.banned = {owner: until for owner, until in self.banned.items() if until > round_number}
         self.record = self.record.copy(update={"round": round_number})
         await self.dht.store(
             f"{self.run}_peers",
@@ -264,18 +396,34 @@ class SwarmExchange(Exchange):
             return_future=True,
         )
         key = f"{self.run}.round.{round_number}"
+        mine = Announcement(self.owner, self.peer_id, digest, len(payload), samples, state, self.synced)
         record = {"peer": self.peer_id, "digest": digest, "size": len(payload), "samples": samples}
+        if snapshot is not None:
+            record |= {"state": state, "synced": self.synced}
         await self.dht.store(key, record, deadline + 60, subkey=self.owner, return_future=True)
-        announced = {self.owner: Announcement(self.owner, self.peer_id, digest, len(payload), samples)}
+        self._seen.setdefault(digest, (round_number, self.owner))
+        announced = {self.owner: mine}
+        ignored: set[bytes] = set()
         fetches: dict[bytes, asyncio.Task] = {}
         while True:
             compatible = await self._compatible_peers()
-            for announcement in await self._announcements(key):
-                if announcement.owner in announced or announcement.owner not in compatible:
+            for owner, announcement in await self._announcements(key):
+                # compatible owners come from schema-checked records: signed public-key subkeys
+                if owner not in compatible or owner in announced or owner in ignored:
                     continue
-                announced[announcement.owner] = announcement
+                if isinstance(announcement, MalformedPayloadError):
+                    reason = "banned" if owner in self.banned else announcement.reason
+                else:
+                    reason = self._refusal(round_number, announcement)
+                if reason is not None:
+                    ignored.add(owner)
+                    self.rejected[reason] += 1
+                    if reason != "banned":
+                        self._strike(owner, reason)
+                    continue
+                announced[owner] = announcement
                 if (round_number, announcement.digest) not in self._held:
-                    fetches[announcement.owner] = asyncio.create_task(self._fetch(round_number, announcement))
+                    fetches[owner] = asyncio.create_task(self._fetch(round_number, announcement))
             remaining = deadline - time.time()
             if remaining <= 0:
                 break
@@ -284,11 +432,85 @@ class SwarmExchange(Exchange):
             task.cancel()
         await asyncio.gather(*fetches.values(), return_exceptions=True)
         held = sorted(owner for owner, a in announced.items() if (round_number, a.digest) in self._held)
+        # a payload announced by several peers counts once, for the smallest key (no strike: copying an
+        # announcement is free, so the copier cannot be told from the author)
+        first_owner = {}
+        for owner in held:
+            first_owner.setdefault(announced[owner].digest, owner)
+        copies = [owner for owner in held if first_owner[announced[owner].digest] != owner]
+        if copies:
+            self.rejected["duplicate"] += len(copies)
+            held = [owner for owner in held if owner not in copies]
+        if snapshot is not None:
+            agreed = majority({owner: (announced[owner].state, announced[owner].synced) for owner in held})
+            stale = [owner for owner in held if announced[owner].state != agreed and owner != self.owner]
+            if stale:
+                self.rejected["stale_state"] += len(stale)
+            if agreed != state:
+                stale.append(self.owner)
+                sources = [
+                    announced[o].peer for o in held if announced[o].state == agreed and o != self.owner
+                ]
+                self._adopted = await self._resync(agreed, sources, snapshot[1])
+            self.synced = agreed == state or self._adopted is not None
+            held = [owner for owner in held if owner not in stale]
         self._participants = held
         return [
-            Contribution(rank, self._held[(round_number, announced[owner].digest)], announced[owner].samples)
+            Contribution(
+                rank,
+                self._held[(round_number, announced[owner].digest)],
+                announced[owner].samples,
+                sender=owner,
+            )
             for rank, owner in enumerate(held)
         ]
+
+    def _refusal(self, round_number: int, announcement: Announcement) -> str | None:
+        """Why an announcement of a compatible peer is not taken (None: it is)."""
+        if announcement.owner in self.banned:
+            return "banned"
+        first_round, _ = self._seen.setdefault(announcement.digest, (round_number, announcement.owner))
+        return "replayed" if first_round < round_number else None
+
+    async def _resync(self, digest: bytes, sources: list[str], like: list[torch.Tensor]) -> list | None:
+        """The majority's state, pulled from `sources`; None (counted) if it could not be had."""
+        started = time.perf_counter()
+        try:
+            _, data = await download(
+                digest,
+                sources,
+                self._fetch_state_piece,
+                expected_size=state_size(like),
+                transient=(P2PDaemonError, P2PHandlerError),
+                rejected=self.rejected,
+            )
+            adopted = restore(data, like)
+        except (StateUnavailable, MalformedPayloadError) as error:
+            self.rejected["resync_failed"] += 1
+            logger.warning(f"could not re-sync with the swarm's state: {error}")
+            return None
+        self.resyncs += 1
+        self.bytes_received += len(data)
+        elapsed = time.perf_counter() - started
+        logger.info(f"re-synced {len(data)} bytes of state from {len(sources)} peers in {elapsed:.1f} s")
+        return adopted
+
+    async def _fetch_state_piece(self, source: str, request: StateRequest) -> bytes:
+        stream = await asyncio.wait_for(
+            self._p2p.iterate_protobuf_handler(
+                PeerID.from_base58(source), self._state_handler, request, PayloadChunk
+            ),
+            self.fetch_timeout_s,
+        )
+        parts, size = [], 0
+        async for chunk in aiter_with_timeout(stream, self.fetch_timeout_s):
+            size += len(chunk.data)
+            if size > MAX_CHUNK_BYTES + (1 << 20):
+                raise MalformedPayloadError("too_large", f"{source} sent an oversized state piece")
+            parts.append(chunk.data)
+        if not parts:
+            raise ConnectionError(f"{source} does not hold the state")
+        return b"".join(parts)
 
     async def _compatible_peers(self) -> set[bytes]:
         """Public-key subkeys of the peers whose current record is compatible with this one's."""
@@ -310,7 +532,8 @@ class SwarmExchange(Exchange):
                 logger.warning(f"refusing peer {record.peer_id}: {reason}")
         return compatible
 
-    async def _announcements(self, key: str) -> list[Announcement]:
+    async def _announcements(self, key: str) -> list[tuple[object, Announcement | MalformedPayloadError]]:
+        """(subkey, its announcement or why it is malformed) for every entry under `key`."""
         found = await self.dht.get(key, latest=True, return_future=True)
         if found is None or not isinstance(found.value, dict):
             return []
@@ -318,10 +541,10 @@ class SwarmExchange(Exchange):
         for owner, entry in found.value.items():
             try:
                 announcements.append(
-                    Announcement.parse(owner, getattr(entry, "value", None), self.max_payload_bytes)
+                    (owner, Announcement.parse(owner, getattr(entry, "value", None), self.max_payload_bytes))
                 )
             except MalformedPayloadError as error:
-                self.rejected[error.reason] += 1
+                announcements.append((owner, error))
         return announcements
 
     async def _fetch(self, round_number: int, announcement: Announcement, attempts: int = 3) -> None:
@@ -333,6 +556,7 @@ class SwarmExchange(Exchange):
                     data = await self._download(announcement, request)
             except MalformedPayloadError as error:
                 self.rejected[error.reason] += 1
+                self._strike(announcement.owner, error.reason)
                 return
             except (TimeoutError, P2PDaemonError, P2PHandlerError, OSError, asyncio.IncompleteReadError):
                 await asyncio.sleep(0.1 * 2**attempt)

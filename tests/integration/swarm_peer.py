@@ -1,13 +1,15 @@
-"""One peer of the swarm integration test (run by test_swarm.py).
+"""One peer of the swarm integration tests (run by test_swarm.py).
 
     python -m tests.integration.swarm_peer --initial-peer MADDR --start T --round-seconds S \
-        --rounds R --index I --peers N --out FILE
+        --until-round R --index I --peers N --out FILE [--algorithm demo|diloco-eager|...]
 
-Joins the DHT, trains the tiny GPT with DeMo (or DiLoCo, `--algorithm`) over a SwarmExchange for R
-rounds on its own slice of the standard-library corpus, and writes a JSON report: a hash of the
-final parameters, the losses, participants and lateness (seconds past the deadline) per round,
-rejections.
-`--die-after N` makes it kill -9 itself before round N.
+Joins the DHT and trains the tiny GPT over a SwarmExchange (shoal.peer.runtime.Trainer) on its own
+slice of the standard-library corpus until round R, then writes a JSON report: a hash of the final
+parameters, per-round losses, participants and lateness (seconds past the deadline), rejections,
+re-syncs. Without `--start` it joins a running swarm: the round clock comes from the DHT.
+`--die-after N` kills -9 itself before its N-th round; SIGTERM stops it at a round end with a
+checkpoint (`--checkpoint-dir`), and `--resume` starts from the newest one.
+`--hostile` makes it attack the others, one attack per round (ATTACKS), while it stays in sync.
 """
 
 import argparse
@@ -15,91 +17,106 @@ import hashlib
 import json
 import os
 import signal
-import time
 from datetime import timedelta
 
 import torch
+import zstandard
 from hivemind.utils.crypto import RSAPrivateKey
 
 from shoal.compression import DenseCodec
 from shoal.peer.bootstrap import start_dht
+from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data import BatchPlan, stdlib_corpus
-from shoal.peer.demo import DeMo
-from shoal.peer.diloco import DiLoCo
 from shoal.peer.membership import record_validators
 from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.runtime import ALGORITHMS, Trainer, stop_on_signals
 from shoal.peer.swarm import RoundSchedule, SwarmExchange
+from shoal.protocol import Payload
+
+ATTACKS = ["none", "wrong_shape", "nan", "oversized", "digest", "replay"]
+MAX_PAYLOAD_BYTES = 1 << 20
 
 
-def train_demo(model, exchange, schedule, plan, streams, args):
-    """One DeMo step per round."""
-    optimizer = DeMo(model.parameters(), lr=2e-3, exchange=exchange, compression_topk=args.topk)
-    losses, participants, lateness = [], [], []
-    for step in range(args.rounds):
-        if step == args.die_after:
-            os.kill(os.getpid(), signal.SIGKILL)
-        inputs, targets = plan.batch(streams.train, step, args.index)
-        loss = model(inputs, targets=targets)
-        loss.backward()
-        optimizer.step(samples=inputs.shape[0])
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        participants.append(exchange.world_size)
-        lateness.append(time.time() - schedule.deadline(exchange.last_round))
-    return losses, participants, lateness, dict(optimizer.rejected)
+class HostileExchange(SwarmExchange):
+    """A peer that sends an honest payload, then a different bad one each round, then honest ones
+    again; it keeps the swarm's state by aggregating, after its first round, only the others'
+    payloads, as they do once they drop its own."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rounds = 0
+        self.first_payload = b""
+        self.lying = False
 
-def train_diloco(model, exchange, schedule, plan, streams, args, inner_steps: int = 5):
-    """An outer step (one round) every `inner_steps` AdamW steps; eager mode exchanges in the background."""
-    inner = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    mode = args.algorithm.removeprefix("diloco-")
-    losses, participants, lateness = [], [], []
-    with DiLoCo(
-        model, inner, exchange=exchange, inner_steps=inner_steps, mode=mode, outer_lr=0.4, codec=DenseCodec(8)
-    ) as diloco:
-        for step in range(args.rounds * inner_steps):
-            inputs, targets = plan.batch(streams.train, step, args.index)
-            loss = model(inputs, targets=targets)
-            loss.backward()
-            diloco.step(samples=inputs.shape[0])
-            if (step + 1) % inner_steps == 0:
-                losses.append(loss.item())
-                participants.append(exchange.world_size)
-                lateness.append(time.time() - schedule.deadline(exchange.last_round))
-        diloco.finish()
-    return losses, participants, lateness, {"diloco": diloco.stats.rejected} if diloco.stats.rejected else {}
+    def gather(self, payload, samples, state=None):
+        attack = ATTACKS[self.rounds] if self.rounds < len(ATTACKS) else "none"
+        self.rounds += 1
+        self.first_payload = self.first_payload or payload
+        self.lying = attack == "digest"
+        message = Payload.FromString(payload)
+        if attack == "wrong_shape":
+            del message.tensors[-1]
+            payload = message.SerializeToString()
+        elif attack == "nan":
+            for tensor in message.tensors:  # DeMo sends float32 values: as many NaNs, raw
+                raw = zstandard.decompress(tensor.values) if tensor.values_zstd else tensor.values
+                tensor.values = torch.full((len(raw) // 4,), float("nan")).numpy().tobytes()
+                tensor.values_zstd = False
+            payload = message.SerializeToString()
+        elif attack == "oversized":
+            payload = payload + bytes(MAX_PAYLOAD_BYTES)
+        elif attack == "replay":
+            payload = self.first_payload
+        contributions = super().gather(payload, samples, state)
+        if self.rounds == 1:  # its honest first payload counts everywhere
+            return contributions
+        return [c for c in contributions if c.sender != self.owner]
+
+    async def _serve(self, request, context):
+        async for chunk in super()._serve(request, context):
+            if self.lying:
+                chunk.data = bytes(len(chunk.data))
+            yield chunk
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("--initial-peer", "--out"):
         parser.add_argument(name, required=True)
-    parser.add_argument("--start", type=float, required=True)
-    parser.add_argument("--round-seconds", type=float, required=True)
-    for name in ("--rounds", "--index", "--peers"):
+    parser.add_argument("--start", type=float, default=None, help="round clock start (none: from the DHT)")
+    parser.add_argument("--round-seconds", type=float, default=1.5)
+    for name in ("--until-round", "--index", "--peers"):
         parser.add_argument(name, type=int, required=True)
-    parser.add_argument("--die-after", type=int, default=None, help="kill -9 itself after this many rounds")
-    parser.add_argument(
-        "--topk", type=int, default=32, help="DeMo's compression_topk (part of the run config)"
-    )
-    parser.add_argument("--algorithm", choices=["demo", "diloco-standard", "diloco-eager"], default="demo")
+    parser.add_argument("--die-after", type=int, default=None, help="kill -9 itself before this round")
+    parser.add_argument("--topk", type=int, default=32, help="DeMo's compression_topk (in the run config)")
+    parser.add_argument("--algorithm", choices=ALGORITHMS, default="demo")
+    parser.add_argument("--hostile", action="store_true")
+    parser.add_argument("--strike-limit", type=int, default=3)
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    stop = stop_on_signals()
     identity = RSAPrivateKey()
     dht = start_dht(
         [args.initial_peer],
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         record_validators=record_validators("test", identity),
     )
-    schedule = RoundSchedule(start_time=args.start, round_seconds=args.round_seconds)
+    if args.start is None:
+        schedule = RoundSchedule.discover(dht, "test")
+    else:
+        schedule = RoundSchedule(start_time=args.start, round_seconds=args.round_seconds)
     config = {"model": "tiny", "algorithm": args.algorithm, "lr": "2e-3", "compression_topk": str(args.topk)}
-    exchange = SwarmExchange(
+    exchange = (HostileExchange if args.hostile else SwarmExchange)(
         dht,
         run="test",
         schedule=schedule,
         identity=identity,
         config=config,
         fetch_timeout=timedelta(seconds=5),
+        max_payload_bytes=MAX_PAYLOAD_BYTES,
+        strike_limit=args.strike_limit,
     )
     try:
         config_model = GPTConfig.preset("tiny")
@@ -107,25 +124,51 @@ def main() -> None:
         model = TinyGPT(config_model)
         streams = stdlib_corpus(max_bytes=2 << 20)
         plan = BatchPlan(seq_len=config_model.seq_len, batch_size=8, workers=args.peers)
-        if args.algorithm == "demo":
-            losses, participants, lateness, rejected = train_demo(
-                model, exchange, schedule, plan, streams, args
-            )
-        else:
-            losses, participants, lateness, rejected = train_diloco(
-                model, exchange, schedule, plan, streams, args
-            )
+        trainer = Trainer(
+            model,
+            exchange,
+            algorithm=args.algorithm,
+            batches=lambda step: plan.batch(streams.train, step, args.index),
+            topk=args.topk,
+            codec=DenseCodec(8) if args.algorithm != "demo" else None,
+            checkpoints=CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None,
+        )
+        resumed = trainer.resume() if args.resume else False
+        reports, stopped = [], False
+        first_round = exchange.next_round
+        # DiLoCo's delayed and eager rounds start on a background thread: count them rather than ask
+        while exchange.next_round <= args.until_round and len(reports) <= args.until_round - first_round:
+            if len(reports) == args.die_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            reports.extend(trainer.run(1, stop))
+            if stop.is_set():
+                stopped = True
+                break
+        if not stopped:
+            trainer.finish()
+        trainer.close()
         digest = hashlib.sha256(
             b"".join(p.detach().numpy().tobytes() for p in model.parameters())
         ).hexdigest()
+        optimizer_rejected = (
+            dict(trainer.optimizer.rejected)
+            if trainer.diloco is None
+            else ({"diloco": trainer.diloco.stats.rejected} if trainer.diloco.stats.rejected else {})
+        )
         report = {
             "param_hash": digest,
-            "losses": losses,
-            "participants": participants,
-            "lateness": lateness,
-            "rejected": dict(exchange.rejected) | rejected,
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+            "rounds": [r.round for r in reports],
+            "losses": [r.loss for r in reports],
+            "participants": [r.participants for r in reports],
+            "lateness": [r.finished_at - schedule.deadline(r.round) for r in reports],
+            "rejected": dict(exchange.rejected) | optimizer_rejected,
             "received": exchange.bytes_received,
             "refused": exchange.refused,
+            "resyncs": exchange.resyncs,
+            "banned": len(exchange.banned),
+            "resumed": resumed,
+            "stopped": stopped,
         }
         with open(args.out, "w") as out:
             json.dump(report, out)

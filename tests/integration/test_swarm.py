@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from shoal.peer.checkpoint import CheckpointStore
 
 ROOT = Path(__file__).resolve().parents[2]
 HIVEMIND_DHT = Path(sys.executable).with_name("hivemind-dht")
@@ -47,74 +50,95 @@ def run_swarm(
     tmp_path,
     peers: int,
     rounds: int,
-    round_seconds: float,
+    round_seconds: float = 1.5,
     die: dict[int, int] | None = None,
     extra: dict[int, list[str]] | None = None,
+    join_at: dict[int, int] | None = None,
+    restart_at: dict[int, int] | None = None,
 ) -> list:
-    """Reports of the peers that finished (None for those told to die); `extra`: more flags per peer."""
-    die, extra = die or {}, extra or {}
+    """Reports of every peer (None for those told to die), after rounds 0 .. rounds - 1.
+
+    `extra`: more flags per peer; `join_at`: peers started only at that round, without the clock (they
+    find it in the DHT); `restart_at`: peers sent SIGTERM at that round and started again at once
+    with `--resume` (their first report is `peer<i>-stopped.json`)."""
+    die, extra, join_at, restart_at = die or {}, extra or {}, join_at or {}, restart_at or {}
     node = start(
         [str(HIVEMIND_DHT), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], stderr=subprocess.PIPE, text=True
     )
-    processes = [node]
+    processes = {"node": node}
     try:
         address = bootstrap_address(node)
         begin = time.time() + 15  # room for every peer to import torch/hivemind and join
-        outs = [tmp_path / f"peer{i}.json" for i in range(peers)]
+
+        def launch(i: int, out: Path, *flags: str) -> subprocess.Popen:
+            command = [sys.executable, "-m", "tests.integration.swarm_peer", "--initial-peer", address]
+            command += ["--round-seconds", str(round_seconds), "--until-round", str(rounds - 1)]
+            command += ["--index", str(i), "--peers", str(peers), "--out", str(out)]
+            command += ["--checkpoint-dir", str(tmp_path / f"checkpoints{i}"), *extra.get(i, []), *flags]
+            return start(command)
+
+        events = []  # (time, action, peer)
         for i in range(peers):
-            flags = (["--die-after", str(die[i])] if i in die else []) + extra.get(i, [])
-            processes.append(
-                start(
-                    [
-                        sys.executable,
-                        "-m",
-                        "tests.integration.swarm_peer",
-                        "--initial-peer",
-                        address,
-                        "--start",
-                        str(begin),
-                        "--round-seconds",
-                        str(round_seconds),
-                        "--rounds",
-                        str(rounds),
-                        "--index",
-                        str(i),
-                        "--peers",
-                        str(peers),
-                        "--out",
-                        str(outs[i]),
-                        *flags,
-                    ]
-                )
-            )
-        for i, process in enumerate(processes[1:]):
-            code = process.wait(timeout=begin - time.time() + rounds * round_seconds + 60)
+            if i in join_at:
+                events.append((begin + join_at[i] * round_seconds - 8, "join", i))  # ~8 s to start up
+            else:
+                flags = ["--start", str(begin)] + (["--die-after", str(die[i])] if i in die else [])
+                processes[i] = launch(i, tmp_path / f"peer{i}.json", *flags)
+            if i in restart_at:
+                events.append((begin + restart_at[i] * round_seconds, "restart", i))
+        for when, action, i in sorted(events):
+            time.sleep(max(0.0, when - time.time()))
+            if action == "join":
+                processes[i] = launch(i, tmp_path / f"peer{i}.json")
+            else:
+                first = processes.pop(i)
+                first.send_signal(signal.SIGTERM)  # the peer's main process only: it checkpoints and leaves
+                assert first.wait(timeout=30) == 0
+                shutil.move(tmp_path / f"peer{i}.json", tmp_path / f"peer{i}-stopped.json")
+                processes[i] = launch(i, tmp_path / f"peer{i}.json", "--start", str(begin), "--resume")
+        for i in range(peers):
+            code = processes[i].wait(timeout=begin - time.time() + rounds * round_seconds + 60)
             assert code == (-signal.SIGKILL if i in die else 0)
-        return [None if i in die else json.loads(out.read_text()) for i, out in enumerate(outs)]
+        return [
+            None if i in die else json.loads((tmp_path / f"peer{i}.json").read_text()) for i in range(peers)
+        ]
     finally:
-        for process in processes:
+        for process in processes.values():
             stop(process)
 
 
-@pytest.mark.timeout(240)
-def test_three_peers_train_demo_over_the_swarm_and_agree(tmp_path):
-    peers, rounds = 3, 10
-    reports = run_swarm(tmp_path, peers, rounds, round_seconds=1.5)
+def mean_loss(reports: list, position: int) -> float:
+    return sum(r["losses"][position] for r in reports) / len(reports)
+
+
+@pytest.mark.timeout(300)
+def test_four_peers_train_demo_a_fifth_joins_and_a_restarted_one_resyncs(tmp_path):
+    """>= 20 rounds of DeMo on 4 peers; peer 3 is stopped with SIGTERM at round 6 and restarted from
+    its checkpoint, peer 4 joins at round 9: at the end all five hold the same parameters."""
+    rounds = 22
+    reports = run_swarm(tmp_path, peers=5, rounds=rounds, join_at={4: 9}, restart_at={3: 6})
     assert len({r["param_hash"] for r in reports}) == 1, "peers ended with different parameters"
-    for report in reports:
-        assert report["participants"] == [peers] * rounds
-        assert report["rejected"] == {}
-        assert report["received"] > 0
+    for report in reports[:3]:
+        assert report["rounds"] == list(range(rounds))
+        assert set(report["rejected"]) <= {"stale_state"}  # the newcomers' first rounds, nothing else
+        assert report["resyncs"] == 0 and report["received"] > 0
         assert max(report["lateness"]) < 0.5  # every round ends at its deadline
-    first = sum(r["losses"][0] for r in reports) / peers
-    last = sum(r["losses"][-1] for r in reports) / peers
-    assert last < first
+        assert max(report["participants"]) == 5 and report["participants"][-1] == 5
+    assert mean_loss(reports[:3], -1) < mean_loss(reports[:3], 0) - 0.5
+    stopped = json.loads((tmp_path / "peer3-stopped.json").read_text())
+    assert stopped["stopped"] and stopped["rounds"][-1] < rounds - 5
+    state = CheckpointStore(tmp_path / "checkpoints3").load_latest()
+    assert state is not None and state["round"] >= stopped["rounds"][-1]  # SIGTERM left a checkpoint
+    restarted, joiner = reports[3], reports[4]
+    assert restarted["resumed"] and restarted["resyncs"] == 1  # resumed, then caught up with the swarm
+    assert joiner["resyncs"] == 1 and joiner["rounds"][0] >= 8 and joiner["rounds"][-1] == rounds - 1
+    assert all(r["finite"] for r in reports)
 
 
 @pytest.mark.timeout(240)
 def test_killing_a_peer_mid_run_does_not_stall_the_others(tmp_path):
     rounds = 8
-    reports = run_swarm(tmp_path, peers=3, rounds=rounds, round_seconds=1.5, die={2: 3})
+    reports = run_swarm(tmp_path, peers=3, rounds=rounds, die={2: 3})
     for report in reports[:2]:
         assert len(report["losses"]) == rounds
         assert report["participants"][:3] == [3, 3, 3] and report["participants"][-1] == 2
@@ -124,7 +148,7 @@ def test_killing_a_peer_mid_run_does_not_stall_the_others(tmp_path):
 @pytest.mark.timeout(240)
 def test_a_peer_with_another_run_configuration_is_refused_naming_the_setting(tmp_path):
     rounds = 5
-    reports = run_swarm(tmp_path, peers=3, rounds=rounds, round_seconds=1.5, extra={2: ["--topk", "4"]})
+    reports = run_swarm(tmp_path, peers=3, rounds=rounds, extra={2: ["--topk", "4"]})
     for report in reports[:2]:
         assert report["participants"] == [2] * rounds
         (reason,) = report["refused"].values()
@@ -135,21 +159,55 @@ def test_a_peer_with_another_run_configuration_is_refused_naming_the_setting(tmp
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["standard", "eager"])
-def test_three_peers_train_diloco_over_the_swarm(tmp_path, mode):
-    peers, rounds = 3, 5
+def test_a_hostile_peer_is_rejected_counted_and_banned(tmp_path):
+    """Peer 3 sends, round after round, a payload of the wrong structure, NaN values, an oversized
+    payload, bytes that do not match their digest, and a replay of an old payload; then honest ones."""
+    rounds = 9
     reports = run_swarm(
         tmp_path,
-        peers,
-        rounds,
-        round_seconds=1.5,
-        extra={i: ["--algorithm", f"diloco-{mode}"] for i in range(peers)},
+        peers=4,
+        rounds=rounds,
+        extra={i: ["--strike-limit", "5"] + (["--hostile"] if i == 3 else []) for i in range(4)},
+    )
+    honest = reports[:3]
+    assert len({r["param_hash"] for r in honest}) == 1 and all(r["finite"] for r in honest)
+    for report in honest:
+        rejected = report["rejected"]
+        for reason in ("wrong_structure", "non_finite", "too_large", "digest_mismatch", "replayed"):
+            assert rejected.get(reason, 0) >= 1, (reason, rejected)
+        assert rejected.get("banned", 0) >= 1 and report["banned"] == 1  # five strikes: ignored since
+        # delivered by the exchange: rounds 1-2's payloads arrive and the optimizer drops them; from round
+        # 3 on the exchange refuses them itself
+        assert report["participants"] == [4, 4, 4] + [3] * (rounds - 3)
+    assert mean_loss(honest, -1) < mean_loss(honest, 0)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("mode", "peers", "rounds"), [("standard", 3, 5), ("eager", 4, 20)])
+def test_peers_train_diloco_over_the_swarm_and_agree(tmp_path, mode, peers, rounds):
+    reports = run_swarm(
+        tmp_path, peers, rounds, extra={i: ["--algorithm", f"diloco-{mode}"] for i in range(peers)}
     )
     for report in reports:
         # world_size is that of the last completed round: in eager mode the round just started is in flight
         seen = report["participants"] if mode == "standard" else report["participants"][1:]
         assert seen == [peers] * len(seen) and report["rejected"] == {}
         assert report["losses"][-1] < report["losses"][0]
-    if mode == "standard":  # eager peers overlap their rounds and differ by their own fresh shares
+        assert report["resyncs"] == 0
+    if mode == "standard":
         assert all(max(r["lateness"]) < 0.5 for r in reports)
-        assert len({r["param_hash"] for r in reports}) == 1
+    # eager peers differ by their own fresh shares while training, and meet on the consensus at the end
+    assert len({r["param_hash"] for r in reports}) == 1
+
+
+@pytest.mark.timeout(180)
+def test_bench_swarm_local_measures_the_wire_against_the_codec(tmp_path):
+    command = [sys.executable, "-m", "shoal.peer.cli", "bench", "swarm-local", "--json", "--peers", "2"]
+    command += ["--rounds", "3", "--round-seconds", "2"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (row,) = json.loads(result.stdout)["results"]
+    assert row["peers"] == 2 and row["complete_rounds"] == 3 and row["rejected"] == 0
+    assert row["predicted_wire_bytes_per_peer_round"] == row["payload_bytes"] > 1000
+    # the wire carries at least the payloads, and framing, DHT traffic and headers on top
+    assert row["wire_bytes_per_peer_round"] > row["predicted_wire_bytes_per_peer_round"]

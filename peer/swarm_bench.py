@@ -1,0 +1,178 @@
+"""`shoal bench swarm-local`: a real swarm on loopback, and what it puts on the wire.
+
+For each swarm size, N peer processes (this module run with `--worker`) join a hivemind DHT started
+here, train the model with DeMo over a SwarmExchange for R clock-synchronous rounds, and report the
+payload bytes they sent. The wire is measured, not modelled: the bytes the loopback interface carried
+(/proc/net/dev, transmit side) from the first round's start to the last round's deadline, so they
+include libp2p framing and encryption, TCP/IP headers, DHT traffic (records, announcements, polling)
+and retries. The prediction from the codec alone is that every payload is pulled once by each of
+the N - 1 other peers: `payload bytes * (N - 1)` per peer per round. Overhead = measured / predicted
+- 1. Nothing else may use loopback meanwhile (the numbers would include it).
+
+Rounds per second are set by the clock (1 / round length); what is measured is whether every round
+completed with every peer's payload (`complete_rounds`).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+MODELS = {"tiny": {}, "10m": {"n_layer": 12, "n_head": 4, "d_model": 256, "seq_len": 128}}
+"""tiny: GPTConfig.preset('tiny'); 10m: the 'small' width with 12 layers, ~9.5M parameters."""
+
+
+def loopback_tx_bytes() -> int:
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "lo":
+            return int(counters.split()[8])
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from shoal.peer.bootstrap import start_dht
+    from shoal.peer.data import BatchPlan, stdlib_corpus
+    from shoal.peer.membership import record_validators
+    from shoal.peer.model import GPTConfig, TinyGPT
+    from shoal.peer.runtime import Trainer
+    from shoal.peer.swarm import RoundSchedule, SwarmExchange
+
+    torch.set_num_threads(1)
+    identity = RSAPrivateKey()
+    dht = start_dht(
+        [args.initial_peer],
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        record_validators=record_validators("bench", identity),
+    )
+    schedule = RoundSchedule(start_time=args.start, round_seconds=args.round_seconds)
+    exchange = SwarmExchange(
+        dht,
+        run="bench",
+        schedule=schedule,
+        identity=identity,
+        config={"model": args.model, "algorithm": "demo"},
+        fetch_timeout=timedelta(seconds=args.round_seconds),
+    )
+    try:
+        config = GPTConfig.preset("small" if args.model == "10m" else "tiny", **MODELS[args.model])
+        torch.manual_seed(0)
+        model = TinyGPT(config)
+        streams = stdlib_corpus(max_bytes=4 << 20)
+        plan = BatchPlan(seq_len=config.seq_len, batch_size=4, workers=args.peers)
+        trainer = Trainer(
+            model,
+            exchange,
+            algorithm="demo",
+            batches=lambda step: plan.batch(streams.train, step, args.index),
+        )
+        reports = trainer.run(args.rounds)
+        result = {
+            "params": sum(p.numel() for p in model.parameters()),
+            "payload_bytes": trainer.optimizer.bytes_sent / len(reports),
+            "participants": [r.participants for r in reports],
+            "received": exchange.bytes_received,
+            "rejected": dict(exchange.rejected),
+            "compute_s": statistics.median(r.compute_s for r in reports),
+        }
+        Path(args.out).write_text(json.dumps(result))
+    finally:
+        exchange.close()
+        dht.shutdown()
+
+
+def run_swarm(model: str, peers: int, rounds: int, round_seconds: float) -> dict:
+    import hivemind
+
+    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    address = str(node.get_visible_maddrs()[0])
+    with tempfile.TemporaryDirectory() as tmp:
+        begin = time.time() + 20 + 2 * peers  # imports and DHT joins of every peer
+        processes = [
+            subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "shoal.peer.swarm_bench", "--worker", "--initial-peer", address),
+                    *("--start", str(begin), "--round-seconds", str(round_seconds), "--rounds", str(rounds)),
+                    *("--index", str(i), "--peers", str(peers), "--model", model, "--out", f"{tmp}/{i}.json"),
+                ],
+                start_new_session=True,
+            )
+            for i in range(peers)
+        ]
+        try:
+            time.sleep(max(0.0, begin - time.time()))
+            start_bytes = loopback_tx_bytes()
+            time.sleep(max(0.0, begin + rounds * round_seconds - time.time()))
+            wire = loopback_tx_bytes() - start_bytes
+            for process in processes:
+                if process.wait(timeout=120) != 0:
+                    raise RuntimeError(f"a bench peer exited with {process.returncode}")
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    os.killpg(process.pid, 9)
+            node.shutdown()
+        results = [json.loads(Path(f"{tmp}/{i}.json").read_text()) for i in range(peers)]
+    payload = statistics.mean(r["payload_bytes"] for r in results)
+    predicted = payload * (peers - 1)
+    measured = wire / peers / rounds
+    complete = sum(
+        all(p == peers for p in column) for column in zip(*(r["participants"] for r in results), strict=True)
+    )
+    return {
+        "model": model,
+        "params": results[0]["params"],
+        "peers": peers,
+        "rounds": rounds,
+        "round_seconds": round_seconds,
+        "rounds_per_second": 1 / round_seconds,
+        "complete_rounds": complete,
+        "payload_bytes": round(payload),
+        "predicted_wire_bytes_per_peer_round": round(predicted),
+        "wire_bytes_per_peer_round": round(measured),
+        "overhead": measured / predicted - 1,
+        "rejected": sum(sum(r["rejected"].values()) for r in results),
+        "median_compute_s": statistics.median(r["compute_s"] for r in results),
+    }
+
+
+def main(*, as_json: bool, sizes: list[int], model: str, rounds: int, round_seconds: float) -> int:
+    results = []
+    for peers in sizes:
+        results.append(run_swarm(model, peers, rounds, round_seconds))
+        if not as_json:
+            r = results[-1]
+            print(
+                f"{r['model']:>5} {r['params']:>10,} params  {r['peers']} peers"
+                f"  {r['rounds_per_second']:.2f} rounds/s  complete {r['complete_rounds']}/{r['rounds']}"
+                f"  payload {r['payload_bytes']:>10,} B"
+                f"  predicted {r['predicted_wire_bytes_per_peer_round']:>11,} B"
+                f"  wire {r['wire_bytes_per_peer_round']:>11,} B  overhead {100 * r['overhead']:+.1f}%",
+                flush=True,
+            )
+    if as_json:
+        print(json.dumps({"results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--initial-peer")
+    parser.add_argument("--start", type=float)
+    parser.add_argument("--round-seconds", type=float)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--index", type=int)
+    parser.add_argument("--peers", type=int)
+    parser.add_argument("--model", choices=list(MODELS))
+    parser.add_argument("--out")
+    worker(parser.parse_args())
