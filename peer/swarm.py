@@ -203,6 +203,7 @@ class SwarmExchange(Exchange):
         self.max_payload_bytes = max_payload_bytes
         self.fetch_timeout_s = fetch_timeout.total_seconds()
         self.poll_interval_s = poll_interval.total_seconds()
+        self.records_interval_s = max(1.0, self.poll_interval_s)
         self.peer_id = dht.peer_id.to_base58()
         self.owner = owner_subkey(identity)
         self.record = PeerRecord(
@@ -405,8 +406,20 @@ class SwarmExchange(Exchange):
         announced = {self.owner: mine}
         ignored: set[bytes] = set()
         fetches: dict[bytes, asyncio.Task] = {}
+        compatible: set[bytes] = set()
         while True:
-            compatible = await self._compatible_peers()
+            # DHT reads are most of the wire overhead (BENCHMARKS.md): once every compatible peer's payload
+            # is in, only the peer list is re-read (once per `records_interval`), to notice a newcomer
+            waiting = not compatible <= announced.keys() | ignored
+            if waiting or not all(task.done() for task in fetches.values()) or not compatible:
+                compatible = await self._compatible_peers()
+            else:
+                await asyncio.sleep(min(self.records_interval_s, max(0.0, deadline - time.time())))
+                if time.time() >= deadline:
+                    break
+                compatible = await self._compatible_peers()
+                if compatible <= announced.keys() | ignored:
+                    continue
             for owner, announcement in await self._announcements(key):
                 # compatible owners come from schema-checked records: signed public-key subkeys
                 if owner not in compatible or owner in announced or owner in ignored:
