@@ -75,6 +75,19 @@ CHUNK_BYTES = 1 << 20  # libp2p unary messages stop at 4 MiB; streamed chunks of
 DIGEST_BYTES = 32
 
 
+def peer_records(found) -> tuple[dict[bytes, PeerRecord], int]:
+    """The valid records of a DHT read of `<run>_peers` by public-key subkey, and how many were not."""
+    if found is None or not isinstance(found.value, dict):
+        return {}, 0
+    records, malformed = {}, 0
+    for owner, entry in found.value.items():
+        try:
+            records[owner] = PeerRecord.parse_obj(getattr(entry, "value", None))
+        except ValidationError:
+            malformed += 1
+    return records, malformed
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoundSchedule:
     """Clock-synchronous rounds: round r ends at `start_time + (r + 1) * round_seconds`."""
@@ -101,17 +114,12 @@ class RoundSchedule:
         joins a running swarm; raises TimeoutError if no peer record shows up in time."""
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
-            found = dht.get(f"{run}_peers", latest=True)
-            clocks = Counter()
-            for entry in (
-                found.value if found is not None and isinstance(found.value, dict) else {}
-            ).values():
-                try:
-                    record = PeerRecord.parse_obj(getattr(entry, "value", None))
-                except ValidationError:
-                    continue
-                if record.start_time > 0:
-                    clocks[(record.start_time, record.round_seconds)] += 1
+            records, _ = peer_records(dht.get(f"{run}_peers", latest=True))
+            clocks = Counter(
+                (record.start_time, record.round_seconds)
+                for record in records.values()
+                if record.start_time > 0
+            )
             if clocks:
                 (start_time, round_seconds), _ = max(clocks.items(), key=lambda item: (item[1], item[0]))
                 return RoundSchedule(start_time=start_time, round_seconds=round_seconds)
@@ -156,6 +164,11 @@ class Announcement:
         if not isinstance(state, bytes) or len(state) not in (0, DIGEST_BYTES) or type(synced) is not bool:
             raise MalformedPayloadError("bad_announcement", f"{peer}: state {state!r}, synced {synced!r}")
         return Announcement(owner, peer, digest, size, samples, state, synced)
+
+    def value(self) -> dict:
+        """What `parse` reads back: the DHT value (the owner is the subkey)."""
+        value = {"peer": self.peer, "digest": self.digest, "size": self.size, "samples": self.samples}
+        return value | ({"state": self.state, "synced": self.synced} if self.state else {})
 
 
 class SwarmExchange(Exchange):
@@ -238,7 +251,7 @@ class SwarmExchange(Exchange):
         # touched only on the loop thread:
         self._held: dict[tuple[int, bytes], bytes] = {}
         self._states: dict[bytes, StateSnapshot] = {}
-        self._seen: dict[bytes, tuple[int, bytes]] = {}  # payload digest: (round, owner) first announced
+        self._seen: dict[bytes, int] = {}  # payload digest: the round it was first announced in
         self._adopted: list[torch.Tensor] | None = None
         self._next_round = 0
         self._participants = [self.owner]
@@ -342,11 +355,9 @@ class SwarmExchange(Exchange):
 
     async def _serve_state(self, request: StateRequest, _context):
         snapshot = self._states.get(request.state)
-        if snapshot is None:
-            return
-        data = snapshot.manifest if request.manifest else snapshot.chunk(request.chunk)
-        for start in range(0, len(data), CHUNK_BYTES):
-            yield PayloadChunk(data=data[start : start + CHUNK_BYTES])
+        if snapshot is not None:
+            for chunk in _chunks(snapshot.manifest if request.manifest else snapshot.chunk(request.chunk)):
+                yield chunk
 
     def _strike(self, owner: bytes, reason: str) -> None:
         if not owner or owner == self.owner:
@@ -361,11 +372,8 @@ class SwarmExchange(Exchange):
             del self.strikes[owner]
 
     async def _serve(self, request: PayloadRequest, _context):
-        data = self._held.get((request.round, request.digest))
-        if data is None:
-            return
-        for start in range(0, len(data), CHUNK_BYTES):
-            yield PayloadChunk(data=data[start : start + CHUNK_BYTES])
+        for chunk in _chunks(self._held.get((request.round, request.digest), b"")):
+            yield chunk
 
     async def _round(
         self,
@@ -385,7 +393,7 @@ class SwarmExchange(Exchange):
         self._held[(round_number, digest)] = payload
         for key in [k for k in self._held if k[0] < round_number - 1]:  # keep the last round for late pullers
             del self._held[key]
-        for key in [k for k, (r, _) in self._seen.items() if r < round_number - 16]:
+        for key in [k for k, first_round in self._seen.items() if first_round < round_number - 16]:
             del self._seen[key]
         self.banned = {owner: until for owner, until in self.banned.items() if until > round_number}
         self.record = self.record.copy(update={"round": round_number})
@@ -398,11 +406,8 @@ class SwarmExchange(Exchange):
         )
         key = f"{self.run}.round.{round_number}"
         mine = Announcement(self.owner, self.peer_id, digest, len(payload), samples, state, self.synced)
-        record = {"peer": self.peer_id, "digest": digest, "size": len(payload), "samples": samples}
-        if snapshot is not None:
-            record |= {"state": state, "synced": self.synced}
-        await self.dht.store(key, record, deadline + 60, subkey=self.owner, return_future=True)
-        self._seen.setdefault(digest, (round_number, self.owner))
+        await self.dht.store(key, mine.value(), deadline + 60, subkey=self.owner, return_future=True)
+        self._seen.setdefault(digest, round_number)
         announced = {self.owner: mine}
         ignored: set[bytes] = set()
         fetches: dict[bytes, asyncio.Task] = {}
@@ -482,8 +487,7 @@ class SwarmExchange(Exchange):
         """Why an announcement of a compatible peer is not taken (None: it is)."""
         if announcement.owner in self.banned:
             return "banned"
-        first_round, _ = self._seen.setdefault(announcement.digest, (round_number, announcement.owner))
-        return "replayed" if first_round < round_number else None
+        return "replayed" if self._seen.setdefault(announcement.digest, round_number) < round_number else None
 
     async def _resync(self, digest: bytes, sources: list[str], like: list[torch.Tensor]) -> list | None:
         """The majority's state, pulled from `sources`; None (counted) if it could not be had."""
@@ -509,34 +513,35 @@ class SwarmExchange(Exchange):
         return adopted
 
     async def _fetch_state_piece(self, source: str, request: StateRequest) -> bytes:
+        data = await self._pull(source, self._state_handler, request, MAX_CHUNK_BYTES + CHUNK_BYTES)
+        if not data:
+            raise ConnectionError(f"{source} does not hold the state")
+        return data
+
+    async def _pull(self, peer: str, handler: str, request, max_bytes: int) -> bytes:
+        """The chunks a peer's stream handler sends back, joined; empty if it holds nothing.
+        Each wait is bounded by the fetch timeout, the total by `max_bytes`."""
         stream = await asyncio.wait_for(
-            self._p2p.iterate_protobuf_handler(
-                PeerID.from_base58(source), self._state_handler, request, PayloadChunk
-            ),
+            self._p2p.iterate_protobuf_handler(PeerID.from_base58(peer), handler, request, PayloadChunk),
             self.fetch_timeout_s,
         )
         parts, size = [], 0
         async for chunk in aiter_with_timeout(stream, self.fetch_timeout_s):
             size += len(chunk.data)
-            if size > MAX_CHUNK_BYTES + (1 << 20):
-                raise MalformedPayloadError("too_large", f"{source} sent an oversized state piece")
+            if size > max_bytes:
+                raise MalformedPayloadError("too_large", f"{peer} sent more than {max_bytes} bytes")
             parts.append(chunk.data)
-        if not parts:
-            raise ConnectionError(f"{source} does not hold the state")
         return b"".join(parts)
 
     async def _compatible_peers(self) -> set[bytes]:
         """Public-key subkeys of the peers whose current record is compatible with this one's."""
-        found = await self.dht.get(f"{self.run}_peers", latest=True, return_future=True)
+        records, malformed = peer_records(
+            await self.dht.get(f"{self.run}_peers", latest=True, return_future=True)
+        )
+        if malformed:
+            self.rejected["bad_record"] += malformed
         compatible = {self.owner}
-        if found is None or not isinstance(found.value, dict):
-            return compatible
-        for owner, entry in found.value.items():
-            try:
-                record = PeerRecord.parse_obj(getattr(entry, "value", None))
-            except ValidationError:
-                self.rejected["bad_record"] += 1
-                continue
+        for owner, record in records.items():
             reason = incompatibility(self.record, record)
             if reason is None:
                 compatible.add(owner)
@@ -579,22 +584,18 @@ class SwarmExchange(Exchange):
             return
 
     async def _download(self, announcement: Announcement, request: PayloadRequest) -> bytes:
-        peer = PeerID.from_base58(announcement.peer)
-        stream = await asyncio.wait_for(
-            self._p2p.iterate_protobuf_handler(peer, self._handler, request, PayloadChunk),
-            self.fetch_timeout_s,
-        )
-        parts, size = [], 0
-        async for chunk in aiter_with_timeout(stream, self.fetch_timeout_s):
-            size += len(chunk.data)
-            if size > announcement.size:
-                raise MalformedPayloadError("too_large", f"{announcement.peer} sent more than it announced")
-            parts.append(chunk.data)
-        data = b"".join(parts)
-        if size == 0:
+        data = await self._pull(announcement.peer, self._handler, request, announcement.size)
+        if not data:
             raise TimeoutError(f"{announcement.peer} does not hold the payload (yet)")
-        if size != announcement.size or hashlib.sha256(data).digest() != announcement.digest:
+        if len(data) != announcement.size or hashlib.sha256(data).digest() != announcement.digest:
             raise MalformedPayloadError(
                 "digest_mismatch", f"{announcement.peer}: payload does not match its announcement"
             )
         return data
+
+
+def _chunks(data: bytes) -> list[PayloadChunk]:
+    """`data` as stream replies of at most CHUNK_BYTES each (none if it is empty)."""
+    return [
+        PayloadChunk(data=data[start : start + CHUNK_BYTES]) for start in range(0, len(data), CHUNK_BYTES)
+    ]
