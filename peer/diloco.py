@@ -211,8 +211,12 @@ class DiLoCo:
     def shared_state(self) -> list[torch.Tensor]:
         """The consensus parameters, then their outer momentum (zeros before the first outer step)."""
         state = self.consensus_optimizer.state
-        momentum = [state[p].get("momentum_buffer", torch.zeros_like(p)) for p in self.consensus_params]
-        return [*self.consensus_params, *momentum]
+        momentum = [state[p].get("momentum_buffer") for p in self.consensus_params]
+        zeros = [
+            torch.zeros_like(p) if m is None else m
+            for p, m in zip(self.consensus_params, momentum, strict=True)
+        ]
+        return [*self.consensus_params, *zeros]
 
     @torch.no_grad()
     def load_shared_state(self, tensors: list[torch.Tensor]) -> None:

@@ -101,7 +101,7 @@ class Trainer:
         self.model, self.exchange, self.algorithm, self.batches = model, exchange, algorithm, batches
         self.checkpoints, self.checkpoint_every = checkpoints, checkpoint_every
         self.steps = 0
-        self.rounds_done = 0
+        """Micro-batches trained; every round trains `inner_steps` of them."""
         if algorithm == "demo":
             self.optimizer = DeMo(model.parameters(), lr=lr, exchange=exchange, compression_topk=topk)
             self.inner_steps = 1
@@ -118,6 +118,10 @@ class Trainer:
                 outer_lr=outer_lr,
                 codec=codec,
             )
+
+    @property
+    def rounds_done(self) -> int:
+        return self.steps // self.inner_steps
 
     def run(self, rounds: int, stop: threading.Event | None = None) -> list[RoundReport]:
         """Trains `rounds` rounds, or until `stop` is set (then checkpoints and returns early)."""
@@ -156,7 +160,6 @@ class Trainer:
                 compute_s += end - middle
             self.steps += 1
             samples += inputs.shape[0]
-        self.rounds_done += 1
         last_round = getattr(self.exchange, "last_round", None)
         return RoundReport(
             round=self.rounds_done - 1 if last_round is None else last_round,
@@ -179,7 +182,7 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Tensors and plain values only (loadable with weights_only=True)."""
-        state = {"steps": self.steps, "rounds_done": self.rounds_done, "algorithm": self.algorithm}
+        state = {"steps": self.steps, "algorithm": self.algorithm}
         state["model"] = self.model.state_dict()
         state["optimizer"] = self.optimizer.state_dict()
         if self.diloco is not None:
@@ -193,7 +196,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.diloco is not None:
             self.diloco.load_shared_state(state["shared"])
-        self.steps, self.rounds_done = int(state["steps"]), int(state["rounds_done"])
+        self.steps = int(state["steps"])
 
     def save(self) -> None:
         if self.checkpoints is not None:
