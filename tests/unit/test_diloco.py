@@ -219,7 +219,7 @@ def test_loading_the_shared_state_makes_a_fresh_worker_continue_like_the_others(
             b.load_shared_state(state[:-1])
 
 
-LATENCY_S = 0.05  # well under an inner phase of 20 tiny-model steps (~0.2 s here)
+LATENCY_S = 0.05  # well under an inner phase of 60 steps of this model (~0.15 s on 2 cores; 20 took ~0.05)
 
 
 @pytest.mark.parametrize("mode", ["delayed", "eager"])
@@ -228,8 +228,8 @@ def test_background_exchange_hides_a_slow_link_behind_the_inner_phase(mode):
     for run_mode in ("standard", mode):
         model = make_model()
         exchange = LoopbackExchange.group(1, latency=timedelta(seconds=LATENCY_S))[0]
-        with DiLoCo(model, adamw(model), exchange=exchange, inner_steps=20, mode=run_mode) as diloco:
-            train(model, diloco, batches(0, 80))
+        with DiLoCo(model, adamw(model), exchange=exchange, inner_steps=60, mode=run_mode) as diloco:
+            train(model, diloco, batches(0, 240))
         waited[run_mode] = diloco.stats
     assert waited["standard"].waited_s > 4 * LATENCY_S
     assert waited[mode].hidden_s > 3 * LATENCY_S * 0.8  # every round but the last, still in flight at close
