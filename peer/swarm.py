@@ -7,9 +7,11 @@ For round r, a participant
    (DHT values stay tiny: payload bytes never go through the DHT);
 3. until the round's deadline, reads the announcements of compatible peers (same run configuration
    and shoal major.minor; others are refused, naming what differs) and pulls every payload it does
-   not hold from the peer that announced it, with bounded concurrency, a timeout per call and
-   retries; a payload is accepted only if its size and SHA-256 match the announcement, and what it
-   pulled it holds and serves too;
+   not hold, with bounded concurrency, a timeout per call and retries with backoff: from the peer
+   that announced it first, then from any other participant of the round, since every peer serves
+   what it pulled (a relay that does not hold it yet answers with nothing). A payload is accepted only
+   if its size and SHA-256 match the announcement; a source that sends other bytes is struck and not
+   asked again for it;
 4. at the deadline returns the payloads it holds, ordered by public key, so that participants
    holding the same payloads aggregate them in the same order.
 
@@ -37,7 +39,9 @@ object runs one event loop on a thread it owns for the handler and the downloads
 
 import asyncio
 import hashlib
+import itertools
 import math
+import random
 import struct
 import threading
 import time
@@ -227,8 +231,8 @@ class SwarmExchange(Exchange):
             device=device,
             throughput=0.0,
             round=0,
-            start_time=schedule.start_time,
-            round_seconds=schedule.round_seconds,
+            start_time=float(schedule.start_time),
+            round_seconds=float(schedule.round_seconds),
         )
         self.strike_limit, self.ban_rounds, self.keep_states = strike_limit, ban_rounds, keep_states
         self.rejected: Counter[str] = Counter()
@@ -244,6 +248,8 @@ class SwarmExchange(Exchange):
         self.refused: dict[str, str] = {}
         """Incompatible peers seen (peer id: which settings differ)."""
         self.bytes_received = 0
+        self.relayed = 0
+        """Payloads pulled from a peer other than their origin."""
         self.last_round: int | None = None
         """The round of the last `gather`."""
         self._handler = f"shoal.{run}.payload"
@@ -441,7 +447,7 @@ class SwarmExchange(Exchange):
                     continue
                 announced[owner] = announcement
                 if (round_number, announcement.digest) not in self._held:
-                    fetches[owner] = asyncio.create_task(self._fetch(round_number, announcement))
+                    fetches[owner] = asyncio.create_task(self._fetch(round_number, announcement, announced))
             remaining = deadline - time.time()
             if remaining <= 0:
                 break
@@ -565,31 +571,43 @@ class SwarmExchange(Exchange):
                 announcements.append((owner, error))
         return announcements
 
-    async def _fetch(self, round_number: int, announcement: Announcement, attempts: int = 3) -> None:
-        """Pulls one payload into `_held`, verifying size and digest; retries with backoff."""
+    async def _fetch(
+        self, round_number: int, announcement: Announcement, holders: Mapping[bytes, Announcement]
+    ) -> None:
+        """Pulls one payload into `_held`: from its origin, then from the other participants in `holders`
+        (read live: it grows during the round), cycling with backoff until it is had or the round's task
+        is cancelled. Bytes that do not match the announcement strike the source that sent them."""
         request = PayloadRequest(round=round_number, digest=announcement.digest)
-        for attempt in range(attempts):
-            try:
-                async with self._semaphore:
-                    data = await self._download(announcement, request)
-            except MalformedPayloadError as error:
-                self.rejected[error.reason] += 1
-                self._strike(announcement.owner, error.reason)
+        refused: set[bytes] = set()  # sources that sent bad bytes for this payload
+        for cycle in itertools.count():
+            others = [h for h in holders.values() if h.owner not in (announcement.owner, self.owner)]
+            random.shuffle(others)  # spreads the load of re-serving over the relays
+            for source in [announcement, *others]:
+                if source.owner in refused:
+                    continue
+                try:
+                    async with self._semaphore:
+                        data = await self._download(source.peer, announcement, request)
+                except MalformedPayloadError as error:
+                    self.rejected[error.reason] += 1
+                    self._strike(source.owner, error.reason)
+                    refused.add(source.owner)
+                    continue
+                except (TimeoutError, P2PDaemonError, P2PHandlerError, OSError, asyncio.IncompleteReadError):
+                    continue
+                self._held[(round_number, announcement.digest)] = data
+                self.bytes_received += len(data)
+                self.relayed += source.owner != announcement.owner
                 return
-            except (TimeoutError, P2PDaemonError, P2PHandlerError, OSError, asyncio.IncompleteReadError):
-                await asyncio.sleep(0.1 * 2**attempt)
-                continue
-            self._held[(round_number, announcement.digest)] = data
-            self.bytes_received += len(data)
-            return
+            await asyncio.sleep(min(1.0, 0.1 * 2**cycle))
 
-    async def _download(self, announcement: Announcement, request: PayloadRequest) -> bytes:
-        data = await self._pull(announcement.peer, self._handler, request, announcement.size)
+    async def _download(self, source: str, announcement: Announcement, request: PayloadRequest) -> bytes:
+        data = await self._pull(source, self._handler, request, announcement.size)
         if not data:
-            raise TimeoutError(f"{announcement.peer} does not hold the payload (yet)")
+            raise TimeoutError(f"{source} does not hold the payload (yet)")
         if len(data) != announcement.size or hashlib.sha256(data).digest() != announcement.digest:
             raise MalformedPayloadError(
-                "digest_mismatch", f"{announcement.peer}: payload does not match its announcement"
+                "digest_mismatch", f"{source}: payload does not match its announcement"
             )
         return data
 

@@ -1,0 +1,74 @@
+"""Payloads reach every participant even when their origin serves them only once: peers re-serve
+what they pulled, and a puller falls back to them (real DHTs and libp2p streams, in one process)."""
+
+import hashlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hivemind.utils.crypto import RSAPrivateKey
+
+from shoal.peer.bootstrap import start_dht
+from shoal.peer.membership import record_validators
+from shoal.peer.swarm import RoundSchedule, SwarmExchange
+
+CONFIG = {"model": "tiny", "algorithm": "demo"}
+
+
+class ServesOnce(SwarmExchange):
+    """An origin with a thin uplink: it sends each of its own payloads to one puller only."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.served: set[tuple[int, bytes]] = set()
+
+    async def _serve(self, request, context):
+        key = (request.round, request.digest)
+        if key in self.served:
+            return
+        self.served.add(key)
+        async for chunk in super()._serve(request, context):
+            yield chunk
+
+
+@pytest.mark.timeout(90)
+def test_a_payload_served_once_by_its_origin_reaches_every_peer_through_relays():
+    identities = [RSAPrivateKey() for _ in range(4)]
+    dhts = [
+        start_dht(
+            [], host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=record_validators("r", identities[0])
+        )
+    ]
+    initial = [str(a) for a in dhts[0].get_visible_maddrs()]
+    for identity in identities[1:]:
+        dhts.append(
+            start_dht(
+                initial,
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                record_validators=record_validators("r", identity),
+            )
+        )
+    schedule = RoundSchedule(start_time=time.time() + 2, round_seconds=6)
+    kinds = [ServesOnce] + [SwarmExchange] * 3
+    exchanges = [
+        kind(dht, run="r", schedule=schedule, identity=identity, config=CONFIG)
+        for kind, dht, identity in zip(kinds, dhts, identities, strict=True)
+    ]
+    try:
+        payloads = [bytes([i]) * 300_000 for i in range(4)]
+        time.sleep(max(0.0, schedule.start_time - time.time()))
+        with ThreadPoolExecutor(4) as pool:
+            rounds = list(pool.map(lambda i: exchanges[i].gather(payloads[i], samples=i + 1), range(4)))
+        expected = sorted(hashlib.sha256(p).digest() for p in payloads)
+        for contributions in rounds:
+            assert sorted(hashlib.sha256(c.payload).digest() for c in contributions) == expected
+            assert [c.samples for c in contributions] == [c.samples for c in rounds[0]]  # one order
+        # the origin served its payload to one peer; the two others got it from a relay
+        assert len(exchanges[0].served) == 1
+        assert sum(exchange.relayed for exchange in exchanges) >= 2
+        assert not any(exchange.rejected for exchange in exchanges)
+    finally:
+        for exchange in exchanges:
+            exchange.close()
+        for dht in dhts:
+            dht.shutdown()
