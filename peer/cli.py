@@ -1,6 +1,11 @@
 """The `shoal` command line.
 
     shoal --help
+    shoal join [--initial-peers MADDR ...] [--config FILE] [--model NAME|module:factory|DIR] ...
+    shoal demo [--peers N] [--rounds R] [--algorithm demo|diloco] [--json]
+    shoal status [--initial-peers MADDR ...] [--run NAME] [--json]
+    shoal check [--initial-peers MADDR ...] [--json]
+    shoal keygen PATH
     shoal bench codec [--json] [--repeat N]
     shoal bench converge [--json] [--quick]
     shoal bench swarm-local [--json] [--peers N ...] [--model tiny|10m] [--rounds R] [--round-seconds S]
@@ -9,8 +14,11 @@ Subcommands appear here as they are built; there are no placeholders.
 """
 
 import argparse
+import os
 import sys
 from importlib.metadata import version
+
+from shoal.peer import settings as settings_module
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +28,61 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"shoal {version('shoal')}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    join = commands.add_parser(
+        "join",
+        help="join a swarm (or start one) and train",
+        description="Join a swarm and train until stopped (Ctrl-C: checkpoint and leave at the round's end). "
+        "Without --initial-peers, start a new swarm and print the command others run to join it. "
+        "Each setting comes from its flag, else the SHOAL_<NAME> environment variable (SHOAL_MODEL, ...), "
+        'else the TOML file of --config (model = "small"), else its default.',
+    )
+    join.add_argument("--config", help="TOML file of settings (also SHOAL_CONFIG)")
+    for name, (metavar, text) in JOIN_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        default = getattr(settings_module.JoinSettings(), name)
+        shown = "" if default in (None, "", ()) else f" (default: {default})"
+        nargs = "+" if name == "initial_peers" else None
+        join.add_argument(flag, dest=name, metavar=metavar, nargs=nargs, help=text + shown)
+
+    demo = commands.add_parser(
+        "demo",
+        help="a local swarm of peer processes training the embedded model, no download",
+        description="Start a swarm of `shoal join` processes on 127.0.0.1 that train the embedded byte-level "
+        "GPT on the Python standard library's sources; show their rounds live and end with a summary.",
+    )
+    demo.add_argument("--peers", type=_positive_int, default=4, help="peer processes (default: 4)")
+    demo.add_argument("--rounds", type=_positive_int, default=20, help="rounds to train (default: 20)")
+    demo.add_argument(
+        "--algorithm", choices=list(settings_module.ALGORITHMS), default="demo", help="default: demo"
+    )
+    demo.add_argument("--round-seconds", type=float, default=3.0, help="length of a round (default: 3)")
+    demo.add_argument("--model", choices=["tiny", "small", "base"], default="tiny", help="default: tiny")
+    demo.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object at the end (the live view goes to stderr): peers, rounds, initial_loss, "
+        "final_loss, param_hash_agree, bytes_sent_per_peer_per_round, wall_s",
+    )
+
+    status = commands.add_parser(
+        "status",
+        help="the swarm's peers, from the DHT",
+        description="A table of the run's peers as their signed DHT records describe them: id, version, "
+        "device, throughput, round, last seen, samples contributed.",
+    )
+    _swarm_flags(status)
+    status.add_argument(
+        "--json", action="store_true", help='print {"run", "peers": [...], "malformed_records"}'
+    )
+
+    keygen = commands.add_parser(
+        "keygen",
+        help="create a persistent peer identity",
+        description="Write a new peer identity (an RSA key in hivemind's libp2p format: it fixes "
+        "the peer id and signs this peer's records) to PATH.",
+    )
+    keygen.add_argument("path", metavar="PATH")
 
     bench = commands.add_parser("bench", help="benchmarks that print a table or JSON")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
@@ -48,6 +111,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+JOIN_FLAGS = {
+    "initial_peers": ("MADDR", "multiaddresses of peers in the swarm (none: start a new swarm)"),
+    "run": ("NAME", "the run's name; peers of one run train one model"),
+    "model": (
+        "NAME",
+        "tiny, small or base (the embedded GPT), a module:factory, or a Hugging Face directory",
+    ),
+    "data": (
+        "SOURCE",
+        "stdlib (the Python standard library's sources), a text directory, or a uint16 token file",
+    ),
+    "algorithm": ("ALGO", "demo, diloco (eager), diloco-standard, diloco-delayed"),
+    "device": ("DEVICE", "auto, cpu, cuda, cuda:N or mps"),
+    "identity": ("PATH", "peer identity file (created if missing; see shoal keygen)"),
+    "checkpoint_dir": ("DIR", "keep checkpoints here and resume from the newest"),
+    "checkpoint_every": ("N", "rounds between checkpoints"),
+    "max_rounds": ("N", "leave after N rounds (0: never)"),
+    "until_round": ("R", "leave after the swarm's round R"),
+    "host": ("IP", "IPv4 address to listen on"),
+    "port": ("PORT", "TCP port to listen on (0: any free one)"),
+    "round_seconds": ("S", "length of a round, when starting a new swarm"),
+    "start_time": ("T", "unix time of round 0, when starting a new swarm (0: now)"),
+    "compute_fraction": ("F", "share of a round spent computing; the rest is for the exchange"),
+    "lr": ("LR", "learning rate (0: 2e-3 for DeMo, 1e-3 for DiLoCo's inner AdamW)"),
+    "topk": ("K", "DeMo: DCT coefficients sent per chunk"),
+    "inner_steps": ("H", "DiLoCo: inner steps per round"),
+    "outer_lr": ("LR", "DiLoCo: outer learning rate"),
+    "batch_size": ("B", "samples per micro-batch to start with (halved if the device runs out of memory)"),
+    "max_micro_batches": ("N", "most micro-batches accumulated per step"),
+    "seed": ("N", "seed of the initial weights and of the data order"),
+    "log_format": ("FORMAT", "human (a live table) or json (one object per line)"),
+}
+
+
+def _swarm_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--initial-peers",
+        nargs="+",
+        metavar="MADDR",
+        help="peers of the swarm (default: SHOAL_INITIAL_PEERS)",
+    )
+    parser.add_argument("--run", help="the run's name (default: SHOAL_RUN, else shoal)")
+
+
+def _swarm_settings(args: argparse.Namespace) -> tuple[list[str], str]:
+    """--initial-peers and --run, else their SHOAL_* variables; SettingsError if unusable."""
+    peers = args.initial_peers or os.environ.get("SHOAL_INITIAL_PEERS", "").split()
+    run = args.run or os.environ.get("SHOAL_RUN") or "shoal"
+    if not peers:
+        raise settings_module.SettingsError(
+            f"shoal {args.command} needs --initial-peers (or SHOAL_INITIAL_PEERS): a peer of the swarm"
+        )
+    try:
+        return list(settings_module.PARSERS["initial_peers"](peers)), settings_module.PARSERS["run"](run)
+    except ValueError as error:
+        raise settings_module.SettingsError(f"--run: {error}") from None
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -60,6 +181,46 @@ def _positive_int(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "join":
+        return _join(args)
+    if args.command == "demo":
+        if not 0.5 <= args.round_seconds <= 3600:
+            print("shoal demo: error: --round-seconds must be in [0.5, 3600]", file=sys.stderr)
+            return 2
+        from shoal.peer import local_swarm
+
+        return local_swarm.main(
+            peers=args.peers,
+            rounds=args.rounds,
+            algorithm=args.algorithm,
+            round_seconds=args.round_seconds,
+            model=args.model,
+            as_json=args.json,
+        )
+    if args.command == "status":
+        try:
+            initial_peers, run = _swarm_settings(args)
+        except settings_module.SettingsError as error:
+            print(f"shoal status: error: {error}", file=sys.stderr)
+            return 2
+        from shoal.peer import status
+        from shoal.peer.bootstrap import BootstrapError
+
+        try:
+            return status.main(initial_peers, run, as_json=args.json)
+        except BootstrapError as error:
+            print(f"shoal status: error: {error}", file=sys.stderr)
+            return 1
+    if args.command == "keygen":
+        from shoal.peer.identity import IdentityError, keygen, peer_id_of
+
+        try:
+            keygen(args.path)
+        except IdentityError as error:
+            print(f"shoal keygen: error: {error}", file=sys.stderr)
+            return 1
+        print(f"wrote a new identity to {args.path}: peer id {peer_id_of(args.path)}")
+        return 0
     if args.command == "bench" and args.benchmark == "codec":
         from shoal.compression import benchmark  # imports torch: only when needed
 
@@ -82,6 +243,25 @@ def main(argv: list[str] | None = None) -> int:
             round_seconds=args.round_seconds,
         )
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _join(args: argparse.Namespace) -> int:
+    try:
+        chosen = settings_module.resolve(vars(args), os.environ, args.config)
+    except settings_module.SettingsError as error:
+        print(f"shoal join: error: {error}", file=sys.stderr)
+        return 2
+    from shoal.peer.node import JoinError, join  # imports torch and hivemind: only now
+
+    try:
+        join(chosen)
+    except JoinError as error:
+        print(f"shoal join: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # before the round loop, where Ctrl-C is handled
+        print("shoal join: interrupted", file=sys.stderr)
+        return 130
+    return 0
 
 
 if __name__ == "__main__":

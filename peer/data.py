@@ -133,3 +133,49 @@ def validation_batches(
     windows = min(stream.numel() // window, batches * batch_size)
     rows = stream[: windows * window].view(windows, window)
     return [rows[i : i + batch_size] for i in range(0, windows, batch_size)]
+
+
+def load_data(spec: str, max_bytes: int | None = 16 << 20) -> TokenStreams:
+    """`stdlib`, a text directory, or a uint16 token file."""
+    if spec == "stdlib":
+        return stdlib_corpus(max_bytes)
+    path = Path(spec)
+    if path.is_dir():
+        return text_directory(path, max_bytes)
+    if path.is_file():
+        return token_file(path)
+    raise ValueError(f"--data {spec}: neither 'stdlib', a directory of text, nor a uint16 token file")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundSlices:
+    """Which windows each peer of a swarm trains on in a round, when peers come and go.
+
+    Round r draws a permutation of the stream's windows from (seed, r). The peer in `slot` s of `slots`
+    (its place among the round's peers, ordered by public key; SwarmExchange.data_slot) takes, for its
+    micro-batch m, the `stride` positions starting at `(m * slots + s) * stride` (wrapping around):
+    within a round no two peers that agree on the peer list share a window, however many
+    micro-batches each one fits, and with any micro-batch size up to `stride`.
+    """
+
+    seq_len: int
+    stride: int
+    """Positions reserved per micro-batch: the largest micro-batch size."""
+    seed: int = 0
+
+    def batch(
+        self, stream: torch.Tensor, *, round_number: int, slot: int, slots: int, micro: int, batch_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= slot < slots:
+            raise ValueError(f"slot {slot} outside [0, {slots})")
+        if not 1 <= batch_size <= self.stride:
+            raise ValueError(f"batch size {batch_size} outside [1, {self.stride}]")
+        window = self.seq_len + 1
+        windows = stream.numel() // window
+        if windows < self.stride:
+            raise ValueError(f"{windows} windows of {window} tokens cannot fill a batch of {self.stride}")
+        order = _window_order(self.seed, round_number, windows)
+        start = (micro * slots + slot) * self.stride
+        chosen = order[(start + torch.arange(batch_size)) % windows]
+        rows = stream[: windows * window].view(windows, window)[chosen]
+        return rows[:, :-1], rows[:, 1:]

@@ -25,6 +25,7 @@ shared state is the parameters: the exchange may replace them with the swarm's b
     loss.backward(); opt.step(); opt.zero_grad()
 """
 
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -108,6 +109,8 @@ class DeMo(torch.optim.Optimizer):
         """Times the exchange replaced this participant's parameters with the swarm's."""
         self.bytes_sent = 0
         """Payload bytes this participant has sent, in total."""
+        self.phase_seconds: Counter[str] = Counter()
+        """Seconds spent per phase of the steps: encode, exchange, decode, apply (host wall time)."""
         self.bytes_received = 0
         """Payload bytes received from the other participants, in total."""
 
@@ -129,6 +132,7 @@ class DeMo(torch.optim.Optimizer):
         settings = {
             p: (group["lr"], group["weight_decay"]) for group in self.param_groups for p in group["params"]
         }
+        started = time.perf_counter()
         slices = self._slices()
         payload = Payload(
             tensors=[
@@ -138,19 +142,27 @@ class DeMo(torch.optim.Optimizer):
         )
         data = payload.SerializeToString()
         params = self._trainable()
+        encoded = time.perf_counter()
         contributions = self.exchange.gather(data, samples, state=params)
         adopted = self.exchange.adopted_state()
         if adopted is not None:
             self.load_shared_state(adopted)
+        gathered = time.perf_counter()
         self.bytes_sent += len(data)
         self.bytes_received += sum(len(c.payload) for c in contributions if c.rank != self.exchange.rank)
         received = self._accept(contributions, slices)
+        decoded = time.perf_counter()
         for index, piece in enumerate(slices):
             direction = self._combine([(coeffs[index], weight) for coeffs, weight in received], piece)
             # finite but huge values from a hostile peer can sum to inf and inf - inf to NaN: never apply NaN
             signs = torch.sign(torch.nan_to_num(direction, nan=0.0))
             for member in piece.members:
                 member.matrix(member.param).add_(member.tiles(signs), alpha=-settings[member.param][0])
+        phases = self.phase_seconds
+        phases["encode"] += encoded - started
+        phases["exchange"] += gathered - encoded
+        phases["decode"] += decoded - gathered
+        phases["apply"] += time.perf_counter() - decoded
         return loss
 
     def shared_state(self) -> list[torch.Tensor]:

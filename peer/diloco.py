@@ -42,8 +42,9 @@ Pseudo-gradients travel exactly (float32, the default) or through a codec of sho
 """
 
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -74,6 +75,9 @@ class OuterStats:
     """Contributions scaled down to the round's norm bound."""
     resyncs: int = 0
     """Times the exchange replaced the shared state with the swarm's."""
+    phase_seconds: Counter = field(default_factory=Counter)
+    """Seconds spent per phase of the outer steps: encode, exchange, decode, apply (wall time on the
+    host, on whichever thread ran it)."""
 
     @property
     def hidden_s(self) -> float:
@@ -282,6 +286,7 @@ class DiLoCo:
         data = payload.SerializeToString()
         self.stats.bytes_sent += len(data)
         elapsed = time.perf_counter() - start  # always on the training thread: waited for
+        self.stats.phase_seconds["encode"] += elapsed
         self.stats.exchange_s += elapsed
         self.stats.waited_s += elapsed
         return _Sent(data, decoded, samples)
@@ -291,6 +296,8 @@ class DiLoCo:
         start = time.perf_counter()
         contributions = self.exchange.gather(sent.payload, sent.samples, state=state)
         adopted = self.exchange.adopted_state()
+        gathered = time.perf_counter()
+        self.stats.phase_seconds["exchange"] += gathered - start
         mean = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         accepted = []
         for contribution in contributions:
@@ -313,7 +320,9 @@ class DiLoCo:
         ):  # rank order: same sums everywhere
             for m, t in zip(mean, tensors, strict=True):
                 m.add_(t, alpha=samples / total * scale)
-        self.stats.exchange_s += time.perf_counter() - start
+        end = time.perf_counter()
+        self.stats.phase_seconds["decode"] += end - gathered
+        self.stats.exchange_s += end - start
         return _RoundResult(mean, total, adopted)
 
     def _decode(self, contribution: Contribution) -> list[torch.Tensor]:
@@ -342,11 +351,13 @@ class DiLoCo:
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         """One outer step of `params` (the global parameters by default) along `direction`."""
+        started = time.perf_counter()
         params, optimizer = params or self.global_params, optimizer or self.outer_optimizer
         for start, d in zip(params, direction, strict=True):
             start.grad = d.to(start.dtype)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        self.stats.phase_seconds["apply"] += time.perf_counter() - started
 
     @torch.no_grad()
     def finish(self) -> None:

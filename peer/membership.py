@@ -35,6 +35,8 @@ class PeerRecord(BaseModel):
     round: conint(ge=0, strict=True)  # the round this record was written in
     start_time: confloat(ge=0, strict=True) = 0.0  # the run's round clock: unix time round 0 starts
     round_seconds: confloat(gt=0, le=86400, strict=True) = 60.0  # and how long a round lasts
+    samples: conint(ge=0, strict=True) = 0  # samples this peer has contributed since it started
+    updated: confloat(ge=0, strict=True) = 0.0  # unix time the record was written
 
 
 class RunRecords(BaseModel):

@@ -1,8 +1,15 @@
 """The round loop of one peer, with checkpoints and a clean stop.
 
-Each round: compute (forward and backward on this peer's batches), then the optimizer's step, which
-encodes, exchanges, decodes and applies (DeMo: one step per round; DiLoCo: `inner_steps` inner
-steps, the last one ending in the outer step). Each phase is timed into a `RoundReport`.
+Each round: compute (forward and backward on this peer's micro-batches, gradients accumulated),
+then the optimizer's step, which encodes, exchanges, decodes and applies (DeMo: one step per round;
+DiLoCo: `inner_steps` inner steps, the last one ending in the outer step). Each phase is timed into
+a `RoundReport`.
+
+Heterogeneous hardware: the micro-batch size starts at `batch_size` and is halved when the device
+runs out of memory (the round's accumulation is restarted, never crashed; below 1 it is a clear
+`OutOfMemory`), and with a `compute_window` as many micro-batches are accumulated per step as fit
+in it, measured on the previous rounds, so a fast GPU contributes more samples per round than a
+laptop CPU. `autocast` wraps the forward passes (bf16 on GPUs that support it, shoal.peer.hardware).
 
 Checkpoints (shoal.peer.checkpoint) are written every `checkpoint_every` rounds and when a stop is
 asked for (`stop_on_signals`: SIGTERM or SIGINT set an event that the loop checks after each round,
@@ -10,11 +17,14 @@ so the peer leaves at a round boundary, with a checkpoint, within one round). `r
 newest one; the exchange then re-syncs the peer if the swarm moved on meanwhile.
 """
 
+import contextlib
+import math
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -26,9 +36,30 @@ from shoal.peer.diloco import DiLoCo
 from shoal.peer.exchange import Exchange
 
 ALGORITHMS = ("demo", "diloco-standard", "diloco-delayed", "diloco-eager")
+PHASES = ("compute", "encode", "exchange", "decode", "apply")
 
-Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-"""batches(step) -> (inputs, targets) of this peer's step-th micro-batch."""
+Batches = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
+"""batches(step, micro, batch_size) -> (inputs, targets): the `micro`-th micro-batch of this peer's
+`step`-th optimizer step, `batch_size` samples."""
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+"""loss_fn(model, inputs, targets) -> scalar loss."""
+
+
+def model_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The default loss: models whose `forward(inputs, targets=...)` returns it (TinyGPT)."""
+    return model(inputs, targets=targets)
+
+
+class OutOfMemory(RuntimeError):
+    """Even one sample per micro-batch does not fit on the device."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, and the RuntimeErrors MPS and CPU allocators raise."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +69,7 @@ class RoundReport:
     round: int
     """The swarm's round number (the exchange's), or the local count for exchanges without one."""
     loss: float
-    """Training loss of the round's last micro-batch."""
+    """Mean training loss of the round's micro-batches."""
     participants: int
     """Contributions aggregated in the round (the exchange's world size after it)."""
     compute_s: float
@@ -48,6 +79,14 @@ class RoundReport:
     samples: int
     finished_at: float
     """Unix time the round ended on this peer (compare with the schedule's deadline)."""
+    tokens: int = 0
+    """Target tokens trained on."""
+    micro_batches: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    batch_size: int = 0
+    """Samples per micro-batch."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase (PHASES): compute, then the optimizer's encode, exchange, decode, apply."""
 
 
 def stop_on_signals() -> threading.Event:
@@ -66,10 +105,10 @@ class Trainer:
     """One peer's training: the model, its optimizer over `exchange`, and the loop.
 
     Args:
-        model: a module whose `forward(inputs, targets=...)` returns the loss.
+        model: the model; with the default `loss_fn` its `forward(inputs, targets=...)` returns the loss.
         exchange: how this peer meets the others.
         algorithm: one of ALGORITHMS.
-        batches: this peer's micro-batches, by step.
+        batches: this peer's micro-batches (see `Batches`).
         lr: DeMo's learning rate, or the inner AdamW's for DiLoCo.
         topk: DeMo's coefficients per chunk.
         inner_steps: DiLoCo's H.
@@ -77,6 +116,12 @@ class Trainer:
         codec: how DiLoCo's pseudo-gradients travel (None: exactly).
         checkpoints: where to keep checkpoints (None: nowhere).
         checkpoint_every: rounds between checkpoints (0: only on stop).
+        loss_fn: how to compute the loss of a micro-batch.
+        batch_size: samples per micro-batch to start with (halved on out-of-memory).
+        compute_window: seconds of computation per round to fill with micro-batches (None: one
+            micro-batch per optimizer step).
+        max_micro_batches: at most this many micro-batches per optimizer step.
+        autocast: a context manager factory wrapping each forward pass.
     """
 
     def __init__(
@@ -93,15 +138,35 @@ class Trainer:
         codec: Codec | None = None,
         checkpoints: CheckpointStore | None = None,
         checkpoint_every: int = 0,
+        loss_fn: LossFn = model_loss,
+        batch_size: int = 8,
+        compute_window: float | None = None,
+        max_micro_batches: int = 64,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {algorithm!r}")
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        if batch_size < 1 or max_micro_batches < 1:
+            raise ValueError(f"batch_size ({batch_size}) and max_micro_batches must be >= 1")
+        if compute_window is not None and not compute_window > 0:
+            raise ValueError(f"compute_window must be > 0 seconds, got {compute_window}")
         self.model, self.exchange, self.algorithm, self.batches = model, exchange, algorithm, batches
         self.checkpoints, self.checkpoint_every = checkpoints, checkpoint_every
+        self.loss_fn, self.autocast = loss_fn, autocast
+        self.batch_size, self.compute_window, self.max_micro_batches = (
+            batch_size,
+            compute_window,
+            max_micro_batches,
+        )
+        self.micro_batches = 1
+        """Micro-batches accumulated per optimizer step, fitted to the compute window."""
+        self.out_of_memory = 0
+        """Times the micro-batch was halved after the device ran out of memory."""
+        self._micro_seconds: float | None = None  # moving average of one micro-batch's compute time
         self.steps = 0
-        """Micro-batches trained; every round trains `inner_steps` of them."""
+        """Optimizer steps taken; every round takes `inner_steps` of them."""
         if algorithm == "demo":
             self.optimizer = DeMo(model.parameters(), lr=lr, exchange=exchange, compression_topk=topk)
             self.inner_steps = 1
@@ -138,37 +203,94 @@ class Trainer:
         return reports
 
     def round(self) -> RoundReport:
-        compute_s = exchange_s = 0.0
-        samples = 0
+        phases: Counter[str] = Counter()
+        before = Counter(self._optimizer_phases())
+        samples = tokens = micro_total = 0
+        loss_sum = 0.0
+        micro_batches = self.micro_batches
         for _ in range(self.inner_steps):
             start = time.perf_counter()
-            inputs, targets = self.batches(self.steps)
-            loss = self.model(inputs, targets=targets)
-            loss.backward()
+            loss, step_samples, step_tokens = self._accumulate(micro_batches)
             middle = time.perf_counter()
             if self.diloco is None:
-                self.optimizer.step(samples=inputs.shape[0])
+                self.optimizer.step(samples=step_samples)
                 self.optimizer.zero_grad(set_to_none=True)
             else:
-                self.diloco.step(samples=inputs.shape[0])
+                self.diloco.step(samples=step_samples)
             end = time.perf_counter()
-            compute_s += middle - start
-            # DiLoCo's inner steps compute; its last one also exchanges
-            if self.diloco is None or (self.steps + 1) % self.inner_steps == 0:
-                exchange_s += end - middle
-            else:
-                compute_s += end - middle
+            phases["compute"] += middle - start
+            # DiLoCo's inner optimizer steps count as computation; its last one also exchanges
+            if self.diloco is not None and (self.steps + 1) % self.inner_steps != 0:
+                phases["compute"] += end - middle
             self.steps += 1
-            samples += inputs.shape[0]
+            samples += step_samples
+            tokens += step_tokens
+            micro_total += micro_batches
+            loss_sum += loss
+        self._fit_window(phases["compute"] / max(micro_total, 1))
+        phases.update({k: v - before[k] for k, v in self._optimizer_phases().items()})
         last_round = getattr(self.exchange, "last_round", None)
         return RoundReport(
             round=self.rounds_done - 1 if last_round is None else last_round,
-            loss=loss.item(),
+            loss=loss_sum / self.inner_steps,
             participants=self.exchange.world_size,
-            compute_s=compute_s,
-            exchange_s=exchange_s,
+            compute_s=phases["compute"],
+            exchange_s=sum(phases[k] for k in PHASES[1:]),
             samples=samples,
             finished_at=time.time(),
+            tokens=tokens,
+            micro_batches=micro_batches,
+            batch_size=self.batch_size,
+            phases={k: phases[k] for k in PHASES},
+        )
+
+    def _accumulate(self, micro_batches: int) -> tuple[float, int, int]:
+        """Forward and backward over the step's micro-batches; on out-of-memory, halves the micro-batch
+        and starts the step's accumulation over. Returns (mean loss, samples, tokens); the loss is
+        read from the device once per step."""
+        while True:
+            try:
+                total = None
+                samples = tokens = 0
+                for micro in range(micro_batches):
+                    inputs, targets = self.batches(self.steps, micro, self.batch_size)
+                    with self.autocast():
+                        loss = self.loss_fn(self.model, inputs, targets)
+                    (loss / micro_batches).backward()
+                    total = loss.detach() if total is None else total + loss.detach()
+                    samples += inputs.shape[0]
+                    tokens += targets.numel()
+                return total.item() / micro_batches, samples, tokens
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                self._recover_from_oom(error)
+
+    def _recover_from_oom(self, error: BaseException) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if self.batch_size == 1:
+            raise OutOfMemory(
+                "the model does not fit in the device's memory even with one sample per micro-batch: "
+                f"choose a smaller --model or another --device ({error})"
+            ) from None
+        self.batch_size //= 2
+        self.out_of_memory += 1
+
+    def _fit_window(self, micro_seconds: float) -> None:
+        """Sets the micro-batches per step so that a round's computation fills the compute window."""
+        if self.compute_window is None or micro_seconds <= 0:
+            return
+        average = self._micro_seconds
+        self._micro_seconds = micro_seconds if average is None else 0.5 * (average + micro_seconds)
+        fits = math.floor(self.compute_window / (self.inner_steps * self._micro_seconds))
+        self.micro_batches = max(1, min(self.max_micro_batches, fits))
+
+    def _optimizer_phases(self) -> Counter[str]:
+        return Counter(
+            self.optimizer.phase_seconds if self.diloco is None else self.diloco.stats.phase_seconds
         )
 
     def finish(self) -> None:

@@ -248,6 +248,8 @@ class SwarmExchange(Exchange):
         self.refused: dict[str, str] = {}
         """Incompatible peers seen (peer id: which settings differ)."""
         self.bytes_received = 0
+        self.bytes_sent = 0
+        """Payload and state bytes this peer's handlers served."""
         self.relayed = 0
         """Payloads pulled from a peer other than their origin."""
         self.last_round: int | None = None
@@ -261,6 +263,7 @@ class SwarmExchange(Exchange):
         self._adopted: list[torch.Tensor] | None = None
         self._next_round = 0
         self._participants = [self.owner]
+        self._members: list[bytes] = []  # compatible peers seen in the last round, by public key
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-swarm", daemon=True)
         self._thread.start()
@@ -289,6 +292,23 @@ class SwarmExchange(Exchange):
         self._adopted = None
         snapshot = None if state is None else (StateSnapshot.capture(state, round_number), list(state))
         return self._call(self._round(round_number, bytes(payload), samples, snapshot))
+
+    def data_slot(self) -> tuple[int, int]:
+        """(this peer's place, count) among the compatible peers, ordered by public key, as last seen:
+        which data slice it trains on this round (shoal.peer.data.RoundSlices)."""
+        members = self._members or sorted(self._call(self._compatible_peers()))
+        members = sorted(set(members) | {self.owner})
+        return members.index(self.owner), len(members)
+
+    def compatible_peers(self) -> set[bytes]:
+        """Public-key subkeys of the peers whose record is compatible with this one's (itself included);
+        the others are in `refused`, with what differs."""
+        return self._call(self._compatible_peers())
+
+    def set_progress(self, *, throughput: float, samples: int) -> None:
+        """What the next record says about this peer: samples per second, samples contributed."""
+        update = {"throughput": float(max(throughput, 0.0)), "samples": int(max(samples, 0))}
+        self._loop.call_soon_threadsafe(lambda: setattr(self, "record", self.record.copy(update=update)))
 
     def adopted_state(self) -> list[torch.Tensor] | None:
         adopted, self._adopted = self._adopted, None
@@ -352,7 +372,20 @@ class SwarmExchange(Exchange):
         await p2p.add_protobuf_handler(
             self._state_handler, self._serve_state, StateRequest, stream_output=True
         )
+        # the record goes out before the first round, so that the others count this peer in their
+        # data slots (and `shoal status` lists it) while it computes
+        await self._store_record(self.schedule.round_at(time.time()))
         return p2p
+
+    async def _store_record(self, round_number: int) -> None:
+        self.record = self.record.copy(update={"round": round_number, "updated": time.time()})
+        await self.dht.store(
+            f"{self.run}_peers",
+            self.record.dict(),
+            self.schedule.deadline(round_number) + 3 * self.schedule.round_seconds,
+            subkey=self.owner,
+            return_future=True,
+        )
 
     async def _stop(self) -> None:
         await self._p2p.remove_protobuf_handler(self._handler, stream_output=True)
@@ -363,6 +396,7 @@ class SwarmExchange(Exchange):
         snapshot = self._states.get(request.state)
         if snapshot is not None:
             for chunk in _chunks(snapshot.manifest if request.manifest else snapshot.chunk(request.chunk)):
+                self.bytes_sent += len(chunk.data)
                 yield chunk
 
     def _strike(self, owner: bytes, reason: str) -> None:
@@ -379,6 +413,7 @@ class SwarmExchange(Exchange):
 
     async def _serve(self, request: PayloadRequest, _context):
         for chunk in _chunks(self._held.get((request.round, request.digest), b"")):
+            self.bytes_sent += len(chunk.data)
             yield chunk
 
     async def _round(
@@ -402,14 +437,7 @@ class SwarmExchange(Exchange):
         for key in [k for k, first_round in self._seen.items() if first_round < round_number - 16]:
             del self._seen[key]
         self.banned = {owner: until for owner, until in self.banned.items() if until > round_number}
-        self.record = self.record.copy(update={"round": round_number})
-        await self.dht.store(
-            f"{self.run}_peers",
-            self.record.dict(),
-            deadline + 3 * self.schedule.round_seconds,
-            subkey=self.owner,
-            return_future=True,
-        )
+        await self._store_record(round_number)
         key = f"{self.run}.round.{round_number}"
         mine = Announcement(self.owner, self.peer_id, digest, len(payload), samples, state, self.synced)
         await self.dht.store(key, mine.value(), deadline + 60, subkey=self.owner, return_future=True)
@@ -479,6 +507,7 @@ class SwarmExchange(Exchange):
             self.synced = agreed == state or self._adopted is not None
             held = [owner for owner in held if owner not in stale]
         self._participants = held
+        self._members = sorted(compatible)
         return [
             Contribution(
                 rank,

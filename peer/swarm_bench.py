@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
             model,
             exchange,
             algorithm="demo",
-            batches=lambda step: plan.batch(streams.train, step, args.index),
+            batches=lambda step, _micro, _size: plan.batch(streams.train, step, args.index),
         )
         reports = trainer.run(args.rounds)
         result = {

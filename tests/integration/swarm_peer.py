@@ -128,7 +128,7 @@ def main() -> None:
             model,
             exchange,
             algorithm=args.algorithm,
-            batches=lambda step: plan.batch(streams.train, step, args.index),
+            batches=lambda step, _micro, _size: plan.batch(streams.train, step, args.index),
             topk=args.topk,
             codec=DenseCodec(8) if args.algorithm != "demo" else None,
             checkpoints=CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None,

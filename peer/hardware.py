@@ -1,0 +1,68 @@
+"""Which device a peer trains on, and how: automatic choice, bf16 autocast where the GPU has it,
+and a description of the device and its memory for records, `shoal check` and logs."""
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+
+
+class DeviceError(ValueError):
+    """The requested device is not available here."""
+
+
+def choose_device(setting: str = "auto") -> torch.device:
+    """`auto`: the first CUDA GPU, else Apple's MPS, else the CPU. An explicit device is checked."""
+    if setting == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", 0)
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(setting)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(
+                f"--device {setting}: this torch build sees no CUDA GPU (torch {torch.__version__})"
+            )
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise DeviceError(f"--device {setting}: only {torch.cuda.device_count()} CUDA GPUs here")
+        return torch.device("cuda", index)
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError(f"--device {setting}: MPS is not available on this machine")
+    return device
+
+
+def autocast_for(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """bf16 autocast on CUDA GPUs that support bf16; no autocast elsewhere (fp32)."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return functools.partial(torch.autocast, device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def describe(device: torch.device) -> dict[str, object]:
+    """Name, total and free memory (bytes) of the device; the CPU's from the OS."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        name = torch.cuda.get_device_name(device)
+        return {"device": str(device), "name": name, "memory_total": total, "memory_free": free}
+    total = free = None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    name = "Apple GPU (MPS)" if device.type == "mps" else f"CPU, {os.cpu_count()} cores"
+    return {"device": str(device), "name": name, "memory_total": total, "memory_free": free}
+
+
+def memory_in_use(device: torch.device) -> int | None:
+    """Bytes of device memory this process holds in tensors (None on the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    if device.type == "mps":
+        return torch.mps.current_allocated_memory()
+    return None

@@ -1,0 +1,232 @@
+"""`shoal demo`: a whole swarm on this machine, each peer its own `shoal join` process on 127.0.0.1.
+
+The first peer starts the swarm with a round clock far enough ahead for the others to start; the
+others join through the address it prints. Every peer writes JSON lines (`--log-format json`); this
+process merges their rounds into one live table (the mean loss, the swarm's tokens/s, bytes moved)
+and, when every peer has left after the last round, prints a summary: the losses, whether every
+peer ends on the same parameters, and the payload and state bytes each peer served per round (its
+own count; DHT traffic is not included: `shoal bench swarm-local` measures the wire).
+"""
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from statistics import fmean
+from typing import IO
+
+from shoal.peer.progress import Progress
+
+STARTUP_S = 8.0  # importing torch and hivemind, starting a DHT, loading the corpus; more per extra peer
+STARTUP_PER_PEER_S = 2.0
+
+
+class DemoError(RuntimeError):
+    """A peer failed; the message carries the end of its log."""
+
+
+def main(
+    *,
+    peers: int,
+    rounds: int,
+    algorithm: str,
+    round_seconds: float,
+    as_json: bool,
+    model: str = "tiny",
+    stream: IO[str] | None = None,
+) -> int:
+    stream = stream or sys.stdout
+    # with --json, stdout carries only the summary; the live view goes to stderr
+    progress = Progress("human", sys.stderr if as_json else stream, title=f"shoal demo · {peers} peers")
+    try:
+        summary = run(
+            peers=peers,
+            rounds=rounds,
+            algorithm=algorithm,
+            round_seconds=round_seconds,
+            model=model,
+            progress=progress,
+        )
+    except DemoError as error:
+        progress.close()
+        print(f"shoal demo: error: {error}", file=sys.stderr)
+        return 1
+    progress.close()
+    if as_json:
+        stream.write(json.dumps(summary) + "\n")
+    else:
+        agree = "all peers hold the same parameters" if summary["param_hash_agree"] else "PARAMETERS DIFFER"
+        stream.write(
+            f"{summary['peers']} peers, {summary['rounds']} rounds in {summary['wall_s']:.0f} s: loss "
+            f"{summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}; {agree}; "
+            f"{summary['bytes_sent_per_peer_per_round'] / 1024:.1f} KiB sent per peer per round\n"
+        )
+    return 0 if summary["param_hash_agree"] else 1
+
+
+def run(
+    *, peers: int, rounds: int, algorithm: str, round_seconds: float, model: str, progress: Progress
+) -> dict:
+    started = time.perf_counter()
+    events: queue.Queue = queue.Queue()
+    processes: list[subprocess.Popen] = []
+    logs = Path(tempfile.mkdtemp(prefix="shoal-demo-"))
+    start_time = time.time() + STARTUP_S + STARTUP_PER_PEER_S * peers
+    threads = str(max(1, (os.cpu_count() or 1) // peers))
+    common = ["--host", "127.0.0.1", "--run", "demo", "--log-format", "json", "--model", model]
+    common += ["--algorithm", algorithm, "--round-seconds", str(round_seconds)]
+    common += ["--until-round", str(rounds - 1)]
+
+    def launch(index: int, *flags: str) -> None:
+        command = [sys.executable, "-m", "shoal.peer.cli", "join", *common, *flags]
+        env = {**os.environ, "OMP_NUM_THREADS": threads}
+        log = (logs / f"peer{index}.log").open("w")
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True
+        )
+        processes.append(process)
+        threading.Thread(target=_read, args=(index, process.stdout, events), daemon=True).start()
+
+    try:
+        progress.message(
+            f"starting {peers} peers ({algorithm}, rounds of {round_seconds:g} s); logs in {logs}"
+        )
+        launch(0, "--start-time", repr(start_time))
+        address = _first_address(events, processes[0], logs / "peer0.log")
+        for index in range(1, peers):
+            launch(index, "--initial-peers", address)
+        summaries = _follow(events, processes, rounds, round_seconds, progress, logs)
+    except KeyboardInterrupt:
+        progress.message("interrupted: stopping the peers")
+        raise
+    finally:
+        for process in processes:
+            _stop(process)
+    losses = summaries.pop("losses")
+    hashes = {s["param_hash"] for s in summaries.values()}
+    return {
+        "peers": peers,
+        "rounds": rounds,
+        "initial_loss": fmean(losses[min(losses)]),
+        "final_loss": fmean(losses[max(losses)]),
+        "param_hash_agree": len(hashes) == 1,
+        "bytes_sent_per_peer_per_round": fmean(
+            s["bytes_sent"] / max(s["rounds"], 1) for s in summaries.values()
+        ),
+        "wall_s": time.perf_counter() - started,
+        "algorithm": algorithm,
+        "round_seconds": round_seconds,
+        "resyncs": sum(s["resyncs"] for s in summaries.values()),
+    }
+
+
+def _read(index: int, lines: IO[str], events: queue.Queue) -> None:
+    for line in lines:
+        with contextlib.suppress(json.JSONDecodeError):
+            event = json.loads(line)
+            if isinstance(event, dict):
+                events.put((index, event))
+    events.put((index, {"event": "exit"}))
+
+
+def _first_address(events: queue.Queue, first: subprocess.Popen, log: Path, timeout_s: float = 60) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            _index, event = events.get(timeout=1)
+        except queue.Empty:
+            continue
+        if event.get("event") == "started" and event.get("initial_peers"):
+            return next(
+                (a for a in event["initial_peers"] if "/ip4/127.0.0.1/" in a), event["initial_peers"][0]
+            )
+        if event.get("event") == "exit":
+            raise DemoError(f"the first peer exited ({first.wait()}):\n{_tail(log)}")
+    raise DemoError(f"the first peer printed no address within {timeout_s:.0f} s:\n{_tail(log)}")
+
+
+def _follow(events, processes, rounds, round_seconds, progress, logs) -> dict:
+    """Merges the peers' rounds into rows until every peer has exited; returns their summaries
+    and, under "losses", every round's losses."""
+    summaries: dict = {}
+    by_round: dict[int, dict[int, dict]] = {}
+    shown = -1
+    exited: set[int] = set()
+    deadline = time.monotonic() + STARTUP_S * 4 + len(processes) * 10 + rounds * round_seconds * 3
+    while len(exited) < len(processes):
+        if time.monotonic() > deadline:
+            raise DemoError(f"the swarm did not finish in time; logs in {logs}")
+        try:
+            index, event = events.get(timeout=1)
+        except queue.Empty:
+            continue
+        kind = event.get("event")
+        if kind == "round":
+            by_round.setdefault(event["round"], {})[index] = event
+            # a round is shown once every live peer is past it
+            live = [i for i in range(len(processes)) if i not in exited]
+            for number in sorted(by_round):
+                if number <= shown or not all(
+                    any(r >= number for r, peers in by_round.items() if i in peers) for i in live
+                ):
+                    continue
+                progress.round(_row(number, by_round[number]))
+                shown = number
+        elif kind == "summary":
+            summaries[index] = event
+        elif kind == "exit":
+            exited.add(index)
+            code = processes[index].wait()
+            if code != 0:
+                raise DemoError(f"peer {index} exited with {code}:\n{_tail(logs / f'peer{index}.log')}")
+    for number in sorted(by_round):
+        if number > shown:
+            progress.round(_row(number, by_round[number]))
+    missing = set(range(len(processes))) - summaries.keys()
+    if missing:
+        raise DemoError(f"peers {sorted(missing)} left no summary; logs in {logs}")
+    summaries["losses"] = {n: [e["loss"] for e in peers.values()] for n, peers in by_round.items()}
+    return summaries
+
+
+def _row(number: int, peers: dict[int, dict]) -> dict:
+    rows = list(peers.values())
+    return {
+        "round": number,
+        "loss": fmean(r["loss"] for r in rows),
+        "tokens_per_s": sum(r["tokens_per_s"] for r in rows),
+        "participants": max(r["participants"] for r in rows),
+        "micro_batches": "/".join(str(r["micro_batches"]).split("x")[0] for r in rows),
+        "bytes_up": sum(r["bytes_up"] for r in rows),
+        "bytes_down": sum(r["bytes_down"] for r in rows),
+        "round_s": fmean(r["round_s"] for r in rows),
+    }
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the peer's process group (its DHT and p2pd too), then SIGKILL if it lingers."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    with contextlib.suppress(ProcessLookupError):  # children left behind after a clean exit
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,300 @@
+"""`shoal join`: one volunteer's peer, from settings to rounds in a swarm.
+
+    settings -> identity -> DHT (new swarm: print the join command; else: find the round clock)
+             -> device, model, data -> SwarmExchange -> Trainer -> rounds until stopped
+
+Every failure a volunteer can fix becomes a `JoinError` whose message says what to do (the CLI
+prints it and exits 1): a port in use, an unreachable bootstrap peer, no peer of the run found, a
+swarm whose configuration differs, a model that does not fit the device. Ctrl-C or SIGTERM stop the
+peer at the end of the round in progress, with a checkpoint when `--checkpoint-dir` is set.
+
+Data: in round r the peer in slot s of the round's peers trains on its own windows
+(shoal.peer.data.RoundSlices); DiLoCo's inner steps of one round take successive micro-batch slots.
+"""
+
+import errno
+import hashlib
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import IO
+
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from shoal.compression import DenseCodec
+from shoal.peer.bootstrap import BootstrapError, start_dht
+from shoal.peer.checkpoint import CheckpointStore
+from shoal.peer.data import RoundSlices, load_data
+from shoal.peer.hardware import DeviceError, autocast_for, choose_device
+from shoal.peer.identity import IdentityError, keygen, load_identity
+from shoal.peer.membership import record_validators
+from shoal.peer.models import ModelError, load_model
+from shoal.peer.progress import Progress
+from shoal.peer.runtime import OutOfMemory, Trainer, stop_on_signals
+from shoal.peer.settings import PARSERS, JoinSettings
+from shoal.peer.swarm import RoundSchedule, SwarmExchange
+
+DISCOVER_TIMEOUT = timedelta(seconds=60)
+# the run configuration's flags, in the order the join command names them
+RUN_FLAGS = ("run", "model", "algorithm", "lr", "topk", "inner_steps", "outer_lr", "seed")
+
+
+class JoinError(RuntimeError):
+    """A failure the volunteer can act on; the message says how."""
+
+
+def join(settings: JoinSettings, *, stream: IO[str] | None = None) -> dict:
+    """Runs the peer until it is stopped or its rounds are done; returns the summary it printed."""
+    progress = Progress(settings.log_format, stream or sys.stdout, title=f"shoal · run {settings.run}")
+    try:
+        return _join(settings, progress)
+    finally:
+        progress.close()
+
+
+def _join(settings: JoinSettings, progress: Progress) -> dict:
+    identity = _identity(settings.identity, progress)
+    _check_port(settings.host, settings.port)
+    try:
+        dht = start_dht(
+            settings.initial_peers,
+            host_maddrs=[f"/ip4/{settings.host}/tcp/{settings.port}"],
+            record_validators=record_validators(settings.run, identity),
+            identity_path=settings.identity,
+        )
+    except BootstrapError as error:
+        raise JoinError(str(error)) from None
+    try:
+        addresses = [str(a) for a in dht.get_visible_maddrs()]
+        if settings.initial_peers:
+            progress.event("started", initial_peers=addresses, peer_id=dht.peer_id.to_base58())
+            try:
+                schedule = RoundSchedule.discover(dht, settings.run, DISCOVER_TIMEOUT)
+            except TimeoutError:
+                raise JoinError(
+                    f"joined the DHT, but no peer of run {settings.run!r} announced itself within "
+                    f"{DISCOVER_TIMEOUT.seconds} s: check that --run matches the swarm's (the join command "
+                    "its first peer printed names it)"
+                ) from None
+        else:
+            schedule = None  # the clock starts once the model is loaded (_train)
+            command = join_command(settings, _best_address(addresses))
+            progress.message(f"Started a new swarm. Others join it with:\n  {command}")
+            progress.event(
+                "started", join_command=command, initial_peers=addresses, peer_id=dht.peer_id.to_base58()
+            )
+        return _train(settings, progress, dht, identity, schedule)
+    finally:
+        dht.shutdown()
+
+
+def _train(settings, progress, dht, identity, schedule) -> dict:
+    try:
+        device = choose_device(settings.device)
+        loaded = load_model(settings.model, seed=settings.seed)
+        streams = load_data(settings.data)
+    except (DeviceError, ModelError, ValueError) as error:
+        raise JoinError(str(error)) from None
+    if loaded.vocab_size is not None and streams.vocab_size > loaded.vocab_size:
+        raise JoinError(
+            f"--data {settings.data} has token ids up to {streams.vocab_size - 1}, but --model "
+            f"{settings.model} reads only {loaded.vocab_size} distinct tokens"
+        )
+    model = loaded.module.to(device)
+    numel = loaded.parameters
+    if schedule is None:
+        start_time = settings.start_time or time.time() + 0.5
+        schedule = RoundSchedule(start_time=start_time, round_seconds=settings.round_seconds)
+    exchange = SwarmExchange(
+        dht,
+        run=settings.run,
+        schedule=schedule,
+        identity=identity,
+        config=settings.run_config(),
+        device=str(device),
+        max_payload_bytes=max(1 << 20, 8 * numel),
+    )
+    trainer = None
+    try:
+        if settings.initial_peers:
+            _check_compatible(exchange)
+        slices = RoundSlices(seq_len=loaded.seq_len, stride=settings.batch_size, seed=settings.seed)
+        slot: dict[str, object] = {}
+
+        def batches(step: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if slot.get("step") != step:  # once per optimizer step: the round and this peer's place in it
+                slot.update(step=step, round=exchange.next_round, place=exchange.data_slot())
+            place, places = slot["place"]
+            inner = step % trainer.inner_steps
+            inputs, targets = slices.batch(
+                streams.train,
+                round_number=slot["round"],
+                slot=place,
+                slots=places,
+                micro=inner * settings.max_micro_batches + micro,
+                batch_size=size,
+            )
+            return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+
+        trainer = Trainer(
+            model,
+            exchange,
+            algorithm=settings.algorithm,
+            batches=batches,
+            lr=settings.learning_rate,
+            topk=settings.topk,
+            inner_steps=settings.inner_steps,
+            outer_lr=settings.outer_lr,
+            codec=DenseCodec(8) if settings.algorithm != "demo" else None,
+            checkpoints=CheckpointStore(settings.checkpoint_dir) if settings.checkpoint_dir else None,
+            checkpoint_every=settings.checkpoint_every,
+            loss_fn=loaded.loss_fn,
+            batch_size=settings.batch_size,
+            compute_window=settings.round_seconds * settings.compute_fraction,
+            max_micro_batches=settings.max_micro_batches,
+            autocast=autocast_for(device),
+        )
+        if trainer.resume():
+            progress.message(f"resumed from the checkpoint of round {trainer.checkpoints.rounds()[-1]}")
+        progress.message(
+            f"training {settings.model} ({numel:,} parameters) with {settings.algorithm} on {device}, "
+            f"data {streams.name}; rounds of {schedule.round_seconds:g} s"
+        )
+        return _loop(settings, progress, exchange, trainer, model)
+    except OutOfMemory as error:
+        raise JoinError(str(error)) from None
+    finally:
+        if trainer is not None:
+            trainer.close()
+        exchange.close()
+
+
+def _loop(settings, progress, exchange, trainer, model) -> dict:
+    stop = stop_on_signals()
+    reports, stopped = [], False
+    first_round = exchange.next_round
+    samples = 0
+    while True:
+        if settings.max_rounds and len(reports) >= settings.max_rounds:
+            break
+        if settings.until_round is not None and (
+            exchange.next_round > settings.until_round or len(reports) > settings.until_round - first_round
+        ):
+            break
+        sent, received, started = exchange.bytes_sent, exchange.bytes_received, time.perf_counter()
+        report = trainer.run(1, stop)[0]
+        wall = time.perf_counter() - started
+        reports.append(report)
+        samples += report.samples
+        exchange.set_progress(throughput=report.samples / max(wall, 1e-9), samples=samples)
+        progress.round(
+            {
+                "round": report.round,
+                "loss": report.loss,
+                "tokens_per_s": report.tokens / max(wall, 1e-9),
+                "participants": report.participants,
+                "micro_batches": f"{report.micro_batches}x{report.batch_size}",
+                "bytes_up": exchange.bytes_sent - sent,
+                "bytes_down": exchange.bytes_received - received,
+                "round_s": wall,
+            },
+            samples=report.samples,
+            tokens=report.tokens,
+            phases=report.phases,
+        )
+        if stop.is_set():
+            stopped = True
+            break
+    if not stopped:
+        trainer.finish()
+    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))
+    summary = {
+        "rounds": len(reports),
+        "first_round": reports[0].round if reports else None,
+        "last_round": reports[-1].round if reports else None,
+        "initial_loss": reports[0].loss if reports else None,
+        "final_loss": reports[-1].loss if reports else None,
+        "param_hash": digest.hexdigest(),
+        "bytes_sent": exchange.bytes_sent,
+        "bytes_received": exchange.bytes_received,
+        "resyncs": exchange.resyncs,
+        "rejected": dict(exchange.rejected),
+        "stopped": stopped,
+        "checkpoint": str(trainer.checkpoints.directory) if stopped and trainer.checkpoints else None,
+    }
+    progress.event("summary", **summary)
+    if settings.log_format == "human":
+        ending = "stopped" + (", checkpoint saved" if summary["checkpoint"] else "") if stopped else "done"
+        progress.message(
+            f"{ending}: {len(reports)} rounds, "
+            f"loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
+            if reports
+            else f"{ending}: no round finished"
+        )
+    return summary
+
+
+def join_command(settings: JoinSettings, address: str) -> str:
+    """The command that joins another peer to this one's run, with the settings that must match."""
+    defaults = JoinSettings()
+    parts = ["shoal", "join", "--initial-peers", address]
+    for name in RUN_FLAGS:
+        value = getattr(settings, name)
+        if name in ("run", "model", "algorithm") or value != getattr(defaults, name):
+            parts += ["--" + name.replace("_", "-"), str(value)]
+    return " ".join(parts)
+
+
+def _best_address(addresses: list[str]) -> str:
+    """A public address if there is one, then a private one, then loopback."""
+
+    def rank(address: str) -> int:
+        if "/ip4/127." in address or "/ip6/::1/" in address:
+            return 2
+        private = ("/ip4/10.", "/ip4/192.168.", "/ip4/172.", "/ip4/100.")
+        return 1 if address.startswith(private) else 0
+
+    return sorted(addresses, key=rank)[0]
+
+
+def _identity(path: str | None, progress: Progress) -> RSAPrivateKey:
+    if path is None:
+        return RSAPrivateKey()
+    try:
+        if not Path(path).exists():
+            progress.message(f"created a new peer identity in {path}")
+            return keygen(path)
+        return load_identity(path)
+    except IdentityError as error:
+        raise JoinError(str(error)) from None
+
+
+def _check_port(host: str, port: int) -> None:
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise JoinError(
+                    f"port {port} on {host} is in use (another shoal peer?): choose another --port, "
+                    "or --port 0 for any free one"
+                ) from None
+            raise JoinError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+
+
+def _check_compatible(exchange: SwarmExchange) -> None:
+    """Refuses to train alone next to a swarm of another configuration."""
+    if len(exchange.compatible_peers()) == 1 and exchange.refused:
+        reasons = "\n".join(f"  {peer}: {reason}" for peer, reason in exchange.refused.items())
+        raise JoinError(
+            "every peer of this run has another configuration; use their settings (see the join command "
+            f"their first peer printed):\n{reasons}"
+        )
+
+
+assert set(RUN_FLAGS) <= PARSERS.keys()

@@ -1,0 +1,205 @@
+"""Settings of `shoal join`: from flags, then `SHOAL_*` environment variables, then a TOML file, then
+defaults; the first that names a setting wins. Every value is parsed and checked here, and a bad one
+raises `SettingsError` naming the setting and where it came from (the CLI exits 2 with it).
+
+    SHOAL_MODEL=small SHOAL_INITIAL_PEERS="/ip4/.../p2p/A /ip4/.../p2p/B" shoal join --config run.toml
+
+The TOML file uses the settings' names (`model = "small"`, `initial_peers = ["/ip4/..."]`); an
+unknown key is an error, so that a typo does not silently train with a default.
+"""
+
+import math
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from shoal.peer.membership import check_run_name
+
+ALGORITHMS = {
+    "demo": "demo",
+    "diloco": "diloco-eager",
+    "diloco-standard": "diloco-standard",
+    "diloco-delayed": "diloco-delayed",
+    "diloco-eager": "diloco-eager",
+}
+DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d{1,3})?)$")
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinSettings:
+    """Everything `shoal join` runs with (see `shoal join --help` for each one)."""
+
+    initial_peers: tuple[str, ...] = ()
+    run: str = "shoal"
+    model: str = "tiny"
+    data: str = "stdlib"
+    algorithm: str = "demo"
+    device: str = "auto"
+    identity: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 10
+    max_rounds: int = 0
+    until_round: int | None = None
+    host: str = "0.0.0.0"
+    port: int = 0
+    round_seconds: float = 10.0
+    start_time: float = 0.0
+    compute_fraction: float = 0.5
+    lr: float = 0.0
+    topk: int = 32
+    inner_steps: int = 10
+    outer_lr: float = 0.4
+    batch_size: int = 8
+    max_micro_batches: int = 64
+    seed: int = 0
+    log_format: str = "human"
+
+    def run_config(self) -> dict[str, str]:
+        """What every peer of a run must share (hashed into its records; shoal.peer.membership)."""
+        config = {"model": self.model, "algorithm": self.algorithm, "lr": repr(self.learning_rate)}
+        config["seed"] = str(self.seed)
+        if self.algorithm == "demo":
+            return config | {"compression_topk": str(self.topk)}
+        return config | {"inner_steps": str(self.inner_steps), "outer_lr": repr(self.outer_lr)}
+
+    @property
+    def learning_rate(self) -> float:
+        """`lr`, or the algorithm's default when it is 0."""
+        return self.lr or (2e-3 if self.algorithm == "demo" else 1e-3)
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected a non-empty string")
+    return value
+
+
+def _int(low: int, high: int = 2**62) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError("expected an integer")
+        number = int(value) if isinstance(value, int) else int(value.strip())
+        if not low <= number <= high:
+            raise ValueError(f"expected an integer in [{low}, {high}], got {number}")
+        return number
+
+    return parse
+
+
+def _float(low: float, high: float, *, open_low: bool = False) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ValueError("expected a number")
+        number = float(value)
+        if not math.isfinite(number) or number > high or number < low or (open_low and number == low):
+            bound = "(" if open_low else "["
+            raise ValueError(f"expected a number in {bound}{low}, {high}], got {value!r}")
+        return number
+
+    return parse
+
+
+def _choice(options: Mapping[str, str] | tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if value not in options:
+            raise ValueError(f"expected one of {', '.join(options)}, got {value!r}")
+        return options[value] if isinstance(options, Mapping) else value
+
+    return parse
+
+
+def _device(value: Any) -> str:
+    if not isinstance(value, str) or not DEVICE.match(value):
+        raise ValueError(f"expected auto, cpu, cuda, cuda:N or mps, got {value!r}")
+    return value
+
+
+def _peers(value: Any) -> tuple[str, ...]:
+    items = value.split() if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(p, str) and p for p in items):
+        raise ValueError("expected a list of peer multiaddresses")
+    return tuple(items)
+
+
+def _run(value: Any) -> str:
+    return check_run_name(_text(value))
+
+
+PARSERS: dict[str, Callable[[Any], Any]] = {
+    "initial_peers": _peers,
+    "run": _run,
+    "model": _text,
+    "data": _text,
+    "algorithm": _choice(ALGORITHMS),
+    "device": _device,
+    "identity": _text,
+    "checkpoint_dir": _text,
+    "checkpoint_every": _int(0),
+    "max_rounds": _int(0),
+    "until_round": _int(0),
+    "host": _text,
+    "port": _int(0, 65535),
+    "round_seconds": _float(0.5, 86400),
+    "start_time": _float(0.0, 1e11),
+    "compute_fraction": _float(0.0, 0.95, open_low=True),
+    "lr": _float(0.0, 10.0),
+    "topk": _int(1, 4096),
+    "inner_steps": _int(1, 100_000),
+    "outer_lr": _float(0.0, 10.0, open_low=True),
+    "batch_size": _int(1, 65536),
+    "max_micro_batches": _int(1, 4096),
+    "seed": _int(0),
+    "log_format": _choice(("human", "json")),
+}
+assert PARSERS.keys() == {f.name for f in fields(JoinSettings)}
+
+
+def resolve(
+    flags: Mapping[str, Any], environ: Mapping[str, str], config_path: str | None = None
+) -> JoinSettings:
+    """Settings from `flags` (None: not given), then `SHOAL_<NAME>` in `environ`, then the TOML file
+    at `config_path` (or `SHOAL_CONFIG`), then defaults."""
+    config_path = config_path or environ.get("SHOAL_CONFIG") or None
+    from_file = _read_toml(config_path) if config_path else {}
+    values = {}
+    for name, parse in PARSERS.items():
+        sources = (
+            ("--" + name.replace("_", "-"), flags.get(name)),
+            ("SHOAL_" + name.upper(), environ.get("SHOAL_" + name.upper())),
+            (f"{name} in {config_path}", from_file.get(name)),
+        )
+        for where, raw in sources:
+            if raw is None:
+                continue
+            try:
+                values[name] = parse(raw)
+            except ValueError as error:
+                raise SettingsError(f"{where}: {error}") from None
+            break
+    return JoinSettings(**values)
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with Path(path).open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)
+    except OSError as error:
+        raise SettingsError(f"--config {path}: {error.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise SettingsError(f"--config {path}: larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        table = tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+        raise SettingsError(f"--config {path}: not valid TOML ({error})") from None
+    unknown = sorted(set(table) - PARSERS.keys())
+    if unknown:
+        raise SettingsError(f"--config {path}: unknown setting {', '.join(map(repr, unknown))}")
+    return table

@@ -1,0 +1,144 @@
+"""The peer runtime's pieces: data slices per (round, slot), micro-batches that halve on out-of-memory
+and fill the compute window, phase timings, and what `--model` can name."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from shoal.peer.data import RoundSlices
+from shoal.peer.exchange import LoopbackExchange
+from shoal.peer.models import ModelError, load_model
+from shoal.peer.runtime import PHASES, OutOfMemory, Trainer
+
+STREAM = torch.arange(100_000)  # window i starts with token 10 * i (seq_len 9)
+
+
+@pytest.mark.parametrize("slots", [1, 3, 7])
+def test_no_two_slots_share_a_window_within_a_round(slots):
+    slices = RoundSlices(seq_len=9, stride=4, seed=1)
+    indices = []
+    for slot in range(slots):
+        for micro in range(5):
+            size = 4 if slot % 2 else 2  # peers with different micro-batch sizes
+            inputs, targets = slices.batch(
+                STREAM, round_number=3, slot=slot, slots=slots, micro=micro, batch_size=size
+            )
+            assert inputs.shape == targets.shape == (size, 9)
+            assert torch.equal(inputs[:, 1:], targets[:, :-1])
+            indices += (inputs[:, 0] // 10).tolist()
+    assert len(indices) == len(set(indices)) == sum(4 if s % 2 else 2 for s in range(slots)) * 5
+
+
+def test_rounds_draw_other_windows_deterministically():
+    slices = RoundSlices(seq_len=9, stride=8)
+    first = slices.batch(STREAM, round_number=0, slot=0, slots=2, micro=0, batch_size=8)[0]
+    again = slices.batch(STREAM, round_number=0, slot=0, slots=2, micro=0, batch_size=8)[0]
+    other = slices.batch(STREAM, round_number=1, slot=0, slots=2, micro=0, batch_size=8)[0]
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    with pytest.raises(ValueError, match="batch size 9"):
+        slices.batch(STREAM, round_number=0, slot=0, slots=2, micro=0, batch_size=9)
+    with pytest.raises(ValueError, match="slot 2"):
+        slices.batch(STREAM, round_number=0, slot=2, slots=2, micro=0, batch_size=1)
+
+
+class Linear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def forward(self, inputs, targets):
+        return ((self.layer(inputs) - targets) ** 2).mean()
+
+
+def batches(step: int, micro: int, size: int):
+    generator = torch.Generator().manual_seed(step * 1000 + micro)
+    return torch.randn(size, 4, generator=generator), torch.randn(size, 1, generator=generator)
+
+
+def trainer(**kwargs) -> Trainer:
+    torch.manual_seed(0)
+    return Trainer(Linear(), LoopbackExchange.group(1)[0], algorithm="demo", batches=batches, **kwargs)
+
+
+def test_out_of_memory_halves_the_micro_batch_and_restarts_the_step():
+    calls = []
+
+    def loss_fn(model, inputs, targets):
+        calls.append(inputs.shape[0])
+        if inputs.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return model(inputs, targets)
+
+    peer = trainer(loss_fn=loss_fn, batch_size=8)
+    report = peer.round()
+    assert calls == [8, 4, 2]
+    assert (peer.batch_size, peer.out_of_memory, report.samples, report.batch_size) == (2, 2, 2, 2)
+    assert all(p.grad is None for p in peer.model.parameters())  # the step consumed them
+
+
+def test_out_of_memory_at_one_sample_is_a_clear_error():
+    def loss_fn(model, inputs, targets):
+        raise RuntimeError("MPS backend out of memory (MPS allocated: 9 GB)")
+
+    with pytest.raises(OutOfMemory, match="smaller --model"):
+        trainer(loss_fn=loss_fn, batch_size=2).round()
+
+
+def test_other_errors_are_not_taken_for_out_of_memory():
+    def loss_fn(model, inputs, targets):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes"):
+        trainer(loss_fn=loss_fn).round()
+
+
+def test_micro_batches_fill_the_compute_window():
+    def slow_loss(model, inputs, targets):
+        time.sleep(0.01)
+        return model(inputs, targets)
+
+    peer = trainer(loss_fn=slow_loss, compute_window=0.1, max_micro_batches=50)
+    reports = [peer.round() for _ in range(4)]
+    assert reports[0].micro_batches == 1
+    assert 4 <= reports[-1].micro_batches <= 10  # ~0.1 s / 0.01 s, less per-batch overhead
+    assert reports[-1].samples == reports[-1].micro_batches * 8
+    assert set(reports[-1].phases) == set(PHASES)
+    assert reports[-1].phases["compute"] >= 0.01 * reports[-1].micro_batches
+    assert reports[-1].compute_s == reports[-1].phases["compute"]
+
+
+def test_accumulated_micro_batches_give_the_mean_gradient():
+    # two micro-batches of 4 accumulate the gradient of their mean loss, as one batch of 8 would
+    peer = trainer(batch_size=4)
+    peer.micro_batches = 2
+    grads = []
+    peer.optimizer.step = lambda samples: grads.append([p.grad.clone() for p in peer.model.parameters()])
+    peer.round()
+    model = Linear()
+    model.load_state_dict(peer.model.state_dict())
+    losses = [model(*batches(0, micro, 4)) for micro in range(2)]
+    (sum(losses) / 2).backward()
+    for got, expected in zip(grads[0], [p.grad for p in model.parameters()], strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def factory():
+    model = Linear()
+    model.seq_len = 4
+    return model, lambda m, inputs, targets: m(inputs, targets)
+
+
+def test_models_by_preset_factory_and_errors():
+    tiny = load_model("tiny", seed=3)
+    assert tiny.seq_len == 64 and tiny.vocab_size == 256 and tiny.parameters > 100_000
+    assert torch.equal(next(tiny.module.parameters()), next(load_model("tiny", seed=3).module.parameters()))
+    custom = load_model("tests.unit.test_runtime:factory")
+    assert custom.seq_len == 4 and type(custom.module).__name__ == "Linear"
+    with pytest.raises(ModelError, match="no attribute 'nothing'"):
+        load_model("tests.unit.test_runtime:nothing")
+    with pytest.raises(ModelError, match="No module named"):
+        load_model("no_such_module:factory")
+    with pytest.raises(ModelError, match="expected one of tiny, small, base"):
+        load_model("gpt-17")
