@@ -76,6 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help='print {"run", "peers": [...], "malformed_records"}'
     )
 
+    check = commands.add_parser(
+        "check",
+        help="pre-flight: device, versions, reachability, bandwidth to the swarm",
+        description="What this machine brings to a swarm: the device and its memory, torch and CUDA "
+        "versions, "
+        "the addresses it listens on and whether outside peers can reach them (and what to open if not), "
+        "and with --initial-peers the DHT round trip and the bandwidth from the run's peers.",
+    )
+    check.add_argument(
+        "--initial-peers",
+        nargs="+",
+        metavar="MADDR",
+        help="peers of the swarm (default: SHOAL_INITIAL_PEERS)",
+    )
+    check.add_argument("--run", help="the run's name (default: SHOAL_RUN, else shoal)")
+    check.add_argument("--port", type=int, default=0, help="TCP port a peer would listen on (default: any)")
+    check.add_argument("--json", action="store_true", help='print {"device": {...}, "network": {...}}')
+
     keygen = commands.add_parser(
         "keygen",
         help="create a persistent peer identity",
@@ -211,6 +229,20 @@ def main(argv: list[str] | None = None) -> int:
         except BootstrapError as error:
             print(f"shoal status: error: {error}", file=sys.stderr)
             return 1
+    if args.command == "check":
+        if not 0 <= args.port <= 65535:
+            print("shoal check: error: --port must be in [0, 65535]", file=sys.stderr)
+            return 2
+        from shoal.peer import check
+
+        peers = args.initial_peers or os.environ.get("SHOAL_INITIAL_PEERS", "").split()
+        run = args.run or os.environ.get("SHOAL_RUN") or "shoal"
+        try:
+            settings_module.PARSERS["run"](run)
+        except ValueError as error:
+            print(f"shoal check: error: --run: {error}", file=sys.stderr)
+            return 2
+        return check.main(peers, run, args.port, as_json=args.json)
     if args.command == "keygen":
         from shoal.peer.identity import IdentityError, keygen, peer_id_of
 

@@ -71,12 +71,14 @@ from shoal.peer.state import (
     state_size,
 )
 from shoal.protocol import EncodedTensor, MalformedPayloadError, parse_message
-from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, StateRequest
+from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, ProbeRequest, StateRequest
 
 logger = get_logger(__name__)
 
 CHUNK_BYTES = 1 << 20  # libp2p unary messages stop at 4 MiB; streamed chunks of 1 MiB are fastest here
 DIGEST_BYTES = 32
+PROBE_MAX_BYTES = 8 << 20  # a bandwidth probe (`shoal check`) gets at most this much ...
+PROBE_INTERVAL_S = 10.0  # ... and at most once per this many seconds per asking peer
 
 
 def peer_records(found) -> tuple[dict[bytes, PeerRecord], int]:
@@ -256,6 +258,8 @@ class SwarmExchange(Exchange):
         """The round of the last `gather`."""
         self._handler = f"shoal.{run}.payload"
         self._state_handler = f"shoal.{run}.state"
+        self._probe_handler = f"shoal.{run}.probe"
+        self._probed: dict[PeerID, float] = {}  # asking peer: monotonic time of its last probe
         # touched only on the loop thread:
         self._held: dict[tuple[int, bytes], bytes] = {}
         self._states: dict[bytes, StateSnapshot] = {}
@@ -372,6 +376,9 @@ class SwarmExchange(Exchange):
         await p2p.add_protobuf_handler(
             self._state_handler, self._serve_state, StateRequest, stream_output=True
         )
+        await p2p.add_protobuf_handler(
+            self._probe_handler, self._serve_probe, ProbeRequest, stream_output=True
+        )
         # the record goes out before the first round, so that the others count this peer in their
         # data slots (and `shoal status` lists it) while it computes
         await self._store_record(self.schedule.round_at(time.time()))
@@ -390,6 +397,7 @@ class SwarmExchange(Exchange):
     async def _stop(self) -> None:
         await self._p2p.remove_protobuf_handler(self._handler, stream_output=True)
         await self._p2p.remove_protobuf_handler(self._state_handler, stream_output=True)
+        await self._p2p.remove_protobuf_handler(self._probe_handler, stream_output=True)
         await self._p2p.shutdown()
 
     async def _serve_state(self, request: StateRequest, _context):
@@ -398,6 +406,19 @@ class SwarmExchange(Exchange):
             for chunk in _chunks(snapshot.manifest if request.manifest else snapshot.chunk(request.chunk)):
                 self.bytes_sent += len(chunk.data)
                 yield chunk
+
+    async def _serve_probe(self, request: ProbeRequest, context):
+        """Zeros for a bandwidth measurement, rate-limited per asking peer (not an amplifier)."""
+        now = time.monotonic()
+        if now - self._probed.get(context.remote_id, -math.inf) < PROBE_INTERVAL_S:
+            self.rejected["probe_rate"] += 1
+            return
+        if len(self._probed) > 1024:
+            self._probed = {p: t for p, t in self._probed.items() if now - t < PROBE_INTERVAL_S}
+        self._probed[context.remote_id] = now
+        for chunk in _chunks(bytes(min(request.size, PROBE_MAX_BYTES))):
+            self.bytes_sent += len(chunk.data)
+            yield chunk
 
     def _strike(self, owner: bytes, reason: str) -> None:
         if not owner or owner == self.owner:

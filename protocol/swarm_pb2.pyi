@@ -41,3 +41,9 @@ class StateRequest(_message.Message):
     manifest: bool
     chunk: int
     def __init__(self, state: _Optional[bytes] = ..., manifest: _Optional[bool] = ..., chunk: _Optional[int] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("size",)
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    def __init__(self, size: _Optional[int] = ...) -> None: ...

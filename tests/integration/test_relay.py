@@ -10,7 +10,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from shoal.peer.bootstrap import start_dht
 from shoal.peer.membership import record_validators
-from shoal.peer.swarm import RoundSchedule, SwarmExchange
+from shoal.peer.swarm import PROBE_MAX_BYTES, RoundSchedule, SwarmExchange
+from shoal.protocol.swarm_pb2 import ProbeRequest
 
 CONFIG = {"model": "tiny", "algorithm": "demo"}
 
@@ -67,6 +68,16 @@ def test_a_payload_served_once_by_its_origin_reaches_every_peer_through_relays()
         assert len(exchanges[0].served) == 1
         assert sum(exchange.relayed for exchange in exchanges) >= 2
         assert not any(exchange.rejected for exchange in exchanges)
+
+        # the bandwidth probe (`shoal check`) is capped and rate-limited per asking peer
+        def probe(asker: SwarmExchange) -> bytes:
+            request = ProbeRequest(size=2**32 - 1)
+            return asker._call(asker._pull(exchanges[0].peer_id, "shoal.r.probe", request, 64 << 20))
+
+        assert len(probe(exchanges[1])) == PROBE_MAX_BYTES
+        assert probe(exchanges[1]) == b""
+        assert exchanges[0].rejected["probe_rate"] == 1
+        assert len(probe(exchanges[2])) == PROBE_MAX_BYTES  # another peer is not limited by the first
     finally:
         for exchange in exchanges:
             exchange.close()

@@ -1,0 +1,155 @@
+"""`shoal check`: what a volunteer should know before joining.
+
+- the device a peer would train on, its memory, the torch / CUDA versions and bf16 support;
+- the addresses this machine listens on, and whether peers outside its network can dial it: a
+  public address means yes, if the port is open in the firewall; only private addresses mean it is
+  behind NAT (inferred from the addresses: nothing from outside dials back);
+- with `--initial-peers`: whether the bootstrap peer answers, the DHT round-trip time, and the
+  bandwidth from up to three shoal peers of the run, each measured by pulling 4 MiB from its probe
+  handler (shoal.peer.swarm; a stock hivemind-dht node has none, so only the round trip is shown).
+"""
+
+import asyncio
+import ipaddress
+import json
+import sys
+import time
+from typing import IO
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils.crypto import RSAPrivateKey
+
+from shoal.peer.bootstrap import BootstrapError, start_dht
+from shoal.peer.hardware import choose_device, describe
+from shoal.peer.membership import record_validators
+from shoal.peer.swarm import peer_records
+from shoal.protocol.swarm_pb2 import PayloadChunk, ProbeRequest
+
+PROBE_BYTES = 4 << 20
+PROBE_PEERS = 3
+PROBE_TIMEOUT_S = 60.0
+
+
+def device_report() -> dict:
+    device = choose_device("auto")
+    report = describe(device)
+    report |= {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "bf16_autocast": device.type == "cuda" and torch.cuda.is_bf16_supported(),
+    }
+    return report
+
+
+def reachability(addresses: list[str], port: int) -> dict:
+    """Whether the listen addresses look reachable from outside, and what to open if not."""
+    hosts = []
+    for address in addresses:
+        parts = address.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+            try:
+                hosts.append(ipaddress.ip_address(parts[2]))
+            except ValueError:
+                continue
+    public = sorted({str(h) for h in hosts if h.is_global})
+    port_text = f"TCP port {port}" if port else "the TCP port (fix one with --port N)"
+    if public:
+        advice = f"reachable at {', '.join(public)} if {port_text} is open in your firewall"
+    else:
+        advice = (
+            f"behind NAT or a private network: peers outside it cannot dial you. Forward {port_text} "
+            "from your router to this machine, or join through a public peer and let others reach you via "
+            "a libp2p relay (hivemind's use_relay / use_auto_relay)"
+        )
+    return {"addresses": addresses, "public": public, "reachable": bool(public), "advice": advice}
+
+
+async def _probe(dht, peer_id: str, run: str) -> float:
+    """Mbit/s of one PROBE_BYTES pull from a peer's probe handler."""
+    p2p = await dht.replicate_p2p()
+    try:
+        started = time.perf_counter()
+        stream = await p2p.iterate_protobuf_handler(
+            PeerID.from_base58(peer_id), f"shoal.{run}.probe", ProbeRequest(size=PROBE_BYTES), PayloadChunk
+        )
+        received = 0
+        async for chunk in stream:
+            received += len(chunk.data)
+        elapsed = time.perf_counter() - started
+    finally:
+        await p2p.shutdown()
+    if received == 0:
+        raise ConnectionError("the peer sent nothing (rate-limited, or not a shoal peer of this run)")
+    return received * 8 / elapsed / 1e6
+
+
+def network_report(initial_peers: list[str], run: str, port: int) -> dict:
+    report: dict = {}
+    try:
+        dht = start_dht(
+            initial_peers,
+            host_maddrs=[f"/ip4/0.0.0.0/tcp/{port}"],
+            record_validators=record_validators(run, RSAPrivateKey()),
+        )
+    except BootstrapError as error:
+        return {"bootstrap": "failed", "error": str(error)}
+    try:
+        report["reachability"] = reachability([str(a) for a in dht.get_visible_maddrs()], port)
+        if not initial_peers:
+            return report
+        started = time.perf_counter()
+        records, _ = peer_records(dht.get(f"{run}_peers", latest=True))
+        report["bootstrap"] = "ok"
+        report["dht_round_trip_ms"] = (time.perf_counter() - started) * 1000
+        report["run_peers"] = len(records)
+        bandwidth = {}
+        for record in list(records.values())[:PROBE_PEERS]:
+            try:
+                mbit = asyncio.run(asyncio.wait_for(_probe(dht, record.peer_id, run), PROBE_TIMEOUT_S))
+                bandwidth[record.peer_id] = round(mbit, 1)
+            except Exception as error:  # any failure of one peer is reported, not raised
+                bandwidth[record.peer_id] = f"failed: {type(error).__name__}: {error}"
+        report["bandwidth_mbit_s"] = bandwidth
+        return report
+    finally:
+        dht.shutdown()
+
+
+def main(initial_peers: list[str], run: str, port: int, as_json: bool, stream: IO[str] | None = None) -> int:
+    stream = stream or sys.stdout
+    report = {"device": device_report(), "network": network_report(initial_peers, run, port)}
+    failed = report["network"].get("bootstrap") == "failed"
+    if as_json:
+        stream.write(json.dumps(report) + "\n")
+        return 1 if failed else 0
+    device, network = report["device"], report["network"]
+    lines = [
+        f"device     {device['device']}: {device['name']}",
+        f"memory     {_gib(device['memory_free'])} free of {_gib(device['memory_total'])}",
+        f"torch      {device['torch']}, CUDA {device['cuda'] or 'not in this build'}"
+        + (", bf16 autocast" if device["bf16_autocast"] else ""),
+    ]
+    if failed:
+        lines.append(f"bootstrap  FAILED\n{network['error']}")
+    else:
+        reach = network["reachability"]
+        lines.append(f"listening  {', '.join(reach['addresses'])}")
+        lines.append(f"reachable  {'yes' if reach['reachable'] else 'no'}: {reach['advice']}")
+        if "bootstrap" in network:
+            lines.append(
+                f"bootstrap  ok, DHT round trip {network['dht_round_trip_ms']:.0f} ms, "
+                f"{network['run_peers']} peers of run {run!r}"
+            )
+            for peer, value in network["bandwidth_mbit_s"].items():
+                shown = f"{value} Mbit/s" if isinstance(value, float) else value
+                lines.append(f"bandwidth  from {peer}: {shown}")
+            if not network["bandwidth_mbit_s"]:
+                lines.append("bandwidth  no shoal peer of this run to measure against")
+    stream.write("\n".join(lines) + "\n")
+    return 1 if failed else 0
+
+
+def _gib(value: int | None) -> str:
+    return "unknown" if value is None else f"{value / 2**30:.1f} GiB"

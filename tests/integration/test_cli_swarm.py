@@ -1,0 +1,160 @@
+"""The CLI end to end, as a volunteer runs it: `shoal demo`, two `shoal join` against each other,
+`shoal status`, an unreachable bootstrap peer, SIGTERM leaving a loadable checkpoint (real
+processes on 127.0.0.1, OS-chosen ports)."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shoal.peer.checkpoint import CheckpointStore
+
+ROOT = Path(__file__).resolve().parents[2]
+SHOAL = [sys.executable, "-m", "shoal.peer.cli"]
+
+
+def start(*args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([*SHOAL, *args], cwd=ROOT, env=env, start_new_session=True, text=True, **kwargs)
+
+
+def kill(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def events(path: Path) -> list[dict]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def wait_for(path: Path, predicate, timeout_s: float) -> dict:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for event in events(path):
+            if predicate(event):
+                return event
+        time.sleep(0.5)
+    raise TimeoutError(f"no matching event in {path}: {path.read_text()[-2000:] if path.exists() else ''}")
+
+
+@pytest.mark.timeout(240)
+def test_demo_json_summary():
+    result = subprocess.run(
+        [*SHOAL, "demo", "--peers", "3", "--rounds", "10", "--round-seconds", "2", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["peers"] == 3 and summary["rounds"] == 10
+    assert summary["param_hash_agree"] is True
+    assert summary["final_loss"] < summary["initial_loss"] - 0.3
+    assert 1000 < summary["bytes_sent_per_peer_per_round"] < 1 << 20
+    assert 20 < summary["wall_s"] < 200
+    assert "round 9" in result.stderr  # the live view went to stderr
+
+
+@pytest.mark.timeout(180)
+def test_join_twice_status_and_sigterm_checkpoint(tmp_path):
+    first_out, second_out = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    common = ["--host", "127.0.0.1", "--run", "twice", "--log-format", "json", "--round-seconds", "2"]
+    first = start("join", *common, stdout=first_out.open("w"), stderr=(tmp_path / "first.err").open("w"))
+    second = None
+    try:
+        started = wait_for(first_out, lambda e: e.get("event") == "started", 60)
+        assert started["join_command"].startswith("shoal join --initial-peers /ip4/127.0.0.1/")
+        assert "--run twice" in started["join_command"]
+        address = started["initial_peers"][0]
+        second = start(
+            "join",
+            *common,
+            "--initial-peers",
+            address,
+            "--checkpoint-dir",
+            str(tmp_path / "checkpoints"),
+            stdout=second_out.open("w"),
+            stderr=(tmp_path / "second.err").open("w"),
+        )
+        wait_for(second_out, lambda e: e.get("event") == "round" and e["participants"] == 2, 90)
+        status = subprocess.run(
+            [*SHOAL, "status", "--initial-peers", address, "--run", "twice", "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr[-2000:]
+        peers = json.loads(status.stdout)["peers"]
+        ids = {started["peer_id"], wait_for(second_out, lambda e: e.get("event") == "started", 1)["peer_id"]}
+        assert {p["peer_id"] for p in peers} == ids
+        assert all(p["samples"] > 0 and p["throughput"] > 0 and p["version"] for p in peers)
+        table = subprocess.run(
+            [*SHOAL, "status", "--initial-peers", address, "--run", "twice"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        assert all(peer_id in table.stdout for peer_id in ids), table.stdout
+
+        check = subprocess.run(
+            [*SHOAL, "check", "--initial-peers", address, "--run", "twice", "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert check.returncode == 0, check.stderr[-2000:]
+        network = json.loads(check.stdout)["network"]
+        assert network["bootstrap"] == "ok" and network["run_peers"] == 2
+        assert set(network["bandwidth_mbit_s"]) == ids
+        assert all(isinstance(v, float) and v > 1 for v in network["bandwidth_mbit_s"].values()), network
+
+        other = subprocess.run(
+            [*SHOAL, "join", *common, "--initial-peers", address, "--topk", "4"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert other.returncode == 1
+        assert "every peer of this run has another configuration" in other.stderr
+        assert "compression_topk is 32 there, 4 here" in other.stderr
+
+        os.kill(second.pid, signal.SIGTERM)  # Ctrl-C's path: leave at the round's end, with a checkpoint
+        assert second.wait(timeout=20) == 0
+        summary = wait_for(second_out, lambda e: e.get("event") == "summary", 1)
+        assert summary["stopped"] is True and summary["rounds"] >= 1
+        state = CheckpointStore(tmp_path / "checkpoints").load_latest()  # weights_only
+        assert state is not None and state["algorithm"] == "demo" and state["steps"] >= 1
+    finally:
+        for process in (first, second):
+            if process is not None:
+                kill(process)
+
+
+@pytest.mark.timeout(120)
+def test_unreachable_bootstrap_exits_1_saying_what_was_tried():
+    nobody = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWAWh5yFSnH2mTeaEXarpiTHz6NtC5BLTA3wBDS8pD1tn7"
+    result = subprocess.run(
+        [*SHOAL, "join", "--host", "127.0.0.1", "--initial-peers", nobody],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert result.returncode == 1
+    assert "could not join the swarm" in result.stderr
+    assert "TCP 127.0.0.1:9 refused the connection" in result.stderr
+    assert "Traceback" not in result.stderr
