@@ -84,13 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the addresses it listens on and whether outside peers can reach them (and what to open if not), "
         "and with --initial-peers the DHT round trip and the bandwidth from the run's peers.",
     )
-    check.add_argument(
-        "--initial-peers",
-        nargs="+",
-        metavar="MADDR",
-        help="peers of the swarm (default: SHOAL_INITIAL_PEERS)",
-    )
-    check.add_argument("--run", help="the run's name (default: SHOAL_RUN, else shoal)")
+    _swarm_flags(check)
     check.add_argument("--port", type=int, default=0, help="TCP port a peer would listen on (default: any)")
     check.add_argument("--json", action="store_true", help='print {"device": {...}, "network": {...}}')
 
@@ -173,11 +167,11 @@ def _swarm_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", help="the run's name (default: SHOAL_RUN, else shoal)")
 
 
-def _swarm_settings(args: argparse.Namespace) -> tuple[list[str], str]:
+def _swarm_settings(args: argparse.Namespace, required: bool = True) -> tuple[list[str], str]:
     """--initial-peers and --run, else their SHOAL_* variables; SettingsError if unusable."""
     peers = args.initial_peers or os.environ.get("SHOAL_INITIAL_PEERS", "").split()
     run = args.run or os.environ.get("SHOAL_RUN") or "shoal"
-    if not peers:
+    if required and not peers:
         raise settings_module.SettingsError(
             f"shoal {args.command} needs --initial-peers (or SHOAL_INITIAL_PEERS): a peer of the swarm"
         )
@@ -233,16 +227,14 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.port <= 65535:
             print("shoal check: error: --port must be in [0, 65535]", file=sys.stderr)
             return 2
+        try:
+            initial_peers, run = _swarm_settings(args, required=False)
+        except settings_module.SettingsError as error:
+            print(f"shoal check: error: {error}", file=sys.stderr)
+            return 2
         from shoal.peer import check
 
-        peers = args.initial_peers or os.environ.get("SHOAL_INITIAL_PEERS", "").split()
-        run = args.run or os.environ.get("SHOAL_RUN") or "shoal"
-        try:
-            settings_module.PARSERS["run"](run)
-        except ValueError as error:
-            print(f"shoal check: error: --run: {error}", file=sys.stderr)
-            return 2
-        return check.main(peers, run, args.port, as_json=args.json)
+        return check.main(initial_peers, run, args.port, as_json=args.json)
     if args.command == "keygen":
         from shoal.peer.identity import IdentityError, keygen, peer_id_of
 

@@ -30,6 +30,10 @@ def kill(process: subprocess.Popen) -> None:
     process.wait()
 
 
+def shoal(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*SHOAL, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
 def events(path: Path) -> list[dict]:
     lines = path.read_text().splitlines() if path.exists() else []
     return [json.loads(line) for line in lines if line.startswith("{")]
@@ -47,13 +51,7 @@ def wait_for(path: Path, predicate, timeout_s: float) -> dict:
 
 @pytest.mark.timeout(240)
 def test_demo_json_summary():
-    result = subprocess.run(
-        [*SHOAL, "demo", "--peers", "3", "--rounds", "10", "--round-seconds", "2", "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=220,
-    )
+    result = shoal("demo", "--peers", "3", "--rounds", "10", "--round-seconds", "2", "--json", timeout=220)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout)
     assert summary["peers"] == 3 and summary["rounds"] == 10
@@ -86,48 +84,31 @@ def test_join_twice_status_and_sigterm_checkpoint(tmp_path):
             stderr=(tmp_path / "second.err").open("w"),
         )
         wait_for(second_out, lambda e: e.get("event") == "round" and e["participants"] == 2, 90)
-        status = subprocess.run(
-            [*SHOAL, "status", "--initial-peers", address, "--run", "twice", "--json"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        status = shoal("status", "--initial-peers", address, "--run", "twice", "--json", timeout=60)
         assert status.returncode == 0, status.stderr[-2000:]
         peers = json.loads(status.stdout)["peers"]
         ids = {started["peer_id"], wait_for(second_out, lambda e: e.get("event") == "started", 1)["peer_id"]}
         assert {p["peer_id"] for p in peers} == ids
         assert all(p["samples"] > 0 and p["throughput"] > 0 and p["version"] for p in peers)
-        table = subprocess.run(
-            [*SHOAL, "status", "--initial-peers", address, "--run", "twice"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
+        table = shoal(
+            "status",
+            "--initial-peers",
+            address,
+            "--run",
+            "twice",
             timeout=60,
             env={**os.environ, "COLUMNS": "200"},
         )
         assert all(peer_id in table.stdout for peer_id in ids), table.stdout
 
-        check = subprocess.run(
-            [*SHOAL, "check", "--initial-peers", address, "--run", "twice", "--json"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=90,
-        )
+        check = shoal("check", "--initial-peers", address, "--run", "twice", "--json", timeout=90)
         assert check.returncode == 0, check.stderr[-2000:]
         network = json.loads(check.stdout)["network"]
         assert network["bootstrap"] == "ok" and network["run_peers"] == 2
         assert set(network["bandwidth_mbit_s"]) == ids
         assert all(isinstance(v, float) and v > 1 for v in network["bandwidth_mbit_s"].values()), network
 
-        other = subprocess.run(
-            [*SHOAL, "join", *common, "--initial-peers", address, "--topk", "4"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=90,
-        )
+        other = shoal("join", *common, "--initial-peers", address, "--topk", "4", timeout=90)
         assert other.returncode == 1
         assert "every peer of this run has another configuration" in other.stderr
         assert "compression_topk is 32 there, 4 here" in other.stderr
@@ -147,13 +128,7 @@ def test_join_twice_status_and_sigterm_checkpoint(tmp_path):
 @pytest.mark.timeout(120)
 def test_unreachable_bootstrap_exits_1_saying_what_was_tried():
     nobody = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWAWh5yFSnH2mTeaEXarpiTHz6NtC5BLTA3wBDS8pD1tn7"
-    result = subprocess.run(
-        [*SHOAL, "join", "--host", "127.0.0.1", "--initial-peers", nobody],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
+    result = shoal("join", "--host", "127.0.0.1", "--initial-peers", nobody, timeout=110)
     assert result.returncode == 1
     assert "could not join the swarm" in result.stderr
     assert "TCP 127.0.0.1:9 refused the connection" in result.stderr
