@@ -57,12 +57,3 @@ def describe(device: torch.device) -> dict[str, object]:
         pass
     name = "Apple GPU (MPS)" if device.type == "mps" else f"CPU, {os.cpu_count()} cores"
     return {"device": str(device), "name": name, "memory_total": total, "memory_free": free}
-
-
-def memory_in_use(device: torch.device) -> int | None:
-    """Bytes of device memory this process holds in tensors (None on the CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    if device.type == "mps":
-        return torch.mps.current_allocated_memory()
-    return None

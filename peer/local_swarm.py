@@ -157,6 +157,7 @@ def _follow(events, processes, rounds, round_seconds, progress, logs) -> dict:
     and, under "losses", every round's losses."""
     summaries: dict = {}
     by_round: dict[int, dict[int, dict]] = {}
+    latest: dict[int, int] = {}  # peer: the last round it reported
     shown = -1
     exited: set[int] = set()
     deadline = time.monotonic() + STARTUP_S * 4 + len(processes) * 10 + rounds * round_seconds * 3
@@ -170,13 +171,10 @@ def _follow(events, processes, rounds, round_seconds, progress, logs) -> dict:
         kind = event.get("event")
         if kind == "round":
             by_round.setdefault(event["round"], {})[index] = event
-            # a round is shown once every live peer is past it
-            live = [i for i in range(len(processes)) if i not in exited]
-            for number in sorted(by_round):
-                if number <= shown or not all(
-                    any(r >= number for r, peers in by_round.items() if i in peers) for i in live
-                ):
-                    continue
+            latest[index] = max(latest.get(index, -1), event["round"])
+            # a round is shown once every live peer has reported it or a later one
+            done = min(latest.get(i, -1) for i in range(len(processes)) if i not in exited)
+            for number in sorted(n for n in by_round if shown < n <= done):
                 progress.round(_row(number, by_round[number]))
                 shown = number
         elif kind == "summary":

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -72,21 +72,27 @@ class RoundReport:
     """Mean training loss of the round's micro-batches."""
     participants: int
     """Contributions aggregated in the round (the exchange's world size after it)."""
-    compute_s: float
-    """Forward and backward passes (and DiLoCo's inner optimizer steps)."""
-    exchange_s: float
-    """The optimizer step that communicates: encode, exchange, decode, apply."""
     samples: int
     finished_at: float
     """Unix time the round ended on this peer (compare with the schedule's deadline)."""
+    phases: dict[str, float]
+    """Seconds per phase (PHASES): compute, then the optimizer's encode, exchange, decode, apply."""
     tokens: int = 0
     """Target tokens trained on."""
     micro_batches: int = 1
     """Micro-batches accumulated per optimizer step."""
     batch_size: int = 0
     """Samples per micro-batch."""
-    phases: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase (PHASES): compute, then the optimizer's encode, exchange, decode, apply."""
+
+    @property
+    def compute_s(self) -> float:
+        """Forward and backward passes (and DiLoCo's inner optimizer steps)."""
+        return self.phases["compute"]
+
+    @property
+    def exchange_s(self) -> float:
+        """The optimizer step that communicates: encode, exchange, decode, apply."""
+        return sum(self.phases[k] for k in PHASES[1:])
 
 
 def stop_on_signals() -> threading.Event:
@@ -205,7 +211,7 @@ class Trainer:
     def round(self) -> RoundReport:
         phases: Counter[str] = Counter()
         before = Counter(self._optimizer_phases())
-        samples = tokens = micro_total = 0
+        samples = tokens = 0
         loss_sum = 0.0
         micro_batches = self.micro_batches
         for _ in range(self.inner_steps):
@@ -225,17 +231,14 @@ class Trainer:
             self.steps += 1
             samples += step_samples
             tokens += step_tokens
-            micro_total += micro_batches
             loss_sum += loss
-        self._fit_window(phases["compute"] / max(micro_total, 1))
+        self._fit_window(phases["compute"] / (self.inner_steps * micro_batches))
         phases.update({k: v - before[k] for k, v in self._optimizer_phases().items()})
         last_round = getattr(self.exchange, "last_round", None)
         return RoundReport(
             round=self.rounds_done - 1 if last_round is None else last_round,
             loss=loss_sum / self.inner_steps,
             participants=self.exchange.world_size,
-            compute_s=phases["compute"],
-            exchange_s=sum(phases[k] for k in PHASES[1:]),
             samples=samples,
             finished_at=time.time(),
             tokens=tokens,
