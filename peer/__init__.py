@@ -1,8 +1,24 @@
 """shoal.peer: what a volunteer runs: the optimizers, the exchanges they talk through, the embedded
-model and data, and the `shoal` command line (`shoal.peer.cli`)."""
+model and data, and the `shoal` command line (`shoal.peer.cli`).
 
-from shoal.peer.demo import DeMo
-from shoal.peer.diloco import DiLoCo
-from shoal.peer.exchange import Exchange, LoopbackExchange, TorchDistributedExchange
+The optimizers and exchanges import torch; they load on first use, so that the command line (and
+`shoal coordinator`, which must run without torch) starts without it.
+"""
 
-__all__ = ["DeMo", "DiLoCo", "Exchange", "LoopbackExchange", "TorchDistributedExchange"]
+import importlib
+
+_EXPORTS = {
+    "DeMo": "shoal.peer.demo",
+    "DiLoCo": "shoal.peer.diloco",
+    "Exchange": "shoal.peer.exchange",
+    "LoopbackExchange": "shoal.peer.exchange",
+    "TorchDistributedExchange": "shoal.peer.exchange",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'shoal.peer' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

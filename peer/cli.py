@@ -2,10 +2,11 @@
 
     shoal --help
     shoal join [--initial-peers MADDR ...] [--config FILE] [--model NAME|module:factory|DIR] ...
-    shoal demo [--peers N] [--rounds R] [--algorithm demo|diloco] [--json]
+    shoal demo [--peers N] [--rounds R] [--algorithm demo|diloco] [--no-coordinator] [--slow-peer I] [--json]
     shoal status [--initial-peers MADDR ...] [--run NAME] [--json]
     shoal check [--initial-peers MADDR ...] [--json]
     shoal keygen PATH
+    shoal coordinator [--listen ADDR] [--state PATH] [--round-quantile Q] [--token-file F] ...
     shoal bench codec [--json] [--repeat N]
     shoal bench converge [--json] [--quick]
     shoal bench swarm-local [--json] [--peers N ...] [--model tiny|10m] [--rounds R] [--round-seconds S]
@@ -18,6 +19,7 @@ import os
 import sys
 from importlib.metadata import version
 
+from shoal.coordinator import cli as coordinator_cli
 from shoal.peer import settings as settings_module
 
 
@@ -59,6 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--round-seconds", type=float, default=3.0, help="length of a round (default: 3)")
     demo.add_argument("--model", choices=["tiny", "small", "base"], default="tiny", help="default: tiny")
     demo.add_argument(
+        "--no-coordinator",
+        dest="coordinator",
+        action="store_false",
+        help="no coordinator process: rounds follow the clock alone (uncoordinated mode)",
+    )
+    demo.add_argument(
+        "--slow-peer",
+        type=int,
+        metavar="I",
+        help="peer I sleeps in every compute phase: the coordinator leaves it out as a straggler",
+    )
+    demo.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object at the end (the live view goes to stderr): peers, rounds, initial_loss, "
@@ -96,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     keygen.add_argument("path", metavar="PATH")
 
+    coordinator = commands.add_parser(
+        "coordinator",
+        help="run a swarm's coordinator (gRPC): round deadlines, participant sets, stragglers",
+        description="Serve the optional coordinator of a swarm: it announces each round's deadlines, fixes "
+        "its exact participant set, leaves stragglers out and evicts repeated ones. Peers follow it with "
+        "shoal join --coordinator HOST:PORT and train on without it while it is unreachable. Its state is "
+        "kept in SQLite, so a restart continues the rounds. Needs no torch.",
+    )
+    coordinator_cli.add_arguments(coordinator)
+
     bench = commands.add_parser("bench", help="benchmarks that print a table or JSON")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     codec = benchmarks.add_parser(
@@ -125,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 JOIN_FLAGS = {
     "initial_peers": ("MADDR", "multiaddresses of peers in the swarm (none: start a new swarm)"),
+    "coordinator": ("HOST:PORT", "the swarm's coordinator, if it has one (see shoal coordinator)"),
+    "coordinator_token_file": ("F", "file holding this peer's token for the coordinator"),
+    "coordinator_ca": ("PEM", "talk TLS to the coordinator, trusting this CA file (or: system)"),
     "run": ("NAME", "the run's name; peers of one run train one model"),
     "model": (
         "NAME",
@@ -154,6 +181,7 @@ JOIN_FLAGS = {
     "max_micro_batches": ("N", "most micro-batches accumulated per step"),
     "seed": ("N", "seed of the initial weights and of the data order"),
     "log_format": ("FORMAT", "human (a live table) or json (one object per line)"),
+    "compute_delay": ("S", "testing: sleep this long in every round's compute phase (a slow peer)"),
 }
 
 
@@ -199,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         if not 0.5 <= args.round_seconds <= 3600:
             print("shoal demo: error: --round-seconds must be in [0.5, 3600]", file=sys.stderr)
             return 2
+        if args.slow_peer is not None and not 0 <= args.slow_peer < args.peers:
+            print(f"shoal demo: error: --slow-peer must be in [0, {args.peers - 1}]", file=sys.stderr)
+            return 2
         from shoal.peer import local_swarm
 
         return local_swarm.main(
@@ -208,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             round_seconds=args.round_seconds,
             model=args.model,
             as_json=args.json,
+            coordinator=args.coordinator,
+            slow_peer=args.slow_peer,
         )
     if args.command == "status":
         try:
@@ -235,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         from shoal.peer import check
 
         return check.main(initial_peers, run, args.port, as_json=args.json)
+    if args.command == "coordinator":
+        return coordinator_cli.run(args)
     if args.command == "keygen":
         from shoal.peer.identity import IdentityError, keygen, peer_id_of
 

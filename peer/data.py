@@ -122,7 +122,8 @@ class BatchPlan:
 
 @lru_cache(maxsize=4)
 def _window_order(seed: int, epoch: int, windows: int) -> torch.Tensor:
-    return torch.randperm(windows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % (1 << 63))
+    return torch.randperm(windows, generator=generator)
 
 
 def validation_batches(
@@ -164,8 +165,18 @@ class RoundSlices:
     seed: int = 0
 
     def batch(
-        self, stream: torch.Tensor, *, round_number: int, slot: int, slots: int, micro: int, batch_size: int
+        self,
+        stream: torch.Tensor,
+        *,
+        round_number: int,
+        slot: int,
+        slots: int,
+        micro: int,
+        batch_size: int,
+        seed: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `micro`-th micro-batch of the peer in `slot`; `seed` replaces the run's (a coordinator's
+        round data seed)."""
         if not 0 <= slot < slots:
             raise ValueError(f"slot {slot} outside [0, {slots})")
         if not 1 <= batch_size <= self.stride:
@@ -174,7 +185,7 @@ class RoundSlices:
         windows = stream.numel() // window
         if windows < self.stride:
             raise ValueError(f"{windows} windows of {window} tokens cannot fill a batch of {self.stride}")
-        order = _window_order(self.seed, round_number, windows)
+        order = _window_order(self.seed if seed is None else seed, round_number, windows)
         start = (micro * slots + slot) * self.stride
         chosen = order[(start + torch.arange(batch_size)) % windows]
         rows = stream[: windows * window].view(windows, window)[chosen]

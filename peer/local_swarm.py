@@ -1,7 +1,11 @@
 """`shoal demo`: a whole swarm on this machine, each peer its own `shoal join` process on 127.0.0.1.
 
-The first peer starts the swarm with a round clock far enough ahead for the others to start; the
-others join through the address it prints. Every peer writes JSON lines (`--log-format json`); this
+Unless `--no-coordinator`, a `shoal coordinator` process runs the rounds: its first round waits for
+every peer, each round's participant set is exactly the payloads reported in time, and a peer slowed
+on purpose (`--slow-peer I`: it sleeps in every compute phase) is left out as a straggler, told to
+shrink its window, then evicted for a while. The first peer starts the swarm (with a round clock far
+enough ahead for the others to start, used without a coordinator); the others join through the
+address it prints. Every peer writes JSON lines (`--log-format json`); this
 process merges their rounds into one live table (the mean loss, the swarm's tokens/s, bytes moved)
 and, when every peer has left after the last round, prints a summary: the losses, whether every
 peer ends on the same parameters, and the payload and state bytes each peer served per round (its
@@ -40,6 +44,8 @@ def main(
     round_seconds: float,
     as_json: bool,
     model: str = "tiny",
+    coordinator: bool = True,
+    slow_peer: int | None = None,
     stream: IO[str] | None = None,
 ) -> int:
     stream = stream or sys.stdout
@@ -53,6 +59,8 @@ def main(
             round_seconds=round_seconds,
             model=model,
             progress=progress,
+            coordinator=coordinator,
+            slow_peer=slow_peer,
         )
     except DemoError as error:
         progress.close()
@@ -63,6 +71,9 @@ def main(
         stream.write(json.dumps(summary) + "\n")
     else:
         agree = "all peers hold the same parameters" if summary["param_hash_agree"] else "PARAMETERS DIFFER"
+        if slow_peer is not None:
+            agree = agree.replace("all peers", "all peers but the slow one")
+            agree += f"; {summary['stragglers_excluded']} late payloads left out"
         stream.write(
             f"{summary['peers']} peers, {summary['rounds']} rounds in {summary['wall_s']:.0f} s: loss "
             f"{summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}; {agree}; "
@@ -72,7 +83,15 @@ def main(
 
 
 def run(
-    *, peers: int, rounds: int, algorithm: str, round_seconds: float, model: str, progress: Progress
+    *,
+    peers: int,
+    rounds: int,
+    algorithm: str,
+    round_seconds: float,
+    model: str,
+    progress: Progress,
+    coordinator: bool = True,
+    slow_peer: int | None = None,
 ) -> dict:
     started = time.perf_counter()
     events: queue.Queue = queue.Queue()
@@ -85,6 +104,8 @@ def run(
     common += ["--until-round", str(rounds - 1)]
 
     def launch(index: int, *flags: str) -> None:
+        if index == slow_peer:  # sleeps for two rounds' worth in each compute phase
+            flags = (*flags, "--compute-delay", repr(2 * round_seconds))
         command = [sys.executable, "-m", "shoal.peer.cli", "join", *common, *flags]
         env = {**os.environ, "OMP_NUM_THREADS": threads}
         log = (logs / f"peer{index}.log").open("w")
@@ -94,23 +115,35 @@ def run(
         processes.append(process)
         threading.Thread(target=_read, args=(index, process.stdout, events), daemon=True).start()
 
+    server = None
     try:
         progress.message(
             f"starting {peers} peers ({algorithm}, rounds of {round_seconds:g} s); logs in {logs}"
         )
+        if coordinator:
+            server, coordinator_address = _start_coordinator(logs, peers, round_seconds)
+            common += ["--coordinator", coordinator_address]
+            progress.message(f"coordinator on {coordinator_address}")
         launch(0, "--start-time", repr(start_time))
         address = _first_address(events, processes[0], logs / "peer0.log")
         for index in range(1, peers):
             launch(index, "--initial-peers", address)
         summaries = _follow(events, processes, rounds, round_seconds, progress, logs)
+        if server is not None:
+            stragglers = _stragglers(coordinator_address)
+        else:
+            stragglers = sum(s["late_rounds"] for i, s in summaries.items() if i != "losses")
     except KeyboardInterrupt:
         progress.message("interrupted: stopping the peers")
         raise
     finally:
         for process in processes:
             _stop(process)
+        if server is not None:
+            _stop(server)
     losses = summaries.pop("losses")
-    hashes = {s["param_hash"] for s in summaries.values()}
+    honest = {i: s for i, s in summaries.items() if i != slow_peer}
+    hashes = {s["param_hash"] for s in honest.values()}
     return {
         "peers": peers,
         "rounds": rounds,
@@ -124,7 +157,38 @@ def run(
         "algorithm": algorithm,
         "round_seconds": round_seconds,
         "resyncs": sum(s["resyncs"] for s in summaries.values()),
+        "coordinator": coordinator,
+        "stragglers_excluded": stragglers,
+        "coordinated_rounds": sum(s["coordinated_rounds"] for s in summaries.values()),
     }
+
+
+def _start_coordinator(logs: Path, peers: int, round_seconds: float) -> tuple[subprocess.Popen, str]:
+    """A `shoal coordinator` on a free loopback port whose first round waits for every peer; rounds
+    compute for half of `round_seconds`, and at most twice that."""
+    command = [sys.executable, "-m", "shoal.peer.cli", "coordinator", "--listen", "127.0.0.1:0"]
+    command += ["--state", str(logs / "coordinator.db"), "--log-format", "json", "--min-peers", str(peers)]
+    command += ["--min-compute-s", repr(round_seconds / 2), "--max-compute-s", repr(round_seconds)]
+    command += ["--eviction-s", repr(10 * round_seconds)]
+    log = (logs / "coordinator.log").open("w")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    line = process.stdout.readline()  # its first line says where it listens (no torch: quick)
+    try:
+        return process, json.loads(line)["address"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        _stop(process)
+        raise DemoError(f"the coordinator did not start:\n{_tail(logs / 'coordinator.log')}") from None
+
+
+def _stragglers(address: str) -> int:
+    """Payloads the coordinator left out of rounds as late, from its SwarmStatus."""
+    import grpc
+
+    from shoal.protocol import coordinator_pb2, coordinator_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        return stub.SwarmStatus(coordinator_pb2.SwarmStatusRequest(), timeout=10).stragglers_total
 
 
 def _read(index: int, lines: IO[str], events: queue.Queue) -> None:

@@ -10,7 +10,6 @@ a peer id written inside a value.
 
 import hashlib
 import json
-import re
 from collections.abc import Mapping
 from importlib.metadata import version
 
@@ -19,8 +18,9 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import BaseModel, StrictStr, confloat, conint, constr
 
+from shoal.peer.settings import check_run_name
+
 SHOAL_VERSION = version("shoal")
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
 
 
 class PeerRecord(BaseModel):
@@ -43,14 +43,6 @@ class RunRecords(BaseModel):
     """The run's fixed DHT keys (`<run>_<field>`): one entry per peer public key."""
 
     peers: dict[BytesWithPublicKey, PeerRecord | None]
-
-
-def check_run_name(run: str) -> str:
-    if not RUN_NAME.match(run):
-        raise ValueError(
-            f"run name {run!r} must be 1-64 letters, digits or '-', starting with a letter or digit"
-        )
-    return run
 
 
 def record_validators(run: str, identity: RSAPrivateKey) -> list:

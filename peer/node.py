@@ -27,6 +27,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from shoal.compression import DenseCodec
 from shoal.peer.bootstrap import BootstrapError, start_dht
 from shoal.peer.checkpoint import CheckpointStore
+from shoal.peer.coordination import CoordinatorError, CoordinatorLink
 from shoal.peer.data import RoundSlices, load_data
 from shoal.peer.hardware import DeviceError, autocast_for, choose_device
 from shoal.peer.identity import IdentityError, keygen, load_identity
@@ -35,7 +36,7 @@ from shoal.peer.models import ModelError, load_model
 from shoal.peer.progress import Progress
 from shoal.peer.runtime import OutOfMemory, Trainer, stop_on_signals
 from shoal.peer.settings import PARSERS, JoinSettings
-from shoal.peer.swarm import RoundSchedule, SwarmExchange
+from shoal.peer.swarm import RoundPlan, RoundSchedule, SwarmExchange
 
 DISCOVER_TIMEOUT = timedelta(seconds=60)
 # the run configuration's flags, in the order the join command names them
@@ -110,6 +111,7 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
         schedule = RoundSchedule(start_time=start_time, round_seconds=settings.round_seconds)
     exchange = SwarmExchange(
         dht,
+        coordinator=_coordinator_link(settings, dht.peer_id.to_base58()),
         run=settings.run,
         schedule=schedule,
         identity=identity,
@@ -122,20 +124,22 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
         if settings.initial_peers:
             _check_compatible(exchange)
         slices = RoundSlices(seq_len=loaded.seq_len, stride=settings.batch_size, seed=settings.seed)
-        slot: dict[str, object] = {}
+        planned: list[RoundPlan] = []  # the round being computed (set by _loop before each round)
 
         def batches(step: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if slot.get("step") != step:  # once per optimizer step: the round and this peer's place in it
-                slot.update(step=step, round=exchange.next_round, place=exchange.data_slot())
-            place, places = slot["place"]
+            plan = planned[-1]
+            place, places = plan.slot
             inner = step % trainer.inner_steps
+            if settings.compute_delay and inner == 0 and micro == 0:
+                time.sleep(settings.compute_delay)  # --compute-delay: a slow peer, on purpose
             inputs, targets = slices.batch(
                 streams.train,
-                round_number=slot["round"],
+                round_number=plan.round,
                 slot=place,
                 slots=places,
                 micro=inner * settings.max_micro_batches + micro,
                 batch_size=size,
+                seed=plan.data_seed,
             )
             return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
@@ -163,7 +167,7 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
             f"training {settings.model} ({numel:,} parameters) with {settings.algorithm} on {device}, "
             f"data {streams.name}; rounds of {schedule.round_seconds:g} s"
         )
-        return _loop(settings, progress, exchange, trainer, model)
+        return _loop(settings, progress, exchange, trainer, model, planned)
     except OutOfMemory as error:
         raise JoinError(str(error)) from None
     finally:
@@ -172,7 +176,7 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
         exchange.close()
 
 
-def _loop(settings, progress, exchange, trainer, model) -> dict:
+def _loop(settings, progress, exchange, trainer, model, planned) -> dict:
     stop = stop_on_signals()
     reports, stopped = [], False
     first_round = exchange.next_round
@@ -185,11 +189,23 @@ def _loop(settings, progress, exchange, trainer, model) -> dict:
         ):
             break
         sent, received, started = exchange.bytes_sent, exchange.bytes_received, time.perf_counter()
+        plan = exchange.plan_round()
+        if settings.until_round is not None and plan.round > settings.until_round:
+            break
+        planned[:] = [plan]
+        if plan.compute_seconds is not None:  # leave time to encode before the coordinator's deadline
+            encode = reports[-1].phases["encode"] if reports else 0.0
+            trainer.set_compute_window(plan.compute_seconds - encode - 0.2)
         report = trainer.run(1, stop)[0]
         wall = time.perf_counter() - started
         reports.append(report)
         samples += report.samples
-        exchange.set_progress(throughput=report.samples / max(wall, 1e-9), samples=samples)
+        exchange.set_progress(
+            throughput=report.samples / max(wall, 1e-9),
+            samples=samples,
+            compute_throughput=report.samples / max(report.compute_s, 1e-9),
+            min_samples=trainer.batch_size * trainer.inner_steps,
+        )
         progress.round(
             {
                 "round": report.round,
@@ -221,6 +237,8 @@ def _loop(settings, progress, exchange, trainer, model) -> dict:
         "bytes_sent": exchange.bytes_sent,
         "bytes_received": exchange.bytes_received,
         "resyncs": exchange.resyncs,
+        "coordinated_rounds": exchange.coordinated_rounds,
+        "late_rounds": exchange.late,
         "rejected": dict(exchange.rejected),
         "stopped": stopped,
         "checkpoint": str(trainer.checkpoints.directory) if stopped and trainer.checkpoints else None,
@@ -235,6 +253,18 @@ def _loop(settings, progress, exchange, trainer, model) -> dict:
             else f"{ending}: no round finished"
         )
     return summary
+
+
+def _coordinator_link(settings: JoinSettings, peer_id: str) -> CoordinatorLink | None:
+    if settings.coordinator is None:
+        return None
+    try:
+        token, roots, tls = CoordinatorLink.credentials(
+            settings.coordinator_token_file, settings.coordinator_ca
+        )
+    except CoordinatorError as error:
+        raise JoinError(str(error)) from None
+    return CoordinatorLink(settings.coordinator, peer_id, token=token, tls_roots=roots, tls=tls)
 
 
 def join_command(settings: JoinSettings, address: str) -> str:

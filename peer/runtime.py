@@ -282,14 +282,23 @@ class Trainer:
         self.batch_size //= 2
         self.out_of_memory += 1
 
+    def set_compute_window(self, seconds: float) -> None:
+        """Fills the next rounds' computation to `seconds` (a coordinator's deadline, scaled)."""
+        self.compute_window = max(seconds, 1e-3)
+        self._refit()
+
     def _fit_window(self, micro_seconds: float) -> None:
         """Sets the micro-batches per step so that a round's computation fills the compute window."""
         if self.compute_window is None or micro_seconds <= 0:
             return
         average = self._micro_seconds
         self._micro_seconds = micro_seconds if average is None else 0.5 * (average + micro_seconds)
-        fits = math.floor(self.compute_window / (self.inner_steps * self._micro_seconds))
-        self.micro_batches = max(1, min(self.max_micro_batches, fits))
+        self._refit()
+
+    def _refit(self) -> None:
+        if self.compute_window is not None and self._micro_seconds is not None:
+            fits = math.floor(self.compute_window / (self.inner_steps * self._micro_seconds))
+            self.micro_batches = max(1, min(self.max_micro_batches, fits))
 
     def _optimizer_phases(self) -> Counter[str]:
         return Counter(

@@ -16,7 +16,16 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from shoal.peer.membership import check_run_name
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
+
+
+def check_run_name(run: str) -> str:
+    if not RUN_NAME.match(run):
+        raise ValueError(
+            f"run name {run!r} must be 1-64 letters, digits or '-', starting with a letter or digit"
+        )
+    return run
+
 
 ALGORITHMS = {
     "demo": "demo",
@@ -38,6 +47,9 @@ class JoinSettings:
     """Everything `shoal join` runs with (see `shoal join --help` for each one)."""
 
     initial_peers: tuple[str, ...] = ()
+    coordinator: str | None = None
+    coordinator_token_file: str | None = None
+    coordinator_ca: str | None = None
     run: str = "shoal"
     model: str = "tiny"
     data: str = "stdlib"
@@ -61,6 +73,7 @@ class JoinSettings:
     max_micro_batches: int = 64
     seed: int = 0
     log_format: str = "human"
+    compute_delay: float = 0.0
 
     def run_config(self) -> dict[str, str]:
         """What every peer of a run must share (hashed into its records; shoal.peer.membership)."""
@@ -129,12 +142,22 @@ def _peers(value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _address(value: Any) -> str:
+    host, _, port = _text(value).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return value
+
+
 def _run(value: Any) -> str:
     return check_run_name(_text(value))
 
 
 PARSERS: dict[str, Callable[[Any], Any]] = {
     "initial_peers": _peers,
+    "coordinator": _address,
+    "coordinator_token_file": _text,
+    "coordinator_ca": _text,
     "run": _run,
     "model": _text,
     "data": _text,
@@ -158,6 +181,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_micro_batches": _int(1, 4096),
     "seed": _int(0),
     "log_format": _choice(("human", "json")),
+    "compute_delay": _float(0.0, 3600.0),
 }
 assert PARSERS.keys() == {f.name for f in fields(JoinSettings)}
 

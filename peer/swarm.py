@@ -38,6 +38,7 @@ object runs one event loop on a thread it owns for the handler and the downloads
 """
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import math
@@ -45,11 +46,12 @@ import random
 import struct
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
+import grpc
 import hivemind
 import torch
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
@@ -59,6 +61,7 @@ from hivemind.utils.logging import get_logger
 from pydantic.v1 import ValidationError
 
 from shoal.compression import DecodeLimits, DenseCodec, decode_tensor
+from shoal.peer.coordination import UNREACHABLE, CoordinatorLink
 from shoal.peer.exchange import Contribution, Exchange
 from shoal.peer.membership import SHOAL_VERSION, PeerRecord, incompatibility, owner_subkey, run_hash
 from shoal.peer.state import (
@@ -71,6 +74,7 @@ from shoal.peer.state import (
     state_size,
 )
 from shoal.protocol import EncodedTensor, MalformedPayloadError, parse_message
+from shoal.protocol.coordinator_pb2 import ReportReply, ReportRequest, RoundResultReply
 from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, ProbeRequest, StateRequest
 
 logger = get_logger(__name__)
@@ -132,6 +136,23 @@ class RoundSchedule:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no live peer of run {run!r} found in the DHT within {timeout}")
             time.sleep(0.5)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundPlan:
+    """The round a peer is about to compute for (`SwarmExchange.plan_round`)."""
+
+    round: int
+    coordinated: bool
+    """Whether the coordinator announced it (then it decides the participant set)."""
+    compute_seconds: float | None
+    """Seconds of computation that fit before the payload is due (None: the peer's own window)."""
+    data_seed: int | None
+    """The round's data seed from the coordinator (None: the run's seed)."""
+    slot: tuple[int, int]
+    """(this peer's place, count) among the round's peers: its data slice."""
+    exchange_deadline: float = 0.0
+    """Coordinated: when the round ends at the latest (this machine's clock)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +218,7 @@ class SwarmExchange(Exchange):
             after which a peer's announcements are ignored ...
         ban_rounds: ... for this many rounds.
         keep_states: state snapshots of the last rounds served to joining and re-syncing peers.
+        coordinator: the link to the swarm's coordinator, if it has one (see `plan_round`).
     """
 
     def __init__(
@@ -215,6 +237,7 @@ class SwarmExchange(Exchange):
         strike_limit: int = 3,
         ban_rounds: int = 10,
         keep_states: int = 2,
+        coordinator: CoordinatorLink | None = None,
     ):
         self.dht = dht
         self.run = run
@@ -256,6 +279,15 @@ class SwarmExchange(Exchange):
         """Payloads pulled from a peer other than their origin."""
         self.last_round: int | None = None
         """The round of the last `gather`."""
+        self.coordinator = coordinator
+        self.coordinated_rounds = 0
+        """Rounds whose participant set came from the coordinator."""
+        self.late = 0
+        """Coordinated rounds this peer's payload was left out of as late (it still applied them)."""
+        self._plans: deque[RoundPlan] = (
+            deque()
+        )  # planned, not yet gathered (DiLoCo gathers in the background)
+        self._planned = 0  # the round after the last coordinated plan
         self._handler = f"shoal.{run}.payload"
         self._state_handler = f"shoal.{run}.state"
         self._probe_handler = f"shoal.{run}.probe"
@@ -267,6 +299,7 @@ class SwarmExchange(Exchange):
         self._adopted: list[torch.Tensor] | None = None
         self._next_round = 0
         self._participants = [self.owner]
+        self._me = self.owner  # this peer's key among the participants (its peer id under a coordinator)
         self._members: list[bytes] = []  # compatible peers seen in the last round, by public key
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-swarm", daemon=True)
@@ -276,7 +309,7 @@ class SwarmExchange(Exchange):
 
     @property
     def rank(self) -> int:
-        return self._participants.index(self.owner) if self.owner in self._participants else 0
+        return self._participants.index(self._me) if self._me in self._participants else 0
 
     @property
     def world_size(self) -> int:
@@ -287,15 +320,33 @@ class SwarmExchange(Exchange):
         """The round the next `gather` would join if called now."""
         return max(self._next_round, self.schedule.round_at(time.time()))
 
+    def plan_round(self) -> RoundPlan:
+        """The round the next computation is for. With a reachable coordinator: the next round it
+        announces (waiting for it), with its compute budget, data seed and this peer's slot; the next
+        `gather` then aggregates exactly the participant set the coordinator decides. Otherwise: the
+        round in progress on the clock, uncoordinated."""
+        while True:  # in slices, so that a stop (Ctrl-C) is noticed by the caller's signal handler
+            plan = self._call(self._plan(wait=1.0))
+            if plan is not None:
+                self._plans.append(plan)
+                return plan
+
     def gather(
         self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None
     ) -> list[Contribution]:
-        round_number = self.next_round
-        self._next_round = round_number + 1
+        plan = self._plans.popleft() if self._plans else None
+        coordinated = plan is not None and plan.coordinated
+        round_number = plan.round if coordinated else self.next_round
+        self._next_round = max(self._next_round, round_number + 1)
         self.last_round = round_number
         self._adopted = None
         snapshot = None if state is None else (StateSnapshot.capture(state, round_number), list(state))
-        return self._call(self._round(round_number, bytes(payload), samples, snapshot))
+        if coordinated:
+            return self._call(self._coordinated_round(plan, bytes(payload), samples, snapshot))
+        contributions = self._call(self._round(round_number, bytes(payload), samples, snapshot))
+        if self.coordinator is not None:  # once it is back, the coordinator continues after this round
+            self.coordinator.progress.round = max(self.coordinator.progress.round, round_number)
+        return contributions
 
     def data_slot(self) -> tuple[int, int]:
         """(this peer's place, count) among the compatible peers, ordered by public key, as last seen:
@@ -309,10 +360,17 @@ class SwarmExchange(Exchange):
         the others are in `refused`, with what differs."""
         return self._call(self._compatible_peers())
 
-    def set_progress(self, *, throughput: float, samples: int) -> None:
-        """What the next record says about this peer: samples per second, samples contributed."""
+    def set_progress(
+        self, *, throughput: float, samples: int, compute_throughput: float = 0.0, min_samples: int = 0
+    ) -> None:
+        """What the next record says about this peer: samples per second, samples contributed; and
+        what the heartbeats tell a coordinator: samples per second of computation, and the samples of
+        this peer's smallest contribution to a round."""
         update = {"throughput": float(max(throughput, 0.0)), "samples": int(max(samples, 0))}
         self._loop.call_soon_threadsafe(lambda: setattr(self, "record", self.record.copy(update=update)))
+        if self.coordinator is not None:
+            progress = self.coordinator.progress
+            progress.throughput, progress.min_samples = max(compute_throughput, 0.0), max(min_samples, 0)
 
     def adopted_state(self) -> list[torch.Tensor] | None:
         adopted, self._adopted = self._adopted, None
@@ -395,6 +453,8 @@ class SwarmExchange(Exchange):
         )
 
     async def _stop(self) -> None:
+        if self.coordinator is not None and self.coordinator.started:
+            await self.coordinator.stop()
         await self._p2p.remove_protobuf_handler(self._handler, stream_output=True)
         await self._p2p.remove_protobuf_handler(self._state_handler, stream_output=True)
         await self._p2p.remove_protobuf_handler(self._probe_handler, stream_output=True)
@@ -444,7 +504,19 @@ class SwarmExchange(Exchange):
         samples: int,
         snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
     ) -> list[Contribution]:
-        deadline = self.schedule.deadline(round_number)
+        mine = await self._hold(round_number, payload, samples, snapshot)
+        announced, compatible = await self._collect(round_number, mine, self.schedule.deadline(round_number))
+        self._members = sorted(compatible)
+        return await self._settle(round_number, announced, mine, snapshot)
+
+    async def _hold(
+        self,
+        round_number: int,
+        payload: bytes,
+        samples: int,
+        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
+    ) -> Announcement:
+        """Serves this peer's payload (and state snapshot) for the round and announces it in the DHT."""
         digest = hashlib.sha256(payload).digest()
         state = b""
         if snapshot is not None:
@@ -459,10 +531,19 @@ class SwarmExchange(Exchange):
             del self._seen[key]
         self.banned = {owner: until for owner, until in self.banned.items() if until > round_number}
         await self._store_record(round_number)
-        key = f"{self.run}.round.{round_number}"
         mine = Announcement(self.owner, self.peer_id, digest, len(payload), samples, state, self.synced)
+        deadline = self.schedule.deadline(round_number)
+        key = f"{self.run}.round.{round_number}"
         await self.dht.store(key, mine.value(), deadline + 60, subkey=self.owner, return_future=True)
         self._seen.setdefault(digest, round_number)
+        return mine
+
+    async def _collect(
+        self, round_number: int, mine: Announcement, deadline: float
+    ) -> tuple[dict[bytes, Announcement], set[bytes]]:
+        """Uncoordinated: until `deadline`, the announcements of compatible peers in the DHT and their
+        payloads. Returns (the announcements taken, the compatible peers)."""
+        key = f"{self.run}.round.{round_number}"
         announced = {self.owner: mine}
         ignored: set[bytes] = set()
         fetches: dict[bytes, asyncio.Task] = {}
@@ -504,6 +585,17 @@ class SwarmExchange(Exchange):
         for task in fetches.values():
             task.cancel()
         await asyncio.gather(*fetches.values(), return_exceptions=True)
+        return announced, compatible
+
+    async def _settle(
+        self,
+        round_number: int,
+        announced: dict[bytes, Announcement],
+        mine: Announcement,
+        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
+    ) -> list[Contribution]:
+        """The round's contributions from the payloads held, in key order: one per distinct payload, only
+        those computed on the majority's state (this peer re-syncs to it if its own differs)."""
         held = sorted(owner for owner, a in announced.items() if (round_number, a.digest) in self._held)
         # a payload announced by several peers counts once, for the smallest key (no strike: copying an
         # announcement is free, so the copier cannot be told from the author)
@@ -514,21 +606,20 @@ class SwarmExchange(Exchange):
         if copies:
             self.rejected["duplicate"] += len(copies)
             held = [owner for owner in held if owner not in copies]
-        if snapshot is not None:
+        if snapshot is not None and held:  # (a coordinated round may have no participant at all)
             agreed = majority({owner: (announced[owner].state, announced[owner].synced) for owner in held})
-            stale = [owner for owner in held if announced[owner].state != agreed and owner != self.owner]
+            stale = [owner for owner in held if announced[owner].state != agreed and owner != mine.owner]
             if stale:
                 self.rejected["stale_state"] += len(stale)
-            if agreed != state:
-                stale.append(self.owner)
+            if agreed != mine.state:
+                stale.append(mine.owner)
                 sources = [
-                    announced[o].peer for o in held if announced[o].state == agreed and o != self.owner
+                    announced[o].peer for o in held if announced[o].state == agreed and o != mine.owner
                 ]
                 self._adopted = await self._resync(agreed, sources, snapshot[1])
-            self.synced = agreed == state or self._adopted is not None
+            self.synced = agreed == mine.state or self._adopted is not None
             held = [owner for owner in held if owner not in stale]
-        self._participants = held
-        self._members = sorted(compatible)
+        self._participants, self._me = held, mine.owner
         return [
             Contribution(
                 rank,
@@ -538,6 +629,120 @@ class SwarmExchange(Exchange):
             )
             for rank, owner in enumerate(held)
         ]
+
+    async def _plan(self, wait: float) -> RoundPlan | None:
+        """The next round's plan; None if a reachable coordinator announced none within `wait`."""
+        link = self.coordinator
+        if link is not None and not link.started:  # joins when ready to compute: round 0 waits for it
+            await link.start()
+            if not await link.wait_connected(timedelta(seconds=10)):
+                logger.warning(f"coordinator {link.address} unreachable: training uncoordinated")
+        if link is not None and link.connected:
+            announced = await link.next_announcement(max(self._next_round, self._planned), wait)
+            if announced is None and link.connected:
+                return None
+            if announced is not None:
+                self._planned = announced.round + 1
+                # should the coordinator go away, rounds go on at the pace of its last one
+                length = max(announced.exchange_deadline - announced.announced_at, 0.5)
+                start = announced.exchange_deadline - (announced.round + 1) * length
+                self.schedule = RoundSchedule(start_time=start, round_seconds=length)
+                if self.peer_id in announced.peers:
+                    slot = (announced.peers.index(self.peer_id), len(announced.peers))
+                else:  # not expected this round (just joined, or evicted): computes, and only applies it
+                    slot = await self._slot()
+                return RoundPlan(
+                    round=announced.round,
+                    coordinated=True,
+                    compute_seconds=max(0.0, announced.compute_deadline - time.time()) * link.compute_scale,
+                    data_seed=announced.data_seed,
+                    slot=slot,
+                    exchange_deadline=announced.exchange_deadline,
+                )
+        return RoundPlan(
+            round=self.next_round,
+            coordinated=False,
+            compute_seconds=None,
+            data_seed=None,
+            slot=await self._slot(),
+        )
+
+    async def _slot(self) -> tuple[int, int]:
+        members = self._members or sorted(await self._compatible_peers())
+        members = sorted(set(members) | {self.owner})
+        return members.index(self.owner), len(members)
+
+    async def _coordinated_round(
+        self,
+        plan: RoundPlan,
+        payload: bytes,
+        samples: int,
+        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
+    ) -> list[Contribution]:
+        """Reports the payload to the coordinator, then aggregates exactly the participant set it decides,
+        pulling each payload from its author or any participant that holds it, until the round's exchange
+        deadline. If the coordinator stops answering, the round finishes uncoordinated (it is announced in
+        the DHT as well)."""
+        link, number = self.coordinator, plan.round
+        mine = await self._hold(number, payload, samples, snapshot)
+        request = ReportRequest(
+            round=number,
+            digest=mine.digest,
+            size=mine.size,
+            samples=samples,
+            state=mine.state,
+            synced=self.synced,
+        )
+        report = await link.report(request)
+        unreachable = isinstance(report, grpc.StatusCode) and report in UNREACHABLE
+        result = report if unreachable else await link.result(number, plan.exchange_deadline)
+        if not isinstance(result, RoundResultReply):
+            logger.warning(
+                f"round {number}: no answer from the coordinator ({result.name}); going on without it"
+            )
+            announced, _ = await self._collect(number, mine, plan.exchange_deadline)
+            return await self._settle(number, announced, mine, snapshot)
+        if isinstance(report, ReportReply) and not report.included:
+            self.late += 1
+        elif not isinstance(report, ReportReply):
+            logger.warning(
+                f"round {number}: the coordinator refused the payload ({report.name}); applying only"
+            )
+        started = time.time()
+        me = self.peer_id.encode()
+        announced: dict[bytes, Announcement] = {}
+        for participant in result.participants:
+            owner = participant.peer_id.encode()
+            value = {
+                "peer": participant.peer_id,
+                "digest": participant.digest,
+                "size": participant.size,
+                "samples": participant.samples,
+                "state": participant.state,
+                "synced": participant.synced,
+            }
+            try:
+                announced[owner] = Announcement.parse(owner, value, self.max_payload_bytes)
+            except MalformedPayloadError as error:  # every peer drops it alike: the set stays the same
+                self.rejected[error.reason] += 1
+        fetches = [
+            asyncio.create_task(self._fetch(number, a, announced))
+            for a in announced.values()
+            if (number, a.digest) not in self._held
+        ]
+        if fetches:
+            _, pending = await asyncio.wait(fetches, timeout=max(0.0, plan.exchange_deadline - time.time()))
+            for task in pending:
+                task.cancel()
+            self.rejected["missing"] += len(pending)
+            await asyncio.gather(*fetches, return_exceptions=True)
+        self.coordinated_rounds += 1
+        mine = Announcement(me, mine.peer, mine.digest, mine.size, mine.samples, mine.state, mine.synced)
+        contributions = await self._settle(number, announced, mine, snapshot)
+        link.progress.round, link.progress.exchange_s = number, time.time() - started
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await link.heartbeat()  # finished: the coordinator may start the next round
+        return contributions
 
     def _refusal(self, round_number: int, announcement: Announcement) -> str | None:
         """Why an announcement of a compatible peer is not taken (None: it is)."""

@@ -1,6 +1,6 @@
 """Regenerates the Python code of the `.proto` files in this folder.
 
-    python -m shoal.protocol.generate          # rewrite the committed *_pb2.py / *_pb2.pyi
+    python -m shoal.protocol.generate          # rewrite the committed *_pb2.py / *_pb2.pyi / *_pb2_grpc.py
     python -m shoal.protocol.generate --check  # exit 1 if they differ from a fresh generation
 
 protoc runs on a copy of the files laid out as `shoal/protocol/NAME.proto`, so the descriptors are
@@ -36,8 +36,13 @@ def generate(out_dir: Path) -> list[Path]:
         args = ["protoc", f"-I{root}", f"--python_out={root}", f"--pyi_out={root}", *sources]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {sources}")
+        services = [
+            s for s, proto in zip(sources, proto_files(), strict=True) if "\nservice " in proto.read_text()
+        ]
+        if services and protoc.main(["protoc", f"-I{root}", f"--grpc_python_out={root}", *services]) != 0:
+            raise RuntimeError(f"protoc's gRPC plugin failed on {services}")
         written = []
-        for generated in sorted(package.glob("*_pb2.py*")):
+        for generated in sorted(package.glob("*_pb2*.py*")):
             target = out_dir / generated.name
             shutil.copy(generated, target)
             written.append(target)

@@ -8,8 +8,9 @@ from shoal.protocol import EncodedTensor, MalformedPayloadError, generate, parse
 def test_regenerating_reproduces_the_committed_code(tmp_path):
     written = generate.generate(tmp_path)
     protos = {p.stem for p in generate.proto_files()}
-    assert protos == {"tensor", "payload", "swarm"}
-    assert {p.name for p in written} == {f"{name}_pb2.{ext}" for name in protos for ext in ("py", "pyi")}
+    assert protos == {"tensor", "payload", "swarm", "coordinator"}
+    expected = {f"{name}_pb2.{ext}" for name in protos for ext in ("py", "pyi")}
+    assert {p.name for p in written} == expected | {"coordinator_pb2_grpc.py"}  # the only service
     for path in written:
         committed = generate.HERE / path.name
         assert path.read_bytes() == committed.read_bytes(), (

@@ -1,0 +1,68 @@
+"""The coordinator's Prometheus metrics, on `/metrics` of `--metrics-port`.
+
+Series carry no peer ids (low cardinality): the round, members, the last round's participants and
+stragglers, evictions, refused requests by status code, and round durations.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from shoal.coordinator.rounds import Announced, Decided, Dropped, SwarmState
+
+ROUND_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+
+
+class CoordinatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.round = Gauge("shoal_coordinator_round", "The round last announced.", registry=r)
+        self.members = Gauge("shoal_coordinator_active_peers", "Current members of the swarm.", registry=r)
+        self.participants = Gauge(
+            "shoal_coordinator_participants", "Participants of the last decided round.", registry=r
+        )
+        self.stragglers = Counter(
+            "shoal_coordinator_stragglers", "Expected members left out of a round as late.", registry=r
+        )
+        self.evictions = Counter(
+            "shoal_coordinator_evictions", "Members evicted as repeated stragglers.", registry=r
+        )
+        self.dropped = Counter(
+            "shoal_coordinator_dropped_peers", "Members dropped, by reason.", ["reason"], registry=r
+        )
+        self.refused = Counter(
+            "shoal_coordinator_refused_requests",
+            "Requests refused, by gRPC status code.",
+            ["code"],
+            registry=r,
+        )
+        self.round_duration = Histogram(
+            "shoal_coordinator_round_duration_seconds",
+            "From one announcement to the next.",
+            buckets=ROUND_BUCKETS,
+            registry=r,
+        )
+        self._announced_at: float | None = None
+        self._server = None
+
+    def observe(self, action, state: SwarmState) -> None:
+        self.members.set(len(state.members))
+        match action:
+            case Announced(round=announced):
+                if self._announced_at is not None:
+                    self.round_duration.observe(announced.announced_at - self._announced_at)
+                self._announced_at = announced.announced_at
+                self.round.set(announced.number)
+            case Decided(round=decided):
+                self.participants.set(len(decided.participants))
+                self.stragglers.inc(len(decided.stragglers))
+            case Dropped(reason=reason):
+                self.dropped.labels(reason=reason).inc()
+                if reason == "evicted":
+                    self.evictions.inc()
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()

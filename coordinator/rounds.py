@@ -1,0 +1,618 @@
+"""The coordinator's round state machine: `transition(state, now, event, policy) -> (state, actions)`.
+
+Pure: no clock, no I/O, no randomness (the swarm's seed is part of the state). The gRPC layer
+(shoal.coordinator.server) turns each request into an event, applies the transition, persists the new
+state and carries out the actions; a ticker sends `Tick` so that deadlines fire without requests.
+
+Life of round r (times are the coordinator's Unix seconds):
+
+    announce at A      the members of that moment are the round's `expected` peers (their order is
+                       their data slots); compute deadline C = A + compute window,
+                       exchange deadline E = C + exchange window
+    reports until C    a member's payload is ready (digest, size, samples); a report after C (plus
+                       `report_grace_s` of network slack) leaves the member out of the round
+    decide             at C, or as soon as every expected member still alive has reported: the
+                       participant set is exactly the on-time reports; each expected member that missed
+                       is a straggler and gets a strike
+    exchange           participants pull each other's payloads; round r + 1 is announced as soon as every
+                       participant says (heartbeat) it finished r, and at E at the latest
+
+Adaptive windows: the compute window lets at least a fraction `quantile` of the members finish their
+smallest contribution (`min_samples / throughput`, times `headroom`), clamped to
+[min_compute_s, max_compute_s]; the exchange window follows the same quantile of the members' recent
+exchange times. Stragglers: from `shrink_after` strikes a member is told to use half its compute
+window (down to `min_scale`); at `evict_after` strikes it is evicted for `eviction_s`, after which it
+may join again; `forgive_after` on-time reports in a row take a strike back and double its scale.
+Members silent for `heartbeat_timeout_s` are dropped at once.
+
+Round numbers only grow: a member that kept training while the coordinator was unreachable reports a
+later round in its heartbeat, and the next announcement continues after it (an undecided round it has
+passed is abandoned, without strikes). After a restart (`resume`), nothing is announced until every
+member has been heard from again, or one heartbeat timeout has passed.
+"""
+
+import hashlib
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{16,128}")  # base58 libp2p peer ids
+DIGEST_BYTES = 32
+MAX_SAMPLES = 1 << 40
+MAX_PAYLOAD_BYTES = 1 << 40
+MAX_ROUND_JUMP = 1_000_000  # how far ahead a heartbeat may put the round numbering
+KEEP_ROUNDS = 8  # decided rounds whose results stay available
+KEEP_EXCHANGE_TIMES = 32
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Policy:
+    """How the coordinator paces rounds and treats stragglers."""
+
+    quantile: float = 0.9
+    """Fraction of the members whose smallest contribution the compute window must fit."""
+    min_compute_s: float = 5.0
+    """Shortest compute window, seconds: the round's target length when every peer is fast."""
+    max_compute_s: float = 600.0
+    """Longest compute window, seconds: slower members are stragglers."""
+    initial_exchange_s: float = 10.0
+    """Exchange window before any exchange time has been reported, seconds."""
+    min_exchange_s: float = 2.0
+    max_exchange_s: float = 300.0
+    headroom: float = 1.5
+    """Measured times are multiplied by this before they become windows."""
+    report_grace_s: float = 0.5
+    """Network slack after the compute deadline during which a report still counts."""
+    heartbeat_timeout_s: float = 6.0
+    """Silence after which a member is dropped."""
+    shrink_after: int = 2
+    """Strikes from which each further strike halves a member's compute scale."""
+    min_scale: float = 0.125
+    evict_after: int = 4
+    """Strikes at which a member is evicted."""
+    eviction_s: float = 60.0
+    """How long an evicted member may not join again."""
+    forgive_after: int = 10
+    """On-time reports in a row that take one strike back."""
+    max_members: int = 10_000
+    min_start_members: int = 1
+    """Members the swarm's first round waits for."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.quantile <= 1:
+            raise ValueError(f"quantile must be in (0, 1], got {self.quantile}")
+        if not 0 < self.min_compute_s <= self.max_compute_s:
+            raise ValueError(
+                f"need 0 < min_compute_s <= max_compute_s, got {self.min_compute_s}, {self.max_compute_s}"
+            )
+        if not 0 < self.min_exchange_s <= self.max_exchange_s:
+            raise ValueError(
+                f"need 0 < min_exchange_s <= max_exchange_s, got {self.min_exchange_s}, {self.max_exchange_s}"
+            )
+        if self.headroom < 1 or self.report_grace_s < 0 or self.heartbeat_timeout_s <= 0:
+            raise ValueError("headroom must be >= 1, report_grace_s >= 0, heartbeat_timeout_s > 0")
+        if self.min_start_members < 1 or self.eviction_s < 0:
+            raise ValueError("min_start_members must be >= 1 and eviction_s >= 0")
+        if not (
+            1 <= self.shrink_after <= self.evict_after and self.forgive_after >= 1 and 0 < self.min_scale <= 1
+        ):
+            raise ValueError("need 1 <= shrink_after <= evict_after, forgive_after >= 1, 0 < min_scale <= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Member:
+    peer_id: str
+    joined_at: float
+    last_seen: float
+    throughput: float = 0.0
+    """Samples per second, as last reported (0: unknown)."""
+    min_samples: int = 1
+    """Samples of its smallest contribution in a round."""
+    round: int = -1
+    """The last round it finished."""
+    strikes: int = 0
+    on_time: int = 0
+    """On-time reports since its last strike or forgiveness."""
+    compute_scale: float = 1.0
+    heard: bool = True
+    """Whether it has been heard from since the coordinator (re)started."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PayloadReport:
+    """A member's payload for a round, ready to be pulled from it."""
+
+    peer_id: str
+    digest: bytes
+    size: int
+    samples: int
+    state: bytes = b""
+    synced: bool = False
+    at: float = 0.0
+    """When it arrived."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Round:
+    number: int
+    announced_at: float
+    compute_deadline: float
+    exchange_deadline: float
+    data_seed: int
+    expected: tuple[str, ...]
+    """Members at the announcement, sorted: a peer's index is its data slot."""
+    reports: Mapping[str, PayloadReport] = field(default_factory=dict)
+    """On-time reports (never mutated: a new round value carries a new mapping)."""
+    decided_at: float | None = None
+    stragglers: tuple[str, ...] = ()
+
+    @property
+    def participants(self) -> tuple[str, ...]:
+        """The payloads to aggregate, by peer id (final once decided)."""
+        return tuple(sorted(self.reports))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SwarmState:
+    seed: int
+    """Mixed with each round number into its data seed."""
+    members: Mapping[str, Member] = field(default_factory=dict)
+    evicted: Mapping[str, float] = field(default_factory=dict)
+    """Evicted peers and when they may join again."""
+    round: Round | None = None
+    """The round in progress, or the last one (decided, exchanging)."""
+    next_round: int = 0
+    """The number the next announcement takes."""
+    history: tuple[Round, ...] = ()
+    """The last decided rounds before `round`, oldest first."""
+    exchange_times: tuple[float, ...] = ()
+    """Recently reported exchange times, seconds."""
+    stragglers_total: int = 0
+    evictions_total: int = 0
+    resumed_at: float | None = None
+    """When the coordinator last restarted from this state."""
+
+
+# --- events ---
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    peer_id: str
+    throughput: float = 0.0
+    min_samples: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    peer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    peer_id: str
+    round: int = -1
+    throughput: float = 0.0
+    min_samples: int = 0
+    exchange_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    peer_id: str
+    round: int
+    digest: bytes
+    size: int
+    samples: int
+    state: bytes = b""
+    synced: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Only time passes."""
+
+
+Event = Join | Leave | Heartbeat | Report | Tick
+
+
+# --- actions ---
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The request succeeded; `fields` answer it."""
+
+    fields: Mapping[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The request is refused; `code` is the name of its gRPC status code."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Announced:
+    round: Round
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    round: Round
+
+
+@dataclass(frozen=True, slots=True)
+class Abandoned:
+    """An undecided round that members had already passed (they trained on without the coordinator)."""
+
+    round: Round
+
+
+@dataclass(frozen=True, slots=True)
+class Struck:
+    peer_id: str
+    round: int
+    strikes: int
+    compute_scale: float
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    peer_id: str
+    reason: str
+    """`left`, `silent` or `evicted`."""
+
+
+Action = Reply | Refused | Announced | Decided | Abandoned | Struck | Dropped
+
+
+def initial_state(seed: int) -> SwarmState:
+    return SwarmState(seed=seed)
+
+
+def resume(state: SwarmState, now: float) -> SwarmState:
+    """The state of a restarted coordinator: members count as alive from now (they could not reach it
+    while it was down) but must be heard from again before a round is announced; an undecided round
+    whose compute deadline passed meanwhile is abandoned."""
+    members = {p: replace(m, last_seen=now, heard=False) for p, m in state.members.items()}
+    current = state.round
+    if current is not None and current.decided_at is None and current.compute_deadline <= now:
+        current = None  # its peers gave up on it and finished it uncoordinated: no strikes for them
+    return replace(state, members=members, round=current, resumed_at=now)
+
+
+def transition(
+    state: SwarmState, now: float, event: Event, policy: Policy
+) -> tuple[SwarmState, list[Action]]:
+    """Lets time advance to `now` (deadlines and silences fire before a request is judged), applies
+    `event`, then lets the rounds advance again. Request events yield exactly one `Reply` or `Refused`;
+    a refused request changes nothing but what time alone changed."""
+    state, actions = _advance(state, now, policy)
+    match event:
+        case Join():
+            state, answer = _join(state, now, event, policy)
+        case Leave():
+            state, answer = _leave(state, event)
+        case Heartbeat():
+            state, answer = _heartbeat(state, now, event, policy)
+        case Report():
+            state, answer = _report(state, now, event, policy)
+        case Tick():
+            return state, actions
+        case _:
+            raise TypeError(f"not an event: {event!r}")
+    if any(isinstance(a, Refused) for a in answer):
+        return state, actions + answer
+    state, more = _advance(state, now, policy)
+    return state, actions + answer + more
+
+
+def round_result(state: SwarmState, number: int) -> Round | Refused | None:
+    """The decided round `number`; None while it is undecided; Refused if it is unknown."""
+    if number >= state.next_round:
+        return Refused(
+            "OUT_OF_RANGE", f"round {number} has not been announced (the next is {state.next_round})"
+        )
+    for candidate in (state.round, *reversed(state.history)):
+        if candidate is not None and candidate.number == number:
+            return candidate if candidate.decided_at is not None else None
+    return Refused(
+        "NOT_FOUND", f"round {number} is unknown, abandoned or too old (the last {KEEP_ROUNDS} are kept)"
+    )
+
+
+def compute_window(members: Mapping[str, Member], policy: Policy) -> float:
+    """Seconds that let a fraction `quantile` of the members compute their smallest contribution."""
+    times = sorted(m.min_samples / m.throughput for m in members.values() if m.throughput > 0)
+    return _clamp(
+        _quantile(times, policy.quantile) * policy.headroom, policy.min_compute_s, policy.max_compute_s
+    )
+
+
+def exchange_window(exchange_times: tuple[float, ...], policy: Policy) -> float:
+    if not exchange_times:
+        return policy.initial_exchange_s
+    measured = _quantile(sorted(exchange_times), policy.quantile) * policy.headroom
+    return _clamp(measured, policy.min_exchange_s, policy.max_exchange_s)
+
+
+def data_seed(seed: int, round_number: int) -> int:
+    """The round's data seed: a hash of the swarm's seed and the round number (63 bits)."""
+    data = seed.to_bytes(8, "little", signed=False) + round_number.to_bytes(8, "little")
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
+
+
+def _quantile(sorted_values: list[float], quantile: float) -> float:
+    """The smallest value at or below which at least a fraction `quantile` of the values lie (0 if none)."""
+    if not sorted_values:
+        return 0.0
+    return sorted_values[max(0, math.ceil(quantile * len(sorted_values)) - 1)]
+
+
+def _clamp(value: float, low: float, high: float) -> float:
+    return min(max(value, low), high)
+
+
+# --- requests ---
+
+
+def _join(state: SwarmState, now: float, event: Join, policy: Policy) -> tuple[SwarmState, list[Action]]:
+    refusal = check_peer_id(event.peer_id) or _check_progress(event.throughput, event.min_samples)
+    if refusal:
+        return state, [refusal]
+    until = state.evicted.get(event.peer_id)
+    if until is not None and now < until:
+        return state, [
+            Refused(
+                "PERMISSION_DENIED",
+                f"evicted as a repeated straggler; join again in {until - now:.0f} s",
+            )
+        ]
+    member = state.members.get(event.peer_id)
+    if member is None and len(state.members) >= policy.max_members:
+        return state, [Refused("RESOURCE_EXHAUSTED", f"the swarm is full ({policy.max_members} members)")]
+    if member is None:
+        member = Member(peer_id=event.peer_id, joined_at=now, last_seen=now)
+    member = replace(
+        member,
+        last_seen=now,
+        heard=True,
+        throughput=event.throughput or member.throughput,
+        min_samples=event.min_samples or member.min_samples,
+    )
+    evicted = {p: t for p, t in state.evicted.items() if p != event.peer_id}
+    state = replace(state, members={**state.members, event.peer_id: member}, evicted=evicted)
+    current = state.round.number if state.round and state.round.decided_at is None else state.next_round
+    return state, [Reply({"round": current, "heartbeat_timeout_s": policy.heartbeat_timeout_s})]
+
+
+def _leave(state: SwarmState, event: Leave) -> tuple[SwarmState, list[Action]]:
+    refusal = check_peer_id(event.peer_id) or _check_member(state, event.peer_id)
+    if refusal:
+        return state, [refusal]
+    members = {p: m for p, m in state.members.items() if p != event.peer_id}
+    return replace(state, members=members), [Reply({}), Dropped(event.peer_id, "left")]
+
+
+def _heartbeat(
+    state: SwarmState, now: float, event: Heartbeat, policy: Policy
+) -> tuple[SwarmState, list[Action]]:
+    refusal = (
+        check_peer_id(event.peer_id)
+        or _check_member(state, event.peer_id)
+        or _check_progress(event.throughput, event.min_samples)
+    )
+    if refusal:
+        return state, [refusal]
+    if not -1 <= event.round <= state.next_round + MAX_ROUND_JUMP:
+        return state, [Refused("INVALID_ARGUMENT", f"round {event.round} is not a round of this swarm")]
+    if not (math.isfinite(event.exchange_s) and 0 <= event.exchange_s <= 1e6):
+        return state, [Refused("INVALID_ARGUMENT", f"exchange_s {event.exchange_s} is not a duration")]
+    member = state.members[event.peer_id]
+    member = replace(
+        member,
+        last_seen=now,
+        heard=True,
+        round=max(member.round, event.round),
+        throughput=event.throughput or member.throughput,
+        min_samples=event.min_samples or member.min_samples,
+    )
+    state = replace(state, members={**state.members, event.peer_id: member})
+    if event.exchange_s > 0:
+        state = replace(
+            state, exchange_times=(*state.exchange_times, event.exchange_s)[-KEEP_EXCHANGE_TIMES:]
+        )
+    actions: list[Action] = [Reply({"compute_scale": member.compute_scale})]
+    if event.round >= state.next_round:  # it trained on while the coordinator was away: catch up
+        state = replace(state, next_round=event.round + 1)
+        if state.round is not None and state.round.decided_at is None and state.round.number <= event.round:
+            actions.append(Abandoned(state.round))
+            state = replace(state, round=None, history=_kept(state.history, state.round))
+    return state, actions
+
+
+def _report(state: SwarmState, now: float, event: Report, policy: Policy) -> tuple[SwarmState, list[Action]]:
+    refusal = check_peer_id(event.peer_id) or _check_member(state, event.peer_id) or _check_payload(event)
+    if refusal:
+        return state, [refusal]
+    current = state.round
+    if current is None or event.round > current.number:
+        shown = "none yet" if current is None else f"the current one is {current.number}"
+        return state, [Refused("OUT_OF_RANGE", f"round {event.round} has not been announced ({shown})")]
+    if event.round < current.number:
+        return state, [
+            Refused(
+                "FAILED_PRECONDITION", f"round {event.round} is over; the current one is {current.number}"
+            )
+        ]
+    if event.peer_id in current.reports:
+        return state, [Refused("ALREADY_EXISTS", f"already reported a payload for round {event.round}")]
+    if event.peer_id not in current.expected:
+        return state, [
+            Refused(
+                "FAILED_PRECONDITION", f"not expected in round {event.round} (joined after it was announced)"
+            )
+        ]
+    if any(r.digest == event.digest for r in current.reports.values()):
+        return state, [Refused("ALREADY_EXISTS", "another member reported this payload for this round")]
+    member = replace(state.members[event.peer_id], last_seen=now, heard=True)
+    if current.decided_at is not None:  # late: it was struck when the round was decided
+        state = replace(state, members={**state.members, event.peer_id: member})
+        return state, [
+            Reply({"included": False, "strikes": member.strikes, "compute_scale": member.compute_scale})
+        ]
+    member = replace(member, on_time=member.on_time + 1)
+    if member.on_time >= policy.forgive_after:
+        scale = min(1.0, member.compute_scale * 2) if member.strikes else member.compute_scale
+        member = replace(member, strikes=max(0, member.strikes - 1), compute_scale=scale, on_time=0)
+    report = PayloadReport(
+        peer_id=event.peer_id,
+        digest=event.digest,
+        size=event.size,
+        samples=event.samples,
+        state=event.state,
+        synced=event.synced,
+        at=now,
+    )
+    current = replace(current, reports={**current.reports, event.peer_id: report})
+    state = replace(state, round=current, members={**state.members, event.peer_id: member})
+    return state, [
+        Reply({"included": True, "strikes": member.strikes, "compute_scale": member.compute_scale})
+    ]
+
+
+# --- time ---
+
+
+def _advance(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState, list[Action]]:
+    """What time alone does: drops silent members, decides the round, announces the next one."""
+    actions: list[Action] = []
+    silent = [p for p, m in state.members.items() if now - m.last_seen > policy.heartbeat_timeout_s]
+    if silent:
+        members = {p: m for p, m in state.members.items() if p not in silent}
+        state = replace(state, members=members)
+        actions += [Dropped(p, "silent") for p in silent]
+    evicted = {p: until for p, until in state.evicted.items() if until > now}
+    if len(evicted) != len(state.evicted):
+        state = replace(state, evicted=evicted)
+    current = state.round
+    if current is not None and current.decided_at is None:
+        alive = [p for p in current.expected if p in state.members]
+        if now >= current.compute_deadline + policy.report_grace_s or all(
+            p in current.reports for p in alive
+        ):
+            state, decided = _decide(state, now, policy)
+            actions += decided
+    current = state.round
+    finished = current is None or (
+        current.decided_at is not None
+        and (
+            now >= current.exchange_deadline
+            or all(
+                state.members[p].round >= current.number for p in current.participants if p in state.members
+            )
+        )
+    )
+    quorum = len(state.members) >= (policy.min_start_members if state.next_round == 0 else 1)
+    if finished and quorum and _all_heard(state, now, policy):
+        state, announced = _announce(state, now, policy)
+        actions += announced
+    return state, actions
+
+
+def _decide(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState, list[Action]]:
+    current = state.round
+    assert current is not None
+    stragglers = tuple(p for p in current.expected if p in state.members and p not in current.reports)
+    current = replace(current, decided_at=now, stragglers=stragglers)
+    members, evicted, actions = dict(state.members), dict(state.evicted), []
+    for peer_id in stragglers:
+        member = members[peer_id]
+        strikes = member.strikes + 1
+        scale = member.compute_scale
+        if strikes >= policy.shrink_after:
+            scale = max(policy.min_scale, scale / 2)
+        member = replace(member, strikes=strikes, compute_scale=scale, on_time=0)
+        actions.append(Struck(peer_id, current.number, strikes, scale))
+        if strikes >= policy.evict_after:
+            del members[peer_id]
+            evicted[peer_id] = now + policy.eviction_s
+            actions.append(Dropped(peer_id, "evicted"))
+        else:
+            members[peer_id] = member
+    state = replace(
+        state,
+        round=current,
+        members=members,
+        evicted=evicted,
+        stragglers_total=state.stragglers_total + len(stragglers),
+        evictions_total=state.evictions_total + len(state.members) - len(members),
+    )
+    return state, [Decided(current), *actions]
+
+
+def _announce(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState, list[Action]]:
+    number = state.next_round
+    compute_s = compute_window(state.members, policy)
+    announced = Round(
+        number=number,
+        announced_at=now,
+        compute_deadline=now + compute_s,
+        exchange_deadline=now + compute_s + exchange_window(state.exchange_times, policy),
+        data_seed=data_seed(state.seed, number),
+        expected=tuple(sorted(state.members)),
+    )
+    history = state.history if state.round is None else _kept(state.history, state.round)
+    state = replace(state, round=announced, next_round=number + 1, history=history)
+    return state, [Announced(announced)]
+
+
+def _all_heard(state: SwarmState, now: float, policy: Policy) -> bool:
+    """After a restart, rounds wait until every member was heard from, or one heartbeat timeout."""
+    if state.resumed_at is None or now - state.resumed_at >= policy.heartbeat_timeout_s:
+        return True
+    return all(m.heard for m in state.members.values())
+
+
+def _kept(history: tuple[Round, ...], finished: Round) -> tuple[Round, ...]:
+    """The history with `finished` appended, if it was decided, and only the last KEEP_ROUNDS."""
+    return (*history, finished)[-KEEP_ROUNDS:] if finished.decided_at is not None else history
+
+
+# --- validation of untrusted fields ---
+
+
+def check_peer_id(peer_id: str) -> Refused | None:
+    if not PEER_ID.fullmatch(peer_id):
+        return Refused("INVALID_ARGUMENT", f"peer_id {peer_id[:64]!r} is not a base58 libp2p peer id")
+    return None
+
+
+def _check_member(state: SwarmState, peer_id: str) -> Refused | None:
+    if peer_id in state.members:
+        return None
+    if peer_id in state.evicted:
+        return Refused("NOT_FOUND", "evicted as a repeated straggler: join again once the eviction ends")
+    return Refused("NOT_FOUND", "not a member of this swarm (never joined, left, or silent too long): join")
+
+
+def _check_progress(throughput: float, min_samples: int) -> Refused | None:
+    if not (math.isfinite(throughput) and 0 <= throughput <= 1e12):
+        return Refused("INVALID_ARGUMENT", f"throughput {throughput} is not a rate in samples per second")
+    if not 0 <= min_samples <= MAX_SAMPLES:
+        return Refused("INVALID_ARGUMENT", f"min_samples {min_samples} out of range")
+    return None
+
+
+def _check_payload(event: Report) -> Refused | None:
+    if len(event.digest) != DIGEST_BYTES or len(event.state) not in (0, DIGEST_BYTES):
+        return Refused(
+            "INVALID_ARGUMENT", f"digest and state must be {DIGEST_BYTES} bytes (state may be empty)"
+        )
+    if not 0 < event.size <= MAX_PAYLOAD_BYTES or not 0 <= event.samples <= MAX_SAMPLES:
+        return Refused("INVALID_ARGUMENT", f"size {event.size} or samples {event.samples} out of range")
+    return None

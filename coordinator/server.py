@@ -1,0 +1,353 @@
+"""The coordinator's gRPC service (grpc.aio): a thin layer around the round state machine.
+
+Each request is authenticated (shoal.coordinator.auth), turned into an event of
+shoal.coordinator.rounds, applied, persisted (shoal.coordinator.store) before it is answered, and
+its actions carried out: announcements go to every `Rounds` stream, decisions wake `RoundResult`
+callers, refusals become the gRPC status code the state machine names. A ticker applies `Tick` every
+`TICK_S` so that deadlines fire when no request comes. Everything runs on one event loop, so the
+state has one writer and needs no lock.
+
+Beside the Coordinator service the server offers the standard gRPC health service (`grpc.health.v1`,
+unauthenticated, for load balancers) and server reflection (so grpcurl and friends work without the
+.proto), and, with a metrics port, Prometheus metrics on `/metrics`.
+"""
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shoal.coordinator.auth import Tokens
+from shoal.coordinator.metrics import CoordinatorMetrics
+from shoal.coordinator.rounds import (
+    Abandoned,
+    Announced,
+    Decided,
+    Dropped,
+    Event,
+    Heartbeat,
+    Join,
+    Leave,
+    Policy,
+    Refused,
+    Reply,
+    Report,
+    Round,
+    Struck,
+    SwarmState,
+    Tick,
+    check_peer_id,
+    initial_state,
+    resume,
+    round_result,
+    transition,
+)
+from shoal.coordinator.store import StateStore
+from shoal.protocol import coordinator_pb2 as pb
+from shoal.protocol import coordinator_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+TICK_S = 0.1
+MAX_REQUEST_BYTES = 16 * 1024  # every request is a few hundred bytes
+MAX_WAIT_S = 600.0  # RoundResult waits at most this long, whatever the caller's deadline
+SUBSCRIBER_BACKLOG = 4  # announcements queued for a slow `Rounds` stream before the oldest is dropped
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TlsFiles:
+    cert: Path
+    key: Path
+
+
+class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
+    """The Coordinator service over one swarm state."""
+
+    def __init__(
+        self,
+        state: SwarmState,
+        policy: Policy,
+        store: StateStore | None = None,
+        tokens: Tokens | None = None,
+        metrics: CoordinatorMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.state, self.policy, self.store, self.tokens = state, policy, store, tokens
+        self.metrics, self.clock = metrics, clock
+        self._subscribers: set[asyncio.Queue] = set()
+        self._changed = asyncio.Event()  # set (and replaced) whenever a round is decided or abandoned
+
+    # --- the state machine ---
+
+    def apply(self, event: Event) -> list:
+        """Applies one event now: transition, persist, then act. Returns the actions."""
+        old = self.state
+        new, actions = transition(old, self.clock(), event, self.policy)
+        if self.store is not None:
+            self.store.save(old, new)
+        self.state = new
+        for action in actions:
+            self._act(action)
+        return actions
+
+    def _act(self, action) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(action, self.state)
+        match action:
+            case Announced(round=announced):
+                message = announcement(announced, self.clock())
+                for queue in self._subscribers:
+                    if queue.full():
+                        queue.get_nowait()
+                    queue.put_nowait(message)
+                logger.info(
+                    f"round {announced.number}: {len(announced.expected)} peers, compute until "
+                    f"+{announced.compute_deadline - announced.announced_at:.1f} s"
+                )
+            case Decided(round=decided):
+                self._wake()
+                logger.info(
+                    f"round {decided.number} decided: {len(decided.participants)} participants, "
+                    f"{len(decided.stragglers)} stragglers"
+                )
+            case Struck(peer_id=peer_id, strikes=strikes, compute_scale=scale):
+                logger.info(f"straggler {peer_id}: {strikes} strikes, compute scale {scale:g}")
+            case Dropped(peer_id=peer_id, reason=reason):
+                logger.info(f"peer {peer_id} dropped: {reason}")
+            case Abandoned():
+                self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def tick_forever(self) -> None:
+        while True:
+            self.apply(Tick())
+            await asyncio.sleep(TICK_S)
+
+    async def _request(self, context, peer_id: str | None, event: Event | None = None) -> dict:
+        """Authenticates the call, applies its event; aborts with the refusal's status code."""
+        if self.tokens is not None:
+            refusal = self.tokens.check(context.invocation_metadata(), peer_id)
+            if refusal is not None:
+                await self._abort(context, refusal)
+        if event is None:
+            return {}
+        for action in self.apply(event):
+            if isinstance(action, Refused):
+                await self._abort(context, action)
+            if isinstance(action, Reply):
+                return dict(action.fields)
+        raise AssertionError(f"no reply to {event!r}")
+
+    async def _abort(self, context, refusal: Refused) -> None:
+        if self.metrics is not None:
+            self.metrics.refused.labels(code=refusal.code.lower()).inc()
+        await context.abort(grpc.StatusCode[refusal.code], refusal.message)
+
+    # --- the RPCs ---
+
+    async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+        event = Join(request.peer_id, request.throughput, request.min_samples)
+        reply = await self._request(context, request.peer_id, event)
+        return pb.JoinReply(
+            round=reply["round"], heartbeat_timeout_s=reply["heartbeat_timeout_s"], now=self.clock()
+        )
+
+    async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
+        await self._request(context, request.peer_id, Leave(request.peer_id))
+        return pb.LeaveReply()
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+        event = Heartbeat(
+            request.peer_id, request.round, request.throughput, request.min_samples, request.exchange_s
+        )
+        reply = await self._request(context, request.peer_id, event)
+        return pb.HeartbeatReply(compute_scale=reply["compute_scale"], now=self.clock())
+
+    async def ReportReady(self, request: pb.ReportRequest, context) -> pb.ReportReply:
+        event = Report(
+            request.peer_id,
+            request.round,
+            request.digest,
+            request.size,
+            request.samples,
+            request.state,
+            request.synced,
+        )
+        reply = await self._request(context, request.peer_id, event)
+        return pb.ReportReply(**reply)
+
+    async def Rounds(self, request: pb.RoundsRequest, context):
+        await self._request(context, request.peer_id)
+        refusal = check_peer_id(request.peer_id)
+        if refusal is not None:
+            await self._abort(context, refusal)
+        if len(self._subscribers) >= self.policy.max_members:
+            await self._abort(context, Refused("RESOURCE_EXHAUSTED", "too many round subscribers"))
+        queue: asyncio.Queue = asyncio.Queue(maxsize=SUBSCRIBER_BACKLOG)
+        self._subscribers.add(queue)
+        try:
+            current = self.state.round
+            if current is not None and current.decided_at is None:
+                yield announcement(current, self.clock())
+            while True:
+                yield await queue.get()
+        finally:
+            self._subscribers.discard(queue)
+
+    async def RoundResult(self, request: pb.RoundResultRequest, context) -> pb.RoundResultReply:
+        await self._request(context, None)
+        give_up = time.monotonic() + MAX_WAIT_S
+        while True:
+            found = round_result(self.state, request.round)
+            if isinstance(found, Refused):
+                await self._abort(context, found)
+            if isinstance(found, Round):
+                return result_reply(found, self.clock())
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), max(0.0, give_up - time.monotonic()))
+            except TimeoutError:
+                await self._abort(context, Refused("DEADLINE_EXCEEDED", f"round {request.round} undecided"))
+
+    async def SwarmStatus(self, request: pb.SwarmStatusRequest, context) -> pb.SwarmStatusReply:
+        await self._request(context, None)
+        now, state = self.clock(), self.state
+        current = state.round
+        return pb.SwarmStatusReply(
+            round=0 if current is None else current.number,
+            members=[
+                pb.MemberStatus(
+                    peer_id=m.peer_id,
+                    throughput=m.throughput,
+                    round=m.round,
+                    strikes=m.strikes,
+                    compute_scale=m.compute_scale,
+                    silent_s=max(0.0, now - m.last_seen),
+                )
+                for m in sorted(state.members.values(), key=lambda m: m.peer_id)
+            ],
+            compute_window_s=0.0 if current is None else current.compute_deadline - current.announced_at,
+            exchange_window_s=0.0
+            if current is None
+            else current.exchange_deadline - current.compute_deadline,
+            stragglers_total=state.stragglers_total,
+            evictions_total=state.evictions_total,
+            now=now,
+        )
+
+
+def announcement(announced: Round, now: float) -> pb.RoundAnnouncement:
+    return pb.RoundAnnouncement(
+        round=announced.number,
+        compute_deadline=announced.compute_deadline,
+        exchange_deadline=announced.exchange_deadline,
+        data_seed=announced.data_seed,
+        peers=announced.expected,
+        now=now,
+    )
+
+
+def result_reply(decided: Round, now: float) -> pb.RoundResultReply:
+    return pb.RoundResultReply(
+        round=decided.number,
+        participants=[
+            pb.Participant(
+                peer_id=r.peer_id,
+                digest=r.digest,
+                size=r.size,
+                samples=r.samples,
+                state=r.state,
+                synced=r.synced,
+            )
+            for r in (decided.reports[p] for p in decided.participants)
+        ],
+        stragglers=decided.stragglers,
+        exchange_deadline=decided.exchange_deadline,
+        now=now,
+    )
+
+
+class Coordinator:
+    """A running coordinator: the gRPC server, its ticker, its state file."""
+
+    def __init__(
+        self,
+        *,
+        listen: str = "127.0.0.1:0",
+        state_path: str | Path | None = None,
+        policy: Policy | None = None,
+        tokens: Tokens | None = None,
+        tls: TlsFiles | None = None,
+        metrics_port: int | None = None,
+    ):
+        self.listen, self.state_path, self.tls = listen, state_path, tls
+        self.policy = policy or Policy()
+        self.tokens = tokens
+        self.metrics_port = metrics_port
+        self.port: int | None = None
+        """The port bound, once started."""
+        self.service: CoordinatorService | None = None
+        self._server: grpc.aio.Server | None = None
+        self._ticker: asyncio.Task | None = None
+        self._health = health.aio.HealthServicer()
+
+    async def start(self) -> int:
+        """Loads or creates the state, binds the port (raises OSError if it cannot), starts serving."""
+        store = StateStore(self.state_path) if self.state_path is not None else None
+        state = store.load() if store is not None else None
+        now = time.time()
+        state = initial_state(secrets.randbits(63)) if state is None else resume(state, now)
+        if store is not None:
+            store.save(None, state)
+        metrics = None
+        if self.metrics_port is not None:
+            metrics = CoordinatorMetrics()
+            metrics.serve(self.metrics_port)
+        self.service = CoordinatorService(state, self.policy, store, self.tokens, metrics)
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                ("grpc.max_concurrent_streams", 1000),
+            ],
+            maximum_concurrent_rpcs=4 * self.policy.max_members + 100,
+        )
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        if self.tls is None:
+            port = server.add_insecure_port(self.listen)
+        else:
+            credentials = grpc.ssl_server_credentials(
+                [(self.tls.key.read_bytes(), self.tls.cert.read_bytes())]
+            )
+            port = server.add_secure_port(self.listen, credentials)
+        if port == 0:
+            raise OSError(f"cannot listen on {self.listen}")
+        await server.start()
+        for name in ("", SERVICE):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server, self.port = server, port
+        self._ticker = asyncio.create_task(self.service.tick_forever())
+        return port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+        await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self.service is not None and self.service.store is not None:
+            self.service.store.close()
+        if self.service is not None and self.service.metrics is not None:
+            self.service.metrics.close()

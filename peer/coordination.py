@@ -1,0 +1,282 @@
+"""A peer's link to the swarm's coordinator (`shoal join --coordinator HOST:PORT`).
+
+The link lives on the SwarmExchange's event loop. One task owned by the link keeps it a member:
+join, a heartbeat every `heartbeat_interval` (carrying the last round this peer finished, its
+compute throughput and its exchange time, which the coordinator's deadlines follow), and the stream
+of round announcements. When a call fails because the coordinator is unreachable, `connected` turns
+False and the task retries with backoff (capped at `MAX_BACKOFF_S`) until it answers again; the
+peer meanwhile trains uncoordinated. An eviction (the coordinator refuses the member) is waited
+out the same way: the link joins again once it is allowed to.
+
+Every call has a timeout. Times from the coordinator are converted to this machine's clock with the
+offset measured on each reply (`now` fields), so a peer with a skewed clock still meets deadlines.
+"""
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import grpc
+from hivemind.utils.logging import get_logger
+
+from shoal.protocol import coordinator_pb2 as pb
+from shoal.protocol import coordinator_pb2_grpc
+
+logger = get_logger(__name__)
+
+MAX_BACKOFF_S = 5.0
+CALL_TIMEOUT_S = 5.0
+# codes that mean "not reachable right now", as opposed to a refusal of this request
+UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+
+
+class CoordinatorError(ValueError):
+    """A coordinator setting that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    """A round announced by the coordinator, in this machine's clock."""
+
+    round: int
+    compute_deadline: float
+    exchange_deadline: float
+    announced_at: float
+    data_seed: int
+    peers: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class Progress:
+    """What the heartbeats say about this peer."""
+
+    round: int = -1
+    throughput: float = 0.0
+    min_samples: int = 0
+    exchange_s: float = 0.0
+
+
+class CoordinatorLink:
+    """See the module docstring. Create, then `await start()` on the loop it will run on."""
+
+    def __init__(
+        self,
+        address: str,
+        peer_id: str,
+        *,
+        token: str | None = None,
+        tls_roots: bytes | None = None,
+        tls: bool = False,
+        heartbeat_interval: float = 1.0,
+    ):
+        self.address, self.peer_id = address, peer_id
+        self.heartbeat_interval = heartbeat_interval
+        self.connected = False
+        """Whether the last call reached the coordinator."""
+        self.member = False
+        """Whether the coordinator counts this peer as a member."""
+        self.compute_scale = 1.0
+        """The share of each compute window the coordinator wants this peer to use."""
+        self.progress = Progress()
+        self.latest: Announcement | None = None
+        self.offset = 0.0
+        """The coordinator's clock minus this machine's, seconds."""
+        self.refusals: dict[str, int] = {}
+        """Refused calls by status code (evictions, late reports, ...)."""
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._tls, self._tls_roots = tls or tls_roots is not None, tls_roots
+        self._announced = asyncio.Condition()
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
+        self._task: asyncio.Task | None = None
+
+    @staticmethod
+    def credentials(token_file: str | None, ca: str | None) -> tuple[str | None, bytes | None, bool]:
+        """(token, TLS roots, TLS) from `--coordinator-token-file` and `--coordinator-ca` (a PEM file,
+        or `system` for the system's roots); raises CoordinatorError."""
+        token = None
+        if token_file:
+            try:
+                words = Path(token_file).read_text().split()
+            except (OSError, UnicodeDecodeError) as error:
+                raise CoordinatorError(
+                    f"--coordinator-token-file: cannot read {token_file}: {error}"
+                ) from None
+            if len(words) != 1:
+                raise CoordinatorError(f"--coordinator-token-file: {token_file} must hold exactly one token")
+            token = words[0]
+        if not ca:
+            return token, None, False
+        if ca == "system":
+            return token, None, True
+        try:
+            return token, Path(ca).read_bytes(), True
+        except OSError as error:
+            raise CoordinatorError(f"--coordinator-ca: cannot read {ca}: {error}") from None
+
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
+    async def start(self) -> None:
+        if self._tls:
+            credentials = grpc.ssl_channel_credentials(root_certificates=self._tls_roots)
+            self._channel = grpc.aio.secure_channel(self.address, credentials)
+        else:
+            self._channel = grpc.aio.insecure_channel(self.address)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._task = asyncio.create_task(self._keep_member())
+
+    async def stop(self) -> None:
+        """Leaves (if reachable, within a second) and closes the channel."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.member:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._stub.Leave(
+                    pb.LeaveRequest(peer_id=self.peer_id), timeout=1.0, metadata=self._metadata
+                )
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def wait_connected(self, timeout: timedelta) -> bool:
+        """Whether the first join succeeds within `timeout`."""
+        give_up = time.monotonic() + timeout.total_seconds()
+        while not self.member and time.monotonic() < give_up:
+            await asyncio.sleep(0.05)
+        return self.member
+
+    def local(self, coordinator_time: float) -> float:
+        return coordinator_time - self.offset
+
+    async def next_announcement(self, after: int, timeout: float) -> Announcement | None:
+        """The first announced round numbered `after` or later whose compute deadline is still ahead;
+        None if none comes within `timeout` or the coordinator becomes unreachable meanwhile."""
+        give_up = time.time() + timeout
+        async with self._announced:
+            while True:
+                latest = self.latest
+                if latest is not None and latest.round >= after and latest.compute_deadline > time.time():
+                    return latest
+                remaining = give_up - time.time()
+                if not self.connected or remaining <= 0:
+                    return None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._announced.wait(), min(remaining, 1.0))
+
+    async def report(self, request: pb.ReportRequest) -> pb.ReportReply | grpc.StatusCode:
+        """The coordinator's answer to a ready payload, or the status code of the failure."""
+        request.peer_id = self.peer_id
+        try:
+            reply = await self._call(self._stub.ReportReady, request, CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+        self.compute_scale = reply.compute_scale
+        return reply
+
+    async def result(self, round_number: int, deadline: float) -> pb.RoundResultReply | grpc.StatusCode:
+        """The participant set of a round, waiting for its decision until `deadline` (local time)."""
+        timeout = max(0.5, deadline - time.time())
+        try:
+            return await self._call(
+                self._stub.RoundResult, pb.RoundResultRequest(round=round_number), timeout
+            )
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+
+    async def heartbeat(self) -> None:
+        """Sends the progress now (after a round, so that the next one can start)."""
+        progress = self.progress
+        request = pb.HeartbeatRequest(
+            peer_id=self.peer_id,
+            round=progress.round,
+            throughput=progress.throughput,
+            min_samples=progress.min_samples,
+            exchange_s=progress.exchange_s,
+        )
+        reply = await self._call(self._stub.Heartbeat, request, CALL_TIMEOUT_S)
+        self.compute_scale = reply.compute_scale
+        self._measure(reply.now)
+
+    # --- the task that keeps this peer a member ---
+
+    async def _keep_member(self) -> None:
+        backoff = 0.5
+        while True:
+            stream = None
+            try:
+                await self._join()
+                stream = asyncio.create_task(self._follow_rounds())
+                while not stream.done():
+                    await self.heartbeat()
+                    await asyncio.wait({stream}, timeout=self.heartbeat_interval)
+                stream.result()  # raises what ended the stream
+                raise ConnectionError("the coordinator ended the round stream")
+            except asyncio.CancelledError:
+                raise
+            except (grpc.aio.AioRpcError, ConnectionError) as error:
+                code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+                if code is not None and code not in UNREACHABLE:
+                    self.member = False  # refused: unknown (dropped, evicted) or not allowed; join again
+                    logger.warning(f"coordinator {self.address}: {code.name}: {error.details()}")
+                elif self.connected:
+                    logger.warning(f"coordinator {self.address} unreachable; training on uncoordinated")
+                self.connected = False
+                async with self._announced:
+                    self._announced.notify_all()
+                await asyncio.sleep(backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
+            else:
+                backoff = 0.5
+            finally:
+                if stream is not None:
+                    stream.cancel()
+
+    async def _join(self) -> None:
+        progress = self.progress
+        request = pb.JoinRequest(
+            peer_id=self.peer_id, throughput=progress.throughput, min_samples=progress.min_samples
+        )
+        reply = await self._call(self._stub.Join, request, CALL_TIMEOUT_S)
+        self._measure(reply.now)
+        if not self.member:
+            logger.info(f"joined the coordinator {self.address} at round {reply.round}")
+        self.member = True
+
+    async def _follow_rounds(self) -> None:
+        stream = self._stub.Rounds(pb.RoundsRequest(peer_id=self.peer_id), metadata=self._metadata)
+        async for message in stream:
+            self._measure(message.now)
+            announced = Announcement(
+                round=message.round,
+                compute_deadline=self.local(message.compute_deadline),
+                exchange_deadline=self.local(message.exchange_deadline),
+                announced_at=self.local(message.now),
+                data_seed=message.data_seed,
+                peers=tuple(message.peers),
+            )
+            async with self._announced:
+                if self.latest is None or announced.round >= self.latest.round:
+                    self.latest = announced
+                self._announced.notify_all()
+
+    async def _call(self, method, request, timeout: float):
+        try:
+            reply = await method(request, timeout=timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as error:
+            if error.code() in UNREACHABLE:
+                self.connected = False
+            else:
+                self.refusals[error.code().name] = self.refusals.get(error.code().name, 0) + 1
+            raise
+        self.connected = True
+        return reply
+
+    def _measure(self, coordinator_now: float) -> None:
+        """The clock offset, from a reply's `now` (good to the call's latency)."""
+        if coordinator_now > 0:
+            self.offset = coordinator_now - time.time()
