@@ -13,7 +13,7 @@ Life of round r (times are the coordinator's Unix seconds):
                        `report_grace_s` of network slack) leaves the member out of the round
     decide             at C, or as soon as every expected member still alive has reported: the
                        participant set is exactly the on-time reports; each expected member that missed
-                       is a straggler and gets a strike
+                       is a straggler and gets a strike (unless no one made it)
     exchange           participants pull each other's payloads; round r + 1 is announced as soon as every
                        participant says (heartbeat) it finished r, and at E at the latest
 
@@ -530,7 +530,8 @@ def _decide(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState, 
     stragglers = tuple(p for p in current.expected if p in state.members and p not in current.reports)
     current = replace(current, decided_at=now, stragglers=stragglers)
     members, evicted, actions = dict(state.members), dict(state.evicted), []
-    for peer_id in stragglers:
+    # when no one made it, the window was wrong (or the swarm was away), not the peers: no strikes
+    for peer_id in stragglers if current.reports else ():
         member = members[peer_id]
         strikes = member.strikes + 1
         scale = member.compute_scale

@@ -179,14 +179,11 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
 def _loop(settings, progress, exchange, trainer, model, planned) -> dict:
     stop = stop_on_signals()
     reports, stopped = [], False
-    first_round = exchange.next_round
     samples = 0
     while True:
         if settings.max_rounds and len(reports) >= settings.max_rounds:
             break
-        if settings.until_round is not None and (
-            exchange.next_round > settings.until_round or len(reports) > settings.until_round - first_round
-        ):
+        if settings.until_round is not None and _past(exchange, settings.until_round):
             break
         sent, received, started = exchange.bytes_sent, exchange.bytes_received, time.perf_counter()
         plan = exchange.plan_round()
@@ -253,6 +250,14 @@ def _loop(settings, progress, exchange, trainer, model, planned) -> dict:
             else f"{ending}: no round finished"
         )
     return summary
+
+
+def _past(exchange: SwarmExchange, until_round: int) -> bool:
+    """Whether the peer is done with round `until_round` (or, on the clock alone, past it)."""
+    if exchange.last_round is not None and exchange.last_round >= until_round:
+        return True
+    uncoordinated = exchange.coordinator is None or not exchange.coordinator.connected
+    return uncoordinated and exchange.next_round > until_round
 
 
 def _coordinator_link(settings: JoinSettings, peer_id: str) -> CoordinatorLink | None:

@@ -659,12 +659,11 @@ class SwarmExchange(Exchange):
                     slot=slot,
                     exchange_deadline=announced.exchange_deadline,
                 )
+        number = self.next_round
+        if link is not None:  # busy with it uncoordinated: the coordinator, once back, continues after it
+            link.progress.round = max(link.progress.round, number)
         return RoundPlan(
-            round=self.next_round,
-            coordinated=False,
-            compute_seconds=None,
-            data_seed=None,
-            slot=await self._slot(),
+            round=number, coordinated=False, compute_seconds=None, data_seed=None, slot=await self._slot()
         )
 
     async def _slot(self) -> tuple[int, int]:

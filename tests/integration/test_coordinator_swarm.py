@@ -1,0 +1,139 @@
+"""Peers following a real coordinator, as separate processes on 127.0.0.1: a peer slowed on purpose is
+left out as a straggler without stalling the rounds, and a coordinator killed and restarted mid-run
+continues its rounds while the peers train on through the outage."""
+
+import json
+import re
+import socket
+import sqlite3
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from shoal.protocol import coordinator_pb2, coordinator_pb2_grpc
+from tests.integration.test_cli_swarm import events, kill, shoal, start, wait_for
+
+GRACE_S = 0.5  # the coordinator's report grace (rounds.Policy.report_grace_s)
+
+
+def swarm_status(address: str) -> coordinator_pb2.SwarmStatusReply | None:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            return stub.SwarmStatus(coordinator_pb2.SwarmStatusRequest(), timeout=2)
+    except grpc.RpcError:
+        return None
+
+
+def decided_rounds(database: Path) -> list[tuple]:
+    """(number, announced_at, compute_deadline, decided_at, stragglers) of every decided round."""
+    with sqlite3.connect(database) as db:
+        query = "SELECT number, announced_at, compute_deadline, decided_at, stragglers FROM rounds"
+        return [row for row in db.execute(query + " WHERE decided_at IS NOT NULL ORDER BY number")]
+
+
+@pytest.mark.timeout(240)
+def test_slow_peer_is_left_out_and_rounds_keep_their_deadlines():
+    result = shoal(
+        "demo",
+        "--peers",
+        "3",
+        "--rounds",
+        "8",
+        "--round-seconds",
+        "2",
+        "--slow-peer",
+        "2",
+        "--json",
+        timeout=220,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["coordinator"] is True
+    assert summary["stragglers_excluded"] >= 2  # late every round until evicted
+    assert summary["param_hash_agree"] is True  # the honest peers
+    assert summary["final_loss"] < summary["initial_loss"]
+    logs = Path(re.search(r"logs in (\S+)", result.stderr).group(1))
+    rounds = decided_rounds(logs / "coordinator.db")
+    assert [r[0] for r in rounds][:8] == list(range(8))
+    for number, _announced, compute_deadline, decided_at, _ in rounds[:8]:
+        # never waited past the deadline for the straggler (the ticker's 0.1 s, and slack for a busy CI box)
+        assert decided_at <= compute_deadline + GRACE_S + 1.0, f"round {number} stalled"
+    slow_rounds = [json.loads(r[4]) for r in rounds[:8] if json.loads(r[4])]
+    assert len(slow_rounds) >= 2 and all(len(s) == 1 for s in slow_rounds)  # always the same one peer
+    assert len({s[0] for s in slow_rounds}) == 1
+    assert "evicted" in (logs / "coordinator.log").read_text()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.timeout(300)
+def test_coordinator_killed_and_restarted_mid_run(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    coordinator_flags = ["coordinator", "--listen", address, "--state", str(tmp_path / "c.db")]
+    coordinator_flags += ["--min-peers", "3", "--min-compute-s", "1", "--max-compute-s", "2"]
+    common = ["--host", "127.0.0.1", "--run", "restart", "--log-format", "json", "--round-seconds", "2"]
+    common += ["--coordinator", address, "--until-round", "24"]
+
+    def coordinator(name: str):
+        return start(
+            *coordinator_flags, stdout=(tmp_path / f"{name}.out").open("w"), stderr=subprocess_log(name)
+        )
+
+    def subprocess_log(name: str):
+        return (tmp_path / f"{name}.log").open("w")
+
+    server = coordinator("coordinator")
+    peers = []
+    try:
+        peers.append(
+            start("join", *common, stdout=(tmp_path / "p0.jsonl").open("w"), stderr=subprocess_log("p0"))
+        )
+        first = wait_for(tmp_path / "p0.jsonl", lambda e: e.get("event") == "started", 60)["initial_peers"][0]
+        for index in (1, 2):
+            out = (tmp_path / f"p{index}.jsonl").open("w")
+            peers.append(
+                start(
+                    "join", *common, "--initial-peers", first, stdout=out, stderr=subprocess_log(f"p{index}")
+                )
+            )
+        before = wait_until(lambda: (s := swarm_status(address)) is not None and s.round >= 5 and s, 120)
+        kill(server)  # SIGKILL: no goodbye, mid-round
+        time.sleep(4)  # the peers notice and train on uncoordinated
+        restarted_at = time.time()
+        server = coordinator("restarted")
+        after = wait_until(
+            lambda: (s := swarm_status(address)) is not None and s.round > before.round + 2 and s, 120
+        )
+        assert len(after.members) == 3  # membership survived the restart
+        codes = [peer.wait(timeout=150) for peer in peers]
+        assert codes == [0, 0, 0], [(tmp_path / f"p{i}.log").read_text()[-2000:] for i in range(3)]
+    finally:
+        for process in [*peers, server]:
+            kill(process)
+    summaries = [
+        next(e for e in events(tmp_path / f"p{i}.jsonl") if e.get("event") == "summary") for i in range(3)
+    ]
+    assert len({s["param_hash"] for s in summaries}) == 1
+    assert all(s["last_round"] == 24 and s["coordinated_rounds"] > 0 for s in summaries)
+    rounds = decided_rounds(tmp_path / "c.db")
+    numbers = [r[0] for r in rounds]
+    assert numbers == sorted(set(numbers))  # numbering only grows
+    resumed = [r for r in rounds if r[1] >= restarted_at]
+    assert resumed and min(r[0] for r in resumed) > before.round  # continued after the rounds before the kill
+
+
+def wait_until(predicate, timeout_s: float):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise TimeoutError("condition not met in time")
