@@ -34,6 +34,8 @@ def stop(process: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    with contextlib.suppress(ProcessLookupError):  # its forked DHT process outlives a clean exit
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def bootstrap_address(node: subprocess.Popen, timeout_s: float = 30) -> str:
