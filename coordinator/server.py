@@ -319,21 +319,26 @@ class Coordinator:
             options=[
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_concurrent_streams", 1000),
+                ("grpc.so_reuseport", 0),  # a second coordinator on a port in use must fail, not share it
             ],
             maximum_concurrent_rpcs=4 * self.policy.max_members + 100,
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        if self.tls is None:
-            port = server.add_insecure_port(self.listen)
+        try:
+            if self.tls is None:
+                port = server.add_insecure_port(self.listen)
+            else:
+                key_and_cert = (self.tls.key.read_bytes(), self.tls.cert.read_bytes())
+                port = server.add_secure_port(self.listen, grpc.ssl_server_credentials([key_and_cert]))
+        except RuntimeError as error:  # grpcio's "failed to bind": a port in use, or unusable TLS files
+            port, reason = 0, str(error)
         else:
-            credentials = grpc.ssl_server_credentials(
-                [(self.tls.key.read_bytes(), self.tls.cert.read_bytes())]
-            )
-            port = server.add_secure_port(self.listen, credentials)
+            reason = "the port is in use or the address is not this machine's"
         if port == 0:
-            raise OSError(f"cannot listen on {self.listen}")
+            detail = "; or the TLS certificate and key are not a valid pair" if self.tls is not None else ""
+            raise OSError(f"cannot listen on {self.listen}: {reason}{detail}")
         await server.start()
         for name in ("", SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
