@@ -38,7 +38,7 @@ class CoordinatorError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Announcement:
+class AnnouncedRound:
     """A round announced by the coordinator, in this machine's clock."""
 
     round: int
@@ -81,11 +81,9 @@ class CoordinatorLink:
         self.compute_scale = 1.0
         """The share of each compute window the coordinator wants this peer to use."""
         self.progress = Progress()
-        self.latest: Announcement | None = None
+        self.latest: AnnouncedRound | None = None
         self.offset = 0.0
         """The coordinator's clock minus this machine's, seconds."""
-        self.refusals: dict[str, int] = {}
-        """Refused calls by status code (evictions, late reports, ...)."""
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._tls, self._tls_roots = tls or tls_roots is not None, tls_roots
         self._announced = asyncio.Condition()
@@ -153,7 +151,7 @@ class CoordinatorLink:
     def local(self, coordinator_time: float) -> float:
         return coordinator_time - self.offset
 
-    async def next_announcement(self, after: int, timeout: float) -> Announcement | None:
+    async def next_announcement(self, after: int, timeout: float) -> AnnouncedRound | None:
         """The first announced round numbered `after` or later whose compute deadline is still ahead;
         None if none comes within `timeout` or the coordinator becomes unreachable meanwhile."""
         give_up = time.time() + timeout
@@ -251,7 +249,7 @@ class CoordinatorLink:
         stream = self._stub.Rounds(pb.RoundsRequest(peer_id=self.peer_id), metadata=self._metadata)
         async for message in stream:
             self._measure(message.now)
-            announced = Announcement(
+            announced = AnnouncedRound(
                 round=message.round,
                 compute_deadline=self.local(message.compute_deadline),
                 exchange_deadline=self.local(message.exchange_deadline),
@@ -270,8 +268,6 @@ class CoordinatorLink:
         except grpc.aio.AioRpcError as error:
             if error.code() in UNREACHABLE:
                 self.connected = False
-            else:
-                self.refusals[error.code().name] = self.refusals.get(error.code().name, 0) + 1
             raise
         self.connected = True
         return reply

@@ -153,7 +153,7 @@ class RoundSlices:
     """Which windows each peer of a swarm trains on in a round, when peers come and go.
 
     Round r draws a permutation of the stream's windows from (seed, r). The peer in `slot` s of `slots`
-    (its place among the round's peers, ordered by public key; SwarmExchange.data_slot) takes, for its
+    (its place among the round's peers: RoundPlan.slot of SwarmExchange.plan_round) takes, for its
     micro-batch m, the `stride` positions starting at `(m * slots + s) * stride` (wrapping around):
     within a round no two peers that agree on the peer list share a window, however many
     micro-batches each one fits, and with any micro-batch size up to `stride`.

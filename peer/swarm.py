@@ -348,13 +348,6 @@ class SwarmExchange(Exchange):
             self.coordinator.progress.round = max(self.coordinator.progress.round, round_number)
         return contributions
 
-    def data_slot(self) -> tuple[int, int]:
-        """(this peer's place, count) among the compatible peers, ordered by public key, as last seen:
-        which data slice it trains on this round (shoal.peer.data.RoundSlices)."""
-        members = self._members or sorted(self._call(self._compatible_peers()))
-        members = sorted(set(members) | {self.owner})
-        return members.index(self.owner), len(members)
-
     def compatible_peers(self) -> set[bytes]:
         """Public-key subkeys of the peers whose record is compatible with this one's (itself included);
         the others are in `refused`, with what differs."""
@@ -667,6 +660,8 @@ class SwarmExchange(Exchange):
         )
 
     async def _slot(self) -> tuple[int, int]:
+        """(this peer's place, count) among the compatible peers, ordered by public key, as last seen:
+        its data slice in an uncoordinated round (shoal.peer.data.RoundSlices)."""
         members = self._members or sorted(await self._compatible_peers())
         members = sorted(set(members) | {self.owner})
         return members.index(self.owner), len(members)

@@ -12,10 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from shoal.coordinator.rounds import Policy
 from shoal.protocol import coordinator_pb2, coordinator_pb2_grpc
 from tests.integration.test_cli_swarm import events, kill, shoal, start, wait_for
 
-GRACE_S = 0.5  # the coordinator's report grace (rounds.Policy.report_grace_s)
+GRACE_S = Policy().report_grace_s  # the coordinator's, with the defaults the demo keeps
 
 
 def swarm_status(address: str) -> coordinator_pb2.SwarmStatusReply | None:
