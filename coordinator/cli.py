@@ -134,13 +134,17 @@ async def _serve(coordinator: Coordinator, args: argparse.Namespace) -> None:
         loop.add_signal_handler(signum, stop.set)
     port = await coordinator.start()
     address = f"{args.listen.rpartition(':')[0]}:{port}"
+    metrics = None
+    if coordinator.bound_metrics_port is not None:
+        metrics = f"{args.listen.rpartition(':')[0]}:{coordinator.bound_metrics_port}"
     if args.log_format == "json":
-        print(json.dumps({"event": "listening", "address": address, "state": args.state}), flush=True)
+        line = {"event": "listening", "address": address, "state": args.state, "metrics": metrics}
+        print(json.dumps(line), flush=True)
     else:
         auth = "tokens" if args.token_file else "no authentication"
         print(
             f"coordinator listening on {address} ({'TLS' if args.tls_cert else 'plaintext'}, {auth}); "
-            f"state in {args.state}",
+            f"state in {args.state}" + (f"; metrics on http://{metrics}/metrics" if metrics else ""),
             flush=True,
         )
     try:

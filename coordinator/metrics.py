@@ -4,17 +4,29 @@ Series carry no peer ids (low cardinality): the round, members, the last round's
 stragglers, evictions, refused requests by status code, and round durations.
 """
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import platform
+from importlib.metadata import version
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 from shoal.coordinator.rounds import Announced, Decided, Dropped, SwarmState
 
 ROUND_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+# exposed at 0 from the start: the reasons rounds.py drops members for, the codes requests are refused with
+DROP_REASONS = ("left", "silent", "evicted")
+REFUSAL_CODES = (
+    "invalid_argument", "out_of_range", "already_exists", "not_found", "failed_precondition",
+    "resource_exhausted", "unauthenticated", "permission_denied",
+)  # fmt: skip
 
 
 class CoordinatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        Info("shoal_coordinator_build", "Versions of this coordinator (value 1).", registry=r).info(
+            {"version": version("shoal"), "python": platform.python_version()}
+        )
         self.round = Gauge("shoal_coordinator_round", "The round last announced.", registry=r)
         self.members = Gauge("shoal_coordinator_active_peers", "Current members of the swarm.", registry=r)
         self.participants = Gauge(
@@ -35,6 +47,10 @@ class CoordinatorMetrics:
             ["code"],
             registry=r,
         )
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason=reason)
+        for code in REFUSAL_CODES:
+            self.refused.labels(code=code)
         self.round_duration = Histogram(
             "shoal_coordinator_round_duration_seconds",
             "From one announcement to the next.",
@@ -60,9 +76,12 @@ class CoordinatorMetrics:
                 if reason == "evicted":
                     self.evictions.inc()
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serves `/metrics` in a daemon thread; returns the port bound (port 0: any free one)."""
         self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_port
 
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()
+            self._server.server_close()

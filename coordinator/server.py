@@ -297,6 +297,8 @@ class Coordinator:
         self.metrics_port = metrics_port
         self.port: int | None = None
         """The port bound, once started."""
+        self.bound_metrics_port: int | None = None
+        """The metrics port bound, once started (metrics_port 0: any free one)."""
         self.service: CoordinatorService | None = None
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task | None = None
@@ -313,7 +315,8 @@ class Coordinator:
         metrics = None
         if self.metrics_port is not None:
             metrics = CoordinatorMetrics()
-            metrics.serve(self.metrics_port)
+            host = self.listen.rpartition(":")[0].strip("[]")
+            self.bound_metrics_port = metrics.serve(self.metrics_port, host)
         self.service = CoordinatorService(state, self.policy, store, self.tokens, metrics)
         server = grpc.aio.server(
             options=[

@@ -32,6 +32,14 @@ class CheckpointStore:
         found = (NAME.match(p.name) for p in self.directory.iterdir())
         return sorted(int(m.group(1)) for m in found if m)
 
+    def last_saved(self) -> float | None:
+        """Unix time the newest checkpoint was written (its file's mtime), None if there is none."""
+        rounds = self.rounds()
+        try:
+            return (self.directory / f"round-{rounds[-1]}.pt").stat().st_mtime if rounds else None
+        except OSError:  # pruned or replaced meanwhile
+            return None
+
     def save(self, round_number: int, state: dict) -> Path:
         """Writes the checkpoint of `round_number` atomically and prunes the oldest beyond `keep`."""
         if round_number < 0:

@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="peer I sleeps in every compute phase: the coordinator leaves it out as a straggler",
     )
     demo.add_argument(
+        "--metrics-targets",
+        metavar="PATH",
+        help="write the Prometheus file_sd target file of the peers' and coordinator's metrics endpoints "
+        "here, e.g. deploy/prometheus/targets/demo.json (default: in the demo's log folder)",
+    )
+    demo.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object at the end (the live view goes to stderr): peers, rounds, initial_loss, "
@@ -170,6 +176,8 @@ JOIN_FLAGS = {
     "until_round": ("R", "leave after the swarm's round R"),
     "host": ("IP", "IPv4 address to listen on"),
     "port": ("PORT", "TCP port to listen on (0: any free one)"),
+    "metrics_port": ("N", "serve Prometheus metrics on --host:N/metrics (0: any free port, logged)"),
+    "address_file": ("PATH", "write the address other peers join through to PATH once listening"),
     "round_seconds": ("S", "length of a round, when starting a new swarm"),
     "start_time": ("T", "unix time of round 0, when starting a new swarm (0: now)"),
     "compute_fraction": ("F", "share of a round spent computing; the rest is for the exchange"),
@@ -241,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             as_json=args.json,
             coordinator=args.coordinator,
             slow_peer=args.slow_peer,
+            metrics_targets=args.metrics_targets,
         )
     if args.command == "status":
         try:

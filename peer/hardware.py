@@ -4,7 +4,10 @@ and a description of the device and its memory for records, `shoal check` and lo
 import contextlib
 import functools
 import os
+import resource
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -57,3 +60,23 @@ def describe(device: torch.device) -> dict[str, object]:
         pass
     name = "Apple GPU (MPS)" if device.type == "mps" else f"CPU, {os.cpu_count()} cores"
     return {"device": str(device), "name": name, "memory_total": total, "memory_free": free}
+
+
+def memory_in_use(device: torch.device) -> Callable[[], float]:
+    """A reading of the memory training uses on `device`, in bytes: tensors allocated on a CUDA GPU or
+    MPS (a counter read, no synchronization), the process's resident set on the CPU."""
+    if device.type == "cuda":
+        return lambda: float(torch.cuda.memory_allocated(device))
+    if device.type == "mps":
+        return lambda: float(torch.mps.current_allocated_memory())
+    return resident_bytes
+
+
+def resident_bytes() -> float:
+    """This process's resident set size (Linux /proc), else its peak (getrusage)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return float(pages * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return float(peak if sys.platform == "darwin" else peak * 1024)

@@ -46,9 +46,11 @@ def main(
     model: str = "tiny",
     coordinator: bool = True,
     slow_peer: int | None = None,
+    metrics_targets: str | None = None,
     stream: IO[str] | None = None,
 ) -> int:
     stream = stream or sys.stdout
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the peers too, like Ctrl-C
     # with --json, stdout carries only the summary; the live view goes to stderr
     progress = Progress("human", sys.stderr if as_json else stream, title=f"shoal demo · {peers} peers")
     try:
@@ -61,11 +63,15 @@ def main(
             progress=progress,
             coordinator=coordinator,
             slow_peer=slow_peer,
+            metrics_targets=metrics_targets,
         )
     except DemoError as error:
         progress.close()
         print(f"shoal demo: error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the peers and the coordinator are stopped
+        progress.close()
+        return 130
     progress.close()
     if as_json:
         stream.write(json.dumps(summary) + "\n")
@@ -92,6 +98,7 @@ def run(
     progress: Progress,
     coordinator: bool = True,
     slow_peer: int | None = None,
+    metrics_targets: str | None = None,
 ) -> dict:
     started = time.perf_counter()
     events: queue.Queue = queue.Queue()
@@ -101,12 +108,14 @@ def run(
     threads = str(max(1, (os.cpu_count() or 1) // peers))
     common = ["--host", "127.0.0.1", "--run", "demo", "--log-format", "json", "--model", model]
     common += ["--algorithm", algorithm, "--round-seconds", str(round_seconds)]
-    common += ["--until-round", str(rounds - 1)]
+    common += ["--until-round", str(rounds - 1), "--metrics-port", "0"]
+    targets = TargetsFile(Path(metrics_targets) if metrics_targets else logs / "prometheus-targets.json")
 
     def launch(index: int, *flags: str) -> None:
         if index == slow_peer:  # sleeps for two rounds' worth in each compute phase
             flags = (*flags, "--compute-delay", repr(2 * round_seconds))
         command = [sys.executable, "-m", "shoal.peer.cli", "join", *common, *flags]
+        command += ["--checkpoint-dir", str(logs / f"peer{index}-checkpoints")]
         env = {**os.environ, "OMP_NUM_THREADS": threads}
         log = (logs / f"peer{index}.log").open("w")
         process = subprocess.Popen(
@@ -121,14 +130,16 @@ def run(
             f"starting {peers} peers ({algorithm}, rounds of {round_seconds:g} s); logs in {logs}"
         )
         if coordinator:
-            server, coordinator_address = _start_coordinator(logs, peers, round_seconds)
+            server, coordinator_address, coordinator_metrics = _start_coordinator(logs, peers, round_seconds)
             common += ["--coordinator", coordinator_address]
             progress.message(f"coordinator on {coordinator_address}")
+            targets.add("coordinator", coordinator_metrics)
+        progress.message(f"Prometheus targets (file_sd) in {targets.path}")
         launch(0, "--start-time", repr(start_time))
         address = _first_address(events, processes[0], logs / "peer0.log")
         for index in range(1, peers):
             launch(index, "--initial-peers", address)
-        summaries = _follow(events, processes, rounds, round_seconds, progress, logs)
+        summaries = _follow(events, processes, rounds, round_seconds, progress, logs, targets)
         if server is not None:
             stragglers = _stragglers(coordinator_address)
         else:
@@ -137,6 +148,7 @@ def run(
         progress.message("interrupted: stopping the peers")
         raise
     finally:
+        targets.clear()  # the swarm is gone: Prometheus stops scraping it
         for process in processes:
             _stop(process)
         if server is not None:
@@ -163,10 +175,44 @@ def run(
     }
 
 
-def _start_coordinator(logs: Path, peers: int, round_seconds: float) -> tuple[subprocess.Popen, str]:
+class TargetsFile:
+    """A Prometheus file_sd target file listing the demo's metrics endpoints (deploy/prometheus/
+    prometheus.yml reads `targets/*.json` next to it), rewritten whole as endpoints appear."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.endpoints: dict[str, list[str]] = {"peer": [], "coordinator": []}
+
+    def add(self, role: str, address: str | None) -> None:
+        if address:
+            self.endpoints[role].append(address)
+            self._write()
+
+    def clear(self) -> None:
+        self.endpoints = {role: [] for role in self.endpoints}
+        self._write()
+
+    def _write(self) -> None:
+        groups = [
+            {"targets": sorted(addresses), "labels": {"role": role, "swarm": "demo"}}
+            for role, addresses in self.endpoints.items()
+            if addresses
+        ]
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = self.path.with_name(f".{self.path.name}.tmp")
+            temporary.write_text(json.dumps(groups, indent=2) + "\n")
+            temporary.replace(self.path)  # Prometheus never reads half a file
+        except OSError as error:
+            raise DemoError(f"--metrics-targets {self.path}: {error.strerror}") from None
+
+
+def _start_coordinator(logs: Path, peers: int, round_seconds: float) -> tuple[subprocess.Popen, str, str]:
     """A `shoal coordinator` on a free loopback port whose first round waits for every peer; rounds
-    compute for half of `round_seconds`, and at most twice that."""
+    compute for half of `round_seconds`, and at most twice that. Returns it, its address and its
+    metrics endpoint."""
     command = [sys.executable, "-m", "shoal.peer.cli", "coordinator", "--listen", "127.0.0.1:0"]
+    command += ["--metrics-port", "0"]
     command += ["--state", str(logs / "coordinator.db"), "--log-format", "json", "--min-peers", str(peers)]
     command += ["--min-compute-s", repr(round_seconds / 2), "--max-compute-s", repr(round_seconds)]
     command += ["--eviction-s", repr(10 * round_seconds)]
@@ -174,7 +220,8 @@ def _start_coordinator(logs: Path, peers: int, round_seconds: float) -> tuple[su
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     line = process.stdout.readline()  # its first line says where it listens (no torch: quick)
     try:
-        return process, json.loads(line)["address"]
+        listening = json.loads(line)
+        return process, listening["address"], listening["metrics"]
     except (json.JSONDecodeError, KeyError, TypeError):
         _stop(process)
         raise DemoError(f"the coordinator did not start:\n{_tail(logs / 'coordinator.log')}") from None
@@ -216,7 +263,7 @@ def _first_address(events: queue.Queue, first: subprocess.Popen, log: Path, time
     raise DemoError(f"the first peer printed no address within {timeout_s:.0f} s:\n{_tail(log)}")
 
 
-def _follow(events, processes, rounds, round_seconds, progress, logs) -> dict:
+def _follow(events, processes, rounds, round_seconds, progress, logs, targets: TargetsFile) -> dict:
     """Merges the peers' rounds into rows until every peer has exited; returns their summaries
     and, under "losses", every round's losses."""
     summaries: dict = {}
@@ -243,6 +290,8 @@ def _follow(events, processes, rounds, round_seconds, progress, logs) -> dict:
                 shown = number
         elif kind == "summary":
             summaries[index] = event
+        elif kind == "metrics" and isinstance(event.get("address"), str):
+            targets.add("peer", event["address"])
         elif kind == "exit":
             exited.add(index)
             code = processes[index].wait()
@@ -270,6 +319,10 @@ def _row(number: int, peers: dict[int, dict]) -> dict:
         "bytes_down": sum(r["bytes_down"] for r in rows),
         "round_s": fmean(r["round_s"] for r in rows),
     }
+
+
+def _interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _stop(process: subprocess.Popen) -> None:

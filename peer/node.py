@@ -29,9 +29,10 @@ from shoal.peer.bootstrap import BootstrapError, start_dht
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.coordination import CoordinatorError, CoordinatorLink
 from shoal.peer.data import RoundSlices, load_data
-from shoal.peer.hardware import DeviceError, autocast_for, choose_device
+from shoal.peer.hardware import DeviceError, autocast_for, choose_device, memory_in_use
 from shoal.peer.identity import IdentityError, keygen, load_identity
-from shoal.peer.membership import record_validators
+from shoal.peer.membership import SHOAL_VERSION, record_validators
+from shoal.peer.metrics import PeerMetrics, build_info
 from shoal.peer.models import ModelError, load_model
 from shoal.peer.progress import Progress
 from shoal.peer.runtime import OutOfMemory, Trainer, stop_on_signals
@@ -59,6 +60,8 @@ def join(settings: JoinSettings, *, stream: IO[str] | None = None) -> dict:
 def _join(settings: JoinSettings, progress: Progress) -> dict:
     identity = _identity(settings.identity, progress)
     _check_port(settings.host, settings.port)
+    if settings.metrics_port:
+        _check_port(settings.host, settings.metrics_port, "--metrics-port")
     try:
         dht = start_dht(
             settings.initial_peers,
@@ -70,6 +73,8 @@ def _join(settings: JoinSettings, progress: Progress) -> dict:
         raise JoinError(str(error)) from None
     try:
         addresses = [str(a) for a in dht.get_visible_maddrs()]
+        if settings.address_file:
+            _write_address(settings.address_file, _best_address(addresses))
         if settings.initial_peers:
             progress.event("started", initial_peers=addresses, peer_id=dht.peer_id.to_base58())
             try:
@@ -119,7 +124,7 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
         device=str(device),
         max_payload_bytes=max(1 << 20, 8 * numel),
     )
-    trainer = None
+    trainer = metrics = None
     try:
         if settings.initial_peers:
             _check_compatible(exchange)
@@ -161,22 +166,25 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
             max_micro_batches=settings.max_micro_batches,
             autocast=autocast_for(device),
         )
+        metrics = _serve_metrics(settings, progress, exchange, trainer, device, numel)
         if trainer.resume():
             progress.message(f"resumed from the checkpoint of round {trainer.checkpoints.rounds()[-1]}")
         progress.message(
             f"training {settings.model} ({numel:,} parameters) with {settings.algorithm} on {device}, "
             f"data {streams.name}; rounds of {schedule.round_seconds:g} s"
         )
-        return _loop(settings, progress, exchange, trainer, model, planned)
+        return _loop(settings, progress, exchange, trainer, model, planned, metrics)
     except OutOfMemory as error:
         raise JoinError(str(error)) from None
     finally:
+        if metrics is not None:
+            metrics.close()
         if trainer is not None:
             trainer.close()
         exchange.close()
 
 
-def _loop(settings, progress, exchange, trainer, model, planned) -> dict:
+def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMetrics | None) -> dict:
     stop = stop_on_signals()
     reports, stopped = [], False
     samples = 0
@@ -203,6 +211,14 @@ def _loop(settings, progress, exchange, trainer, model, planned) -> dict:
             compute_throughput=report.samples / max(report.compute_s, 1e-9),
             min_samples=trainer.batch_size * trainer.inner_steps,
         )
+        if metrics is not None:
+            metrics.observe_round(
+                report,
+                wall_s=wall,
+                payload_bytes=exchange.last_payload_bytes,
+                peers_seen=exchange.peers_seen,
+                stragglers=exchange.round_stragglers,
+            )
         progress.round(
             {
                 "round": report.round,
@@ -250,6 +266,49 @@ def _loop(settings, progress, exchange, trainer, model, planned) -> dict:
             else f"{ending}: no round finished"
         )
     return summary
+
+
+def _serve_metrics(settings, progress, exchange, trainer, device, numel) -> PeerMetrics | None:
+    """With --metrics-port: Prometheus metrics on --host:port/metrics (shoal.peer.metrics)."""
+    if settings.metrics_port is None:
+        return None
+    info = build_info(
+        version=SHOAL_VERSION,
+        torch_version=torch.__version__,
+        device=str(device),
+        algorithm=settings.algorithm,
+        model=settings.model,
+        run=settings.run,
+        peer_id=exchange.peer_id,
+    )
+    metrics = PeerMetrics(info=info, dense_bytes=4 * numel)
+    metrics.track_exchange(exchange.counters)
+    metrics.track_device_memory(memory_in_use(device))
+    if trainer.checkpoints is not None:
+        metrics.track_checkpoints(trainer.checkpoints.last_saved)
+    try:
+        port = metrics.serve(settings.host, settings.metrics_port)
+    except OSError as error:
+        raise JoinError(
+            f"cannot serve metrics on {settings.host}:{settings.metrics_port} ({error.strerror}): choose "
+            "another --metrics-port, or 0 for any free one"
+        ) from None
+    shown = "127.0.0.1" if settings.host == "0.0.0.0" else settings.host
+    progress.event("metrics", address=f"{shown}:{port}", port=port)
+    progress.message(f"Prometheus metrics on http://{shown}:{port}/metrics")
+    return metrics
+
+
+def _write_address(path: str, address: str) -> None:
+    """--address-file: the join address, written whole (a temporary file renamed over it)."""
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_name(f".{target.name}.tmp")
+        temporary.write_text(address + "\n")
+        temporary.replace(target)
+    except OSError as error:
+        raise JoinError(f"--address-file {path}: {error.strerror}") from None
 
 
 def _past(exchange: SwarmExchange, until_round: int) -> bool:
@@ -307,7 +366,7 @@ def _identity(path: str | None, progress: Progress) -> RSAPrivateKey:
         raise JoinError(str(error)) from None
 
 
-def _check_port(host: str, port: int) -> None:
+def _check_port(host: str, port: int, flag: str = "--port") -> None:
     if port == 0:
         return
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -316,8 +375,8 @@ def _check_port(host: str, port: int) -> None:
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
                 raise JoinError(
-                    f"port {port} on {host} is in use (another shoal peer?): choose another --port, "
-                    "or --port 0 for any free one"
+                    f"port {port} on {host} is in use (another shoal peer?): choose another {flag}, "
+                    f"or {flag} 0 for any free one"
                 ) from None
             raise JoinError(f"cannot listen on {host}:{port}: {error.strerror}") from None
 

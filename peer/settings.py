@@ -62,6 +62,8 @@ class JoinSettings:
     until_round: int | None = None
     host: str = "0.0.0.0"
     port: int = 0
+    metrics_port: int | None = None
+    address_file: str | None = None
     round_seconds: float = 10.0
     start_time: float = 0.0
     compute_fraction: float = 0.5
@@ -170,6 +172,8 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "until_round": _int(0),
     "host": _text,
     "port": _int(0, 65535),
+    "metrics_port": _int(0, 65535),
+    "address_file": _text,
     "round_seconds": _float(0.5, 86400),
     "start_time": _float(0.0, 1e11),
     "compute_fraction": _float(0.0, 0.95, open_low=True),

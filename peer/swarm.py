@@ -58,6 +58,7 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import get_logger
+from hivemind.utils.serializer import MSGPackSerializer
 from pydantic.v1 import ValidationError
 
 from shoal.compression import DecodeLimits, DenseCodec, decode_tensor
@@ -153,6 +154,8 @@ class RoundPlan:
     """(this peer's place, count) among the round's peers: its data slice."""
     exchange_deadline: float = 0.0
     """Coordinated: when the round ends at the latest (this machine's clock)."""
+    expected: int = 0
+    """Coordinated: how many peers the coordinator expects in the round."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,9 +275,21 @@ class SwarmExchange(Exchange):
         """Whether this peer held (or adopted) the majority's state in its last round."""
         self.refused: dict[str, str] = {}
         """Incompatible peers seen (peer id: which settings differ)."""
-        self.bytes_received = 0
-        self.bytes_sent = 0
-        """Payload and state bytes this peer's handlers served."""
+        self.sent: Counter[str] = Counter()
+        """Bytes this peer sent, by kind: payload and state (its handlers served them), probe (bandwidth
+        measurements it answered), dht (the serialized records and announcements it stored)."""
+        self.received: Counter[str] = Counter()
+        """Bytes this peer received, by kind: payload, state, dht (the serialized values of its reads)."""
+        self.stragglers = 0
+        """Peers expected in a round (by the coordinator, or compatible and seen) whose payload missed it."""
+        self.round_stragglers = 0
+        """... in the last round."""
+        self.peers_seen = 1
+        """Peers expected in the last round, this one included."""
+        self.strikes_total = 0
+        """Strikes given, all peers together."""
+        self.last_payload_bytes = 0
+        """Size of this peer's payload in its last round."""
         self.relayed = 0
         """Payloads pulled from a peer other than their origin."""
         self.last_round: int | None = None
@@ -308,6 +323,33 @@ class SwarmExchange(Exchange):
         self._p2p = self._call(self._start())
 
     @property
+    def bytes_sent(self) -> int:
+        """Payload, state and probe bytes this peer's handlers served (the DHT's not included)."""
+        return self.sent["payload"] + self.sent["state"] + self.sent["probe"]
+
+    @property
+    def bytes_received(self) -> int:
+        """Payload and state bytes this peer pulled (the DHT's not included)."""
+        return self.received["payload"] + self.received["state"]
+
+    def counters(self) -> dict:
+        """A consistent copy of the counters, for another thread (the metrics endpoint)."""
+        return {
+            "sent": dict(self.sent),
+            "received": dict(self.received),
+            "rejected": dict(self.rejected),
+            "strikes": self.strikes_total,
+            "banned": len(self.banned),
+            "refused": len(self.refused),
+            "resyncs": self.resyncs,
+            "synced": self.synced,
+            "stragglers": self.stragglers,
+            "late": self.late,
+            "coordinated_rounds": self.coordinated_rounds,
+            "relayed": self.relayed,
+        }
+
+    @property
     def rank(self) -> int:
         return self._participants.index(self._me) if self._me in self._participants else 0
 
@@ -339,6 +381,7 @@ class SwarmExchange(Exchange):
         round_number = plan.round if coordinated else self.next_round
         self._next_round = max(self._next_round, round_number + 1)
         self.last_round = round_number
+        self.last_payload_bytes = len(payload)
         self._adopted = None
         snapshot = None if state is None else (StateSnapshot.capture(state, round_number), list(state))
         if coordinated:
@@ -437,13 +480,27 @@ class SwarmExchange(Exchange):
 
     async def _store_record(self, round_number: int) -> None:
         self.record = self.record.copy(update={"round": round_number, "updated": time.time()})
-        await self.dht.store(
+        await self._store(
             f"{self.run}_peers",
             self.record.dict(),
             self.schedule.deadline(round_number) + 3 * self.schedule.round_seconds,
-            subkey=self.owner,
-            return_future=True,
         )
+
+    async def _store(self, key: str, value: dict, expiration: float) -> None:
+        """Stores `value` under this peer's subkey, counting its serialized bytes."""
+        self.sent["dht"] += len(key) + len(self.owner) + len(MSGPackSerializer.dumps(value))
+        await self.dht.store(key, value, expiration, subkey=self.owner, return_future=True)
+
+    async def _get(self, key: str):
+        """The latest value under `key`, counting the serialized bytes of what came back."""
+        found = await self.dht.get(key, latest=True, return_future=True)
+        if found is not None and isinstance(found.value, dict):
+            self.received["dht"] += sum(
+                len(MSGPackSerializer.dumps(getattr(entry, "value", None))) + len(subkey)
+                for subkey, entry in found.value.items()
+                if isinstance(subkey, bytes)
+            )
+        return found
 
     async def _stop(self) -> None:
         if self.coordinator is not None and self.coordinator.started:
@@ -457,7 +514,7 @@ class SwarmExchange(Exchange):
         snapshot = self._states.get(request.state)
         if snapshot is not None:
             for chunk in _chunks(snapshot.manifest if request.manifest else snapshot.chunk(request.chunk)):
-                self.bytes_sent += len(chunk.data)
+                self.sent["state"] += len(chunk.data)
                 yield chunk
 
     async def _serve_probe(self, request: ProbeRequest, context):
@@ -470,13 +527,14 @@ class SwarmExchange(Exchange):
             self._probed = {p: t for p, t in self._probed.items() if now - t < PROBE_INTERVAL_S}
         self._probed[context.remote_id] = now
         for chunk in _chunks(bytes(min(request.size, PROBE_MAX_BYTES))):
-            self.bytes_sent += len(chunk.data)
+            self.sent["probe"] += len(chunk.data)
             yield chunk
 
     def _strike(self, owner: bytes, reason: str) -> None:
         if not owner or owner == self.owner:
             return
         self.strikes[owner] += 1
+        self.strikes_total += 1
         if self.strikes[owner] >= self.strike_limit:
             until = (self.last_round or 0) + 1 + self.ban_rounds
             logger.warning(
@@ -487,7 +545,7 @@ class SwarmExchange(Exchange):
 
     async def _serve(self, request: PayloadRequest, _context):
         for chunk in _chunks(self._held.get((request.round, request.digest), b"")):
-            self.bytes_sent += len(chunk.data)
+            self.sent["payload"] += len(chunk.data)
             yield chunk
 
     async def _round(
@@ -500,7 +558,14 @@ class SwarmExchange(Exchange):
         mine = await self._hold(round_number, payload, samples, snapshot)
         announced, compatible = await self._collect(round_number, mine, self.schedule.deadline(round_number))
         self._members = sorted(compatible)
+        held = sum((round_number, a.digest) in self._held for a in announced.values())
+        self._count_stragglers(len(compatible | {self.owner}), held)
         return await self._settle(round_number, announced, mine, snapshot)
+
+    def _count_stragglers(self, expected: int, participants: int) -> None:
+        self.peers_seen = expected
+        self.round_stragglers = max(0, expected - participants)
+        self.stragglers += self.round_stragglers
 
     async def _hold(
         self,
@@ -527,7 +592,7 @@ class SwarmExchange(Exchange):
         mine = Announcement(self.owner, self.peer_id, digest, len(payload), samples, state, self.synced)
         deadline = self.schedule.deadline(round_number)
         key = f"{self.run}.round.{round_number}"
-        await self.dht.store(key, mine.value(), deadline + 60, subkey=self.owner, return_future=True)
+        await self._store(key, mine.value(), deadline + 60)
         self._seen.setdefault(digest, round_number)
         return mine
 
@@ -651,6 +716,7 @@ class SwarmExchange(Exchange):
                     data_seed=announced.data_seed,
                     slot=slot,
                     exchange_deadline=announced.exchange_deadline,
+                    expected=len(announced.peers),
                 )
         number = self.next_round
         if link is not None:  # busy with it uncoordinated: the coordinator, once back, continues after it
@@ -731,6 +797,7 @@ class SwarmExchange(Exchange):
             self.rejected["missing"] += len(pending)
             await asyncio.gather(*fetches, return_exceptions=True)
         self.coordinated_rounds += 1
+        self._count_stragglers(max(plan.expected, len(result.participants)), len(result.participants))
         mine = Announcement(me, mine.peer, mine.digest, mine.size, mine.samples, mine.state, mine.synced)
         contributions = await self._settle(number, announced, mine, snapshot)
         link.progress.round, link.progress.exchange_s = number, time.time() - started
@@ -762,7 +829,7 @@ class SwarmExchange(Exchange):
             logger.warning(f"could not re-sync with the swarm's state: {error}")
             return None
         self.resyncs += 1
-        self.bytes_received += len(data)
+        self.received["state"] += len(data)
         elapsed = time.perf_counter() - started
         logger.info(f"re-synced {len(data)} bytes of state from {len(sources)} peers in {elapsed:.1f} s")
         return adopted
@@ -790,9 +857,7 @@ class SwarmExchange(Exchange):
 
     async def _compatible_peers(self) -> set[bytes]:
         """Public-key subkeys of the peers whose current record is compatible with this one's."""
-        records, malformed = peer_records(
-            await self.dht.get(f"{self.run}_peers", latest=True, return_future=True)
-        )
+        records, malformed = peer_records(await self._get(f"{self.run}_peers"))
         if malformed:
             self.rejected["bad_record"] += malformed
         compatible = {self.owner}
@@ -807,7 +872,7 @@ class SwarmExchange(Exchange):
 
     async def _announcements(self, key: str) -> list[tuple[object, Announcement | MalformedPayloadError]]:
         """(subkey, its announcement or why it is malformed) for every entry under `key`."""
-        found = await self.dht.get(key, latest=True, return_future=True)
+        found = await self._get(key)
         if found is None or not isinstance(found.value, dict):
             return []
         announcements = []
@@ -845,7 +910,7 @@ class SwarmExchange(Exchange):
                 except (TimeoutError, P2PDaemonError, P2PHandlerError, OSError, asyncio.IncompleteReadError):
                     continue
                 self._held[(round_number, announcement.digest)] = data
-                self.bytes_received += len(data)
+                self.received["payload"] += len(data)
                 self.relayed += source.owner != announcement.owner
                 return
             await asyncio.sleep(min(1.0, 0.1 * 2**cycle))

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -67,13 +68,18 @@ def test_demo_json_summary():
 def test_join_twice_status_and_sigterm_checkpoint(tmp_path):
     first_out, second_out = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     common = ["--host", "127.0.0.1", "--run", "twice", "--log-format", "json", "--round-seconds", "2"]
-    first = start("join", *common, stdout=first_out.open("w"), stderr=(tmp_path / "first.err").open("w"))
+    served = ["--metrics-port", "0", "--address-file", str(tmp_path / "first.address")]
+    first = start(
+        "join", *common, *served, stdout=first_out.open("w"), stderr=(tmp_path / "first.err").open("w")
+    )
     second = None
     try:
         started = wait_for(first_out, lambda e: e.get("event") == "started", 60)
         assert started["join_command"].startswith("shoal join --initial-peers /ip4/127.0.0.1/")
         assert "--run twice" in started["join_command"]
         address = started["initial_peers"][0]
+        # --address-file holds the address of the join command, for scripts and containers
+        assert started["join_command"].split()[3] == (tmp_path / "first.address").read_text().strip()
         second = start(
             "join",
             *common,
@@ -85,6 +91,13 @@ def test_join_twice_status_and_sigterm_checkpoint(tmp_path):
             stderr=(tmp_path / "second.err").open("w"),
         )
         wait_for(second_out, lambda e: e.get("event") == "round" and e["participants"] == 2, 90)
+        wait_for(first_out, lambda e: e.get("event") == "round" and e["participants"] == 2, 30)
+        metrics = wait_for(first_out, lambda e: e.get("event") == "metrics", 1)["address"]
+        exposition = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+        assert f'peer_id="{started["peer_id"]}"' in exposition  # shoal_build_info
+        assert "\nshoal_round_participants 2.0\n" in exposition
+        in_use = shoal("join", *common, "--metrics-port", metrics.rpartition(":")[2], timeout=60)
+        assert in_use.returncode == 1 and "in use" in in_use.stderr and "--metrics-port" in in_use.stderr
         status = shoal("status", "--initial-peers", address, "--run", "twice", "--json", timeout=60)
         assert status.returncode == 0, status.stderr[-2000:]
         peers = json.loads(status.stdout)["peers"]
