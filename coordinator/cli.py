@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--eviction-s", type=float, default=60.0, metavar="S", help="how long an evicted peer stays out"
     )
     parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="announce a round as soon as the previous one is decided, so that peers compute it while "
+        "they still exchange the previous one (for DiLoCo's eager or delayed outer updates)",
+    )
+    parser.add_argument(
         "--token-file", metavar="F", help="accepted tokens: '<token>' (swarm) or '<peer id> <token>' per line"
     )
     parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain ...")
@@ -114,6 +120,7 @@ def _coordinator(args: argparse.Namespace) -> Coordinator:
             shrink_after=min(2, args.evict_after),
             eviction_s=args.eviction_s,
             min_start_members=args.min_peers,
+            overlap=args.overlap,
         )
     except ValueError as error:
         raise ValueError(f"--round-quantile, --*-s, --evict-after or --min-peers: {error}") from None

@@ -15,7 +15,10 @@ Life of round r (times are the coordinator's Unix seconds):
                        participant set is exactly the on-time reports; each expected member that missed
                        is a straggler and gets a strike (unless no one made it)
     exchange           participants pull each other's payloads; round r + 1 is announced as soon as every
-                       participant says (heartbeat) it finished r, and at E at the latest
+                       participant says (heartbeat) it finished r, and at E at the latest; with
+                       `overlap`, as soon as r is decided: peers then exchange r while they compute
+                       r + 1 (DiLoCo's eager and delayed outer updates), each exchange still ending by
+                       its own E
 
 Adaptive windows: the compute window lets at least a fraction `quantile` of the members finish their
 smallest contribution (`min_samples / throughput`, times `headroom`), clamped to
@@ -78,6 +81,8 @@ class Policy:
     max_members: int = 10_000
     min_start_members: int = 1
     """Members the swarm's first round waits for."""
+    overlap: bool = False
+    """Announce round r + 1 as soon as round r is decided, not once its exchange is over."""
 
     def __post_init__(self) -> None:
         if not 0 < self.quantile <= 1:
@@ -511,7 +516,8 @@ def _advance(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState,
     finished = current is None or (
         current.decided_at is not None
         and (
-            now >= current.exchange_deadline
+            policy.overlap
+            or now >= current.exchange_deadline
             or all(
                 state.members[p].round >= current.number for p in current.participants if p in state.members
             )

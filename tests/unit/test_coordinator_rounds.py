@@ -152,6 +152,19 @@ def test_next_round_is_announced_at_the_exchange_deadline_at_the_latest():
     assert actions[0].round.announced_at == 17 and actions[0].round.expected == (A, B)
 
 
+def test_with_overlap_the_next_round_is_announced_when_a_round_is_decided():
+    policy = replace(P, overlap=True, min_start_members=2)
+    steps = [(0, Join(A)), (0, Join(B)), (1, report(A, 0)), (2, report(B, 0))]
+    state, actions = run(initial_state(SEED), steps, policy)
+    assert kinds(actions)[-4:] == ["Reply", "Reply", "Decided", "Announced"]
+    following = actions[-1].round
+    assert following.number == 1 and following.announced_at == 2 and following.expected == (A, B)
+    # no heartbeat said round 0's exchange is over; its result stays available meanwhile
+    assert round_result(state, 0).participants == (A, B)
+    state, actions = run(state, [(3, report(A, 1)), (3, report(B, 1))], policy)
+    assert kinds(actions) == ["Reply", "Reply", "Decided", "Announced"] and state.round.number == 2
+
+
 def test_report_within_the_grace_still_counts():
     state, actions = run(swarm(A, B), [(3, report(A, 1)), (12.3, Tick()), (12.4, report(B, 1))])
     assert kinds(actions) == ["Reply", "Reply", "Decided"]
