@@ -141,6 +141,32 @@ def build_parser() -> argparse.ArgumentParser:
     converge.add_argument(
         "--quick", action="store_true", help="the tiny model for 300 steps (~3 minutes on 2 cores)"
     )
+    wan = benchmarks.add_parser(
+        "wan",
+        help="training over shaped links (network namespaces, tc tbf; needs root): shoal vs gloo all-reduce",
+        description="For each bandwidth and method, one network namespace per peer plus one for the "
+        "coordinator, on a bridge, every link shaped with tc tbf both ways; the same model, data and "
+        "optimizer steps under compute_only, ddp (gloo all-reduce of fp32 gradients), demo_compact (top-4, "
+        "1-bit), diloco_standard and diloco_eager. Reports tokens/s, compute utilization, bytes on the wire "
+        "per peer (interface counters) and the final validation loss. Needs root on Linux.",
+    )
+    wan.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
+    wan.add_argument(
+        "--bandwidth", default="10mbit,100mbit", help="rates, comma-separated (default: %(default)s)"
+    )
+    wan.add_argument("--peers", type=_positive_int, help="peer namespaces (default: 4; --quick: 2)")
+    wan.add_argument(
+        "--steps", type=_positive_int, help="optimizer steps per method (default: 16; --quick: 8)"
+    )
+    wan.add_argument("--inner-steps", type=_positive_int, help="DiLoCo's H (default: 4; --quick: 4)")
+    wan.add_argument(
+        "--methods",
+        help="comma-separated subset of compute_only,ddp,demo_compact,diloco_standard,diloco_eager",
+    )
+    wan.add_argument("--plot", metavar="PNG", help="also plot tokens/s against bandwidth (needs matplotlib)")
+    wan.add_argument(
+        "--quick", action="store_true", help="2 peers, 8 steps, 10mbit only: within 10 minutes on 2 cores"
+    )
     swarm = benchmarks.add_parser(
         "swarm-local",
         help="a DeMo swarm of peer processes on loopback: bytes on the wire per peer and round vs the codec",
@@ -310,7 +336,36 @@ def main(argv: list[str] | None = None) -> int:
             rounds=args.rounds,
             round_seconds=args.round_seconds,
         )
+    if args.command == "bench" and args.benchmark == "wan":
+        return _bench_wan(args)
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _bench_wan(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from shoal.peer import wan
+
+    config = wan.QUICK if args.quick else wan.WanConfig()
+    try:
+        bandwidths = wan.parse_bandwidths(
+            "10mbit" if args.quick and args.bandwidth == "10mbit,100mbit" else args.bandwidth
+        )
+        methods = tuple(args.methods.split(",")) if args.methods else config.methods
+        unknown = set(methods) - set(wan.METHODS)
+        if unknown:
+            raise ValueError(f"--methods: unknown {', '.join(sorted(unknown))}")
+    except ValueError as error:
+        print(f"shoal bench wan: error: {error}", file=sys.stderr)
+        return 2
+    config = replace(
+        config,
+        peers=args.peers or config.peers,
+        steps=args.steps or config.steps,
+        inner_steps=args.inner_steps or config.inner_steps,
+        methods=methods,
+    )
+    return wan.main(as_json=args.json, bandwidths=bandwidths, config=config, plot=args.plot)
 
 
 def _join(args: argparse.Namespace) -> int:

@@ -117,6 +117,7 @@ class Trainer:
         batches: this peer's micro-batches (see `Batches`).
         lr: DeMo's learning rate, or the inner AdamW's for DiLoCo.
         topk: DeMo's coefficients per chunk.
+        value_bits: DeMo's bits per transmitted value (32, 16, 8, 4 or 1: signs only).
         inner_steps: DiLoCo's H.
         outer_lr: DiLoCo's outer learning rate.
         codec: how DiLoCo's pseudo-gradients travel (None: exactly).
@@ -139,6 +140,7 @@ class Trainer:
         batches: Batches,
         lr: float = 2e-3,
         topk: int = 32,
+        value_bits: int = 32,
         inner_steps: int = 5,
         outer_lr: float = 0.4,
         codec: Codec | None = None,
@@ -174,7 +176,9 @@ class Trainer:
         self.steps = 0
         """Optimizer steps taken; every round takes `inner_steps` of them."""
         if algorithm == "demo":
-            self.optimizer = DeMo(model.parameters(), lr=lr, exchange=exchange, compression_topk=topk)
+            self.optimizer = DeMo(
+                model.parameters(), lr=lr, exchange=exchange, compression_topk=topk, value_bits=value_bits
+            )
             self.inner_steps = 1
             self.diloco = None
         else:

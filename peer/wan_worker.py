@@ -1,0 +1,255 @@
+"""One node of `shoal bench wan` (shoal.peer.wan), run inside its network namespace:
+
+    python -m shoal.peer.wan_worker --method M --index I --peers N --steps S ... --out RESULT.json
+
+Every method trains the same model from the same initial weights on the same per-worker batches
+(BatchPlan over the standard-library corpus) for S optimizer steps of one batch each, and writes
+{"compute_s", "wall_s", "tokens", "final_val_loss", "predicted_sent_bytes", ...} to RESULT.json:
+
+- compute_only: AdamW alone, no network (the upper bound);
+- ddp: AdamW after a torch.distributed gloo all-reduce of the full fp32 gradients every step (one
+  flat buffer, as DistributedDataParallel's buckets amount to), through node 0's address;
+- demo_compact, diloco_standard, diloco_eager: a shoal peer (hivemind DHT, SwarmExchange) following
+  the coordinator of the last namespace; DeMo with top-4 coefficients and 1-bit values, DiLoCo with
+  4-bit (blockwise) pseudo-gradients every H inner steps.
+
+Timing starts when every node is ready (gloo's barrier; the coordinator's first round, which waits for
+every peer) and ends after the last step (DiLoCo: once the last outer update landed).
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from shoal.peer.data import BatchPlan, stdlib_corpus, validation_batches
+from shoal.peer.model import GPTConfig, TinyGPT
+
+MODELS = {
+    "tiny": GPTConfig.preset("tiny"),
+    "5m": GPTConfig.preset("small", n_layer=7),  # ~5.6M parameters
+}
+SWARM_METHODS = {"demo_compact": "demo", "diloco_standard": "diloco-standard", "diloco_eager": "diloco-eager"}
+METHODS = ("compute_only", "ddp", *SWARM_METHODS)
+DDP_PORT = 29517
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", choices=METHODS, required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--peers", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--inner-steps", type=int, default=1, help="DiLoCo's H")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--model", choices=list(MODELS), default="5m")
+    parser.add_argument("--address", required=True, help="this node's IPv4 address")
+    parser.add_argument("--first", help="node 0's address (ddp), or a file holding its multiaddress (swarm)")
+    parser.add_argument("--coordinator", help="HOST:PORT (swarm methods)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = MODELS[args.model]
+    model = TinyGPT(config)
+    streams = stdlib_corpus(max_bytes=8 << 20)
+    plan = BatchPlan(seq_len=config.seq_len, batch_size=args.batch_size, workers=args.peers)
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return plan.batch(streams.train, step, args.index)
+
+    if args.method in SWARM_METHODS:
+        result = _swarm(args, model, batch)
+    else:
+        result = _data_parallel(args, model, batch)
+    result["final_val_loss"] = validation_loss(model, streams.validation, config.seq_len)
+    result["params"] = sum(p.numel() for p in model.parameters())
+    result["tokens"] = args.steps * args.batch_size * config.seq_len
+    Path(args.out).write_text(json.dumps(result))
+
+
+def _data_parallel(args, model, batch) -> dict:
+    import torch.distributed as dist
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ddp = args.method == "ddp"
+    if ddp:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")  # the namespace's link, not the hostname's
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{args.first}:{DDP_PORT}",
+            rank=args.index,
+            world_size=args.peers,
+            timeout=timedelta(minutes=10),
+        )
+        dist.barrier()
+    parameters = [p for p in model.parameters()]
+    numel = sum(p.numel() for p in parameters)
+    compute = 0.0
+    started, wire = time.perf_counter(), interface_bytes()
+    for step in range(args.steps):
+        begin = time.perf_counter()
+        inputs, targets = batch(step)
+        model(inputs, targets=targets).backward()
+        compute += time.perf_counter() - begin
+        if ddp:
+            flat = torch.cat([p.grad.reshape(-1) for p in parameters])
+            dist.all_reduce(flat)
+            flat /= args.peers
+            offset = 0
+            for p in parameters:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        begin = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        compute += time.perf_counter() - begin
+    wall, (sent, received) = time.perf_counter() - started, _since(wire)
+    if ddp:
+        dist.destroy_process_group()
+    # a ring all-reduce sends 2 (N - 1) / N of the buffer per rank
+    predicted = args.steps * 2 * (args.peers - 1) / args.peers * 4 * numel if ddp else 0
+    return {
+        "compute_s": compute,
+        "wall_s": wall,
+        "sent_bytes": sent,
+        "received_bytes": received,
+        "predicted_sent_bytes": int(predicted),
+        "exchanges": args.steps if ddp else 0,
+    }
+
+
+def _swarm(args, model, batch) -> dict:
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from shoal.compression import DenseCodec
+    from shoal.peer.bootstrap import start_dht
+    from shoal.peer.coordination import CoordinatorLink
+    from shoal.peer.membership import record_validators
+    from shoal.peer.runtime import Trainer
+    from shoal.peer.swarm import RoundSchedule, SwarmExchange
+
+    algorithm = SWARM_METHODS[args.method]
+    identity = RSAPrivateKey()
+    first = Path(args.first)
+    initial = [] if args.index == 0 else [_wait_for_text(first)]
+    dht = start_dht(
+        initial,
+        host_maddrs=[f"/ip4/{args.address}/tcp/0"],
+        record_validators=record_validators("wan", identity),
+    )
+    if args.index == 0:
+        address = next(str(a) for a in dht.get_visible_maddrs() if f"/ip4/{args.address}/" in str(a))
+        first.with_suffix(".tmp").write_text(address)
+        first.with_suffix(".tmp").replace(first)
+    exchange = SwarmExchange(
+        dht,
+        run="wan",
+        schedule=RoundSchedule(start_time=time.time(), round_seconds=600.0),
+        identity=identity,
+        config={"model": args.model, "algorithm": algorithm},
+        coordinator=CoordinatorLink(args.coordinator, dht.peer_id.to_base58()),
+        fetch_timeout=timedelta(seconds=120),
+    )
+    inner = 1 if algorithm == "demo" else args.inner_steps
+    trainer = Trainer(
+        model,
+        exchange,
+        algorithm=algorithm,
+        batches=lambda step, _micro, _size: batch(step),
+        lr=2e-3 if algorithm == "demo" else 1e-3,
+        topk=4,
+        value_bits=1,
+        inner_steps=inner,
+        codec=DenseCodec(4),
+        batch_size=args.batch_size,
+    )
+    sent_before = 0
+    try:
+        compute = 0.0
+        started = None
+        payloads = 0
+        for _ in range(math.ceil(args.steps / inner)):
+            exchange.plan_round()
+            if started is None:  # round 0 starts once every peer has joined the coordinator
+                started, wire = time.perf_counter(), interface_bytes()
+                sent_before = exchange.sent["payload"]
+            report = trainer.round()
+            compute += report.compute_s
+            payloads += exchange.last_payload_bytes
+            exchange.set_progress(
+                throughput=report.samples / max(report.compute_s, 1e-9),
+                samples=report.samples,
+                compute_throughput=report.samples / max(report.compute_s, 1e-9),
+                min_samples=report.samples,
+            )
+        trainer.finish()
+        wall, (sent, received) = time.perf_counter() - started, _since(wire)
+        served = exchange.sent["payload"] - sent_before
+        _linger(Path(args.out), args.peers)
+        return {
+            "compute_s": compute,
+            "wall_s": wall,
+            "sent_bytes": sent,
+            "received_bytes": received,
+            # every other peer pulls each payload once, from its author
+            "predicted_sent_bytes": payloads * (args.peers - 1),
+            "served_payload_bytes": served,
+            "exchanges": trainer.rounds_done,
+            "rejected": dict(exchange.rejected),
+            "late_rounds": exchange.late,
+        }
+    finally:
+        trainer.close()
+        exchange.close()
+        dht.shutdown()
+
+
+@torch.no_grad()
+def validation_loss(model: TinyGPT, stream: torch.Tensor, seq_len: int, batches: int = 8) -> float:
+    model.eval()
+    windows = validation_batches(stream, seq_len, batch_size=8, batches=batches)
+    losses = [model(w[:, :-1], targets=w[:, 1:]).item() for w in windows]
+    return sum(losses) / len(losses)
+
+
+def interface_bytes(device: str = "eth0") -> tuple[int, int]:
+    """(bytes sent, bytes received) by this namespace's interface, as the kernel counts them; (0, 0)
+    where there is no such interface."""
+    statistics = Path("/sys/class/net") / device / "statistics"
+    try:
+        return int((statistics / "tx_bytes").read_text()), int((statistics / "rx_bytes").read_text())
+    except OSError:
+        return 0, 0
+
+
+def _since(start: tuple[int, int]) -> tuple[int, int]:
+    now = interface_bytes()
+    return now[0] - start[0], now[1] - start[1]
+
+
+def _linger(out: Path, peers: int, timeout_s: float = 300) -> None:
+    """Keeps serving this peer's last payload until every peer is done: one that left at once would
+    leave a slower one pulling from nobody until the round's deadline."""
+    out.with_suffix(".done").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(out.parent.glob("*.done"))) < peers and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _wait_for_text(path: Path, timeout_s: float = 120) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        time.sleep(0.2)
+    raise TimeoutError(f"{path} was not written within {timeout_s:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
