@@ -9,7 +9,6 @@ under the same torch seed, so that peers that start together start equal.
 """
 
 import importlib
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,9 +81,12 @@ def _hugging_face(path: Path) -> LoadedModel:
             f"--model {path}: Hugging Face models need the transformers extra: pip install 'shoal[hf]'"
         ) from None
     module = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    config = json.loads((path / "config.json").read_text())
-    seq_len = min(int(config.get("max_position_embeddings", 512)), 512)
-    return LoadedModel(module, causal_lm_loss, seq_len, int(config.get("vocab_size", 0)) or None)
+    # the config object maps each architecture's own names (GPT-2's n_positions) to the common ones
+    positions = getattr(module.config, "max_position_embeddings", None) or 512
+    vocab_size = getattr(module.config, "vocab_size", None)
+    return LoadedModel(
+        module, causal_lm_loss, min(int(positions), 512), int(vocab_size) if vocab_size else None
+    )
 
 
 def causal_lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
