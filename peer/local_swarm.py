@@ -10,6 +10,11 @@ process merges their rounds into one live table (the mean loss, the swarm's toke
 and, when every peer has left after the last round, prints a summary: the losses, whether every
 peer ends on the same parameters, and the payload and state bytes each peer served per round (its
 own count; DHT traffic is not included: `shoal bench swarm-local` measures the wire).
+
+Monitoring: every peer and the coordinator serve Prometheus metrics on a free port; their endpoints
+go into a file_sd target file (`--metrics-targets`, e.g. deploy/prometheus/targets/demo.json, which
+deploy/prometheus/prometheus.yml reads), emptied when the demo ends. Peers keep checkpoints in the
+log folder. Ctrl-C or SIGTERM stop every process the demo started.
 """
 
 import contextlib

@@ -7,6 +7,8 @@ Every failure a volunteer can fix becomes a `JoinError` whose message says what 
 prints it and exits 1): a port in use, an unreachable bootstrap peer, no peer of the run found, a
 swarm whose configuration differs, a model that does not fit the device. Ctrl-C or SIGTERM stop the
 peer at the end of the round in progress, with a checkpoint when `--checkpoint-dir` is set.
+With `--metrics-port` the peer serves Prometheus metrics (shoal.peer.metrics); with `--address-file`
+it writes the address others join through, for scripts and containers.
 
 Data: in round r the peer in slot s of the round's peers trains on its own windows
 (shoal.peer.data.RoundSlices); DiLoCo's inner steps of one round take successive micro-batch slots.
