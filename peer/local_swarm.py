@@ -31,6 +31,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import IO
 
+from shoal.peer.files import replace_text
 from shoal.peer.progress import Progress
 
 STARTUP_S = 8.0  # importing torch and hivemind, starting a DHT, loading the corpus; more per extra peer
@@ -204,10 +205,7 @@ class TargetsFile:
             if addresses
         ]
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = self.path.with_name(f".{self.path.name}.tmp")
-            temporary.write_text(json.dumps(groups, indent=2) + "\n")
-            temporary.replace(self.path)  # Prometheus never reads half a file
+            replace_text(self.path, json.dumps(groups, indent=2) + "\n")  # Prometheus never reads half
         except OSError as error:
             raise DemoError(f"--metrics-targets {self.path}: {error.strerror}") from None
 

@@ -31,6 +31,7 @@ from shoal.peer.bootstrap import BootstrapError, start_dht
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.coordination import CoordinatorError, CoordinatorLink
 from shoal.peer.data import RoundSlices, load_data
+from shoal.peer.files import replace_text
 from shoal.peer.hardware import DeviceError, autocast_for, choose_device, memory_in_use
 from shoal.peer.identity import IdentityError, keygen, load_identity
 from shoal.peer.membership import SHOAL_VERSION, record_validators
@@ -302,13 +303,9 @@ def _serve_metrics(settings, progress, exchange, trainer, device, numel) -> Peer
 
 
 def _write_address(path: str, address: str) -> None:
-    """--address-file: the join address, written whole (a temporary file renamed over it)."""
-    target = Path(path)
+    """--address-file: the join address, written whole."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        temporary = target.with_name(f".{target.name}.tmp")
-        temporary.write_text(address + "\n")
-        temporary.replace(target)
+        replace_text(path, address + "\n")
     except OSError as error:
         raise JoinError(f"--address-file {path}: {error.strerror}") from None
 

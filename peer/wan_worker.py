@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from shoal.peer.data import BatchPlan, stdlib_corpus, validation_batches
+from shoal.peer.files import replace_text
 from shoal.peer.model import GPTConfig, TinyGPT
 
 MODELS = {
@@ -88,7 +89,7 @@ def _data_parallel(args, model, batch) -> dict:
             timeout=timedelta(minutes=10),
         )
         dist.barrier()
-    parameters = [p for p in model.parameters()]
+    parameters = list(model.parameters())
     numel = sum(p.numel() for p in parameters)
     compute = 0.0
     started, wire = time.perf_counter(), interface_bytes()
@@ -145,8 +146,7 @@ def _swarm(args, model, batch) -> dict:
     )
     if args.index == 0:
         address = next(str(a) for a in dht.get_visible_maddrs() if f"/ip4/{args.address}/" in str(a))
-        first.with_suffix(".tmp").write_text(address)
-        first.with_suffix(".tmp").replace(first)
+        replace_text(first, address)
     exchange = SwarmExchange(
         dht,
         run="wan",
@@ -169,7 +169,6 @@ def _swarm(args, model, batch) -> dict:
         codec=DenseCodec(4),
         batch_size=args.batch_size,
     )
-    sent_before = 0
     try:
         compute = 0.0
         started = None
@@ -178,7 +177,6 @@ def _swarm(args, model, batch) -> dict:
             exchange.plan_round()
             if started is None:  # round 0 starts once every peer has joined the coordinator
                 started, wire = time.perf_counter(), interface_bytes()
-                sent_before = exchange.sent["payload"]
             report = trainer.round()
             compute += report.compute_s
             payloads += exchange.last_payload_bytes
@@ -190,7 +188,6 @@ def _swarm(args, model, batch) -> dict:
             )
         trainer.finish()
         wall, (sent, received) = time.perf_counter() - started, _since(wire)
-        served = exchange.sent["payload"] - sent_before
         _linger(Path(args.out), args.peers)
         return {
             "compute_s": compute,
@@ -199,10 +196,7 @@ def _swarm(args, model, batch) -> dict:
             "received_bytes": received,
             # every other peer pulls each payload once, from its author
             "predicted_sent_bytes": payloads * (args.peers - 1),
-            "served_payload_bytes": served,
             "exchanges": trainer.rounds_done,
-            "rejected": dict(exchange.rejected),
-            "late_rounds": exchange.late,
         }
     finally:
         trainer.close()
