@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="For each bandwidth and method, one network namespace per peer plus one for the "
         "coordinator, on a bridge, every link shaped with tc tbf both ways; the same model, data and "
         "optimizer steps under compute_only, ddp (gloo all-reduce of fp32 gradients), demo_compact (top-4, "
-        "1-bit), diloco_standard and diloco_eager. Reports tokens/s, compute utilization, bytes on the wire "
+        "1-bit), demo_overlap (the same, exchanged while the next step computes), diloco_standard and "
+        "diloco_eager. Reports tokens/s, compute utilization, bytes on the wire "
         "per peer (interface counters) and the final validation loss. Needs root on Linux.",
     )
     wan.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
@@ -161,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     wan.add_argument("--inner-steps", type=_positive_int, help="DiLoCo's H (default: 4; --quick: 4)")
     wan.add_argument(
         "--methods",
-        help="comma-separated subset of compute_only,ddp,demo_compact,diloco_standard,diloco_eager",
+        help="comma-separated subset of compute_only,ddp,demo_compact,demo_overlap,diloco_standard,"
+        "diloco_eager",
     )
     wan.add_argument("--plot", metavar="PNG", help="also plot tokens/s against bandwidth (needs matplotlib)")
     wan.add_argument(
@@ -193,7 +195,11 @@ JOIN_FLAGS = {
         "SOURCE",
         "stdlib (the Python standard library's sources), a text directory, or a uint16 token file",
     ),
-    "algorithm": ("ALGO", "demo, diloco (eager), diloco-standard, diloco-delayed"),
+    "algorithm": (
+        "ALGO",
+        "demo, demo-overlap (exchanges while the next step computes), diloco (eager), diloco-standard, "
+        "diloco-delayed",
+    ),
     "device": ("DEVICE", "auto, cpu, cuda, cuda:N or mps"),
     "identity": ("PATH", "peer identity file (created if missing; see shoal keygen)"),
     "checkpoint_dir": ("DIR", "keep checkpoints here and resume from the newest"),

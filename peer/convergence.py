@@ -111,6 +111,8 @@ def _train_demo(model, exchange, batches, config, **settings) -> int:
         _loss(model, inputs, targets).backward()
         optimizer.step(samples=inputs.shape[0])
         optimizer.zero_grad(set_to_none=True)
+    optimizer.finish()  # overlap: the last round, still in flight
+    optimizer.close()
     return optimizer.bytes_sent
 
 
@@ -135,6 +137,18 @@ TRAINERS: dict[str, Callable[..., int]] = {
     "demo_reference": lambda *a: _train_demo(*a),
     "demo_compact": lambda *a: _train_demo(
         *a, compression_topk=4, value_bits=1, compression_decay=0.99, error_feedback=1.0
+    ),
+    "demo_compact_overlap": lambda *a: _train_demo(
+        *a, compression_topk=4, value_bits=1, compression_decay=0.99, error_feedback=1.0, overlap=True
+    ),
+    "demo_compact_lookahead": lambda *a: _train_demo(
+        *a,
+        compression_topk=4,
+        value_bits=1,
+        compression_decay=0.99,
+        error_feedback=1.0,
+        overlap=True,
+        lookahead=True,
     ),
     "diloco_standard": lambda *a: _train_diloco(*a, mode="standard"),
     "diloco_delayed": lambda *a: _train_diloco(*a, mode="delayed"),

@@ -21,6 +21,21 @@ bit-identical even with quantized values. A malformed contribution is dropped an
 times the round's median is scaled down to it (shoal.peer.robust) and counted as `clipped`. The
 shared state is the parameters: the exchange may replace them with the swarm's before the update.
 
+`overlap=True` hides the exchange behind computation (DESIGN.md: "the exchange must not block
+compute"): step r encodes its payload and hands it to a background thread owned by the optimizer,
+then applies round r-1's aggregate, which arrived while step r's forward and backward ran. Every
+update lands one step late, on parameters that every participant holds alike (the state a round
+compares is the one its aggregate will be applied to, a step later); `finish()` applies the last
+round, so all participants end on bit-identical parameters. The own contribution is not applied
+ahead of the others': the update is the sign of the combined coefficients, so a participant's share
+of it cannot be split off (DiLoCo's eager rule relies on the outer step being linear). Instead,
+`lookahead=True` does what Psyche's overlapped DisTrO does (github PsycheFoundation/psyche,
+shared/modeling/src/distro.rs): between steps the parameters sit at `p - lr * sign(momentum)`, this
+participant's own guess of the update still in flight (its whole momentum, the sent part included),
+so that the next gradient is taken about where the parameters will be; the next step puts the
+parameters back first, exactly (from a copy, not by adding the shift back: replicas must stay
+bit-identical), so every update still applies to the shared parameters.
+
     opt = DeMo(model.parameters(), lr=1e-3, exchange=LoopbackExchange.group(1)[0])
     loss.backward(); opt.step(); opt.zero_grad()
 """
@@ -28,7 +43,8 @@ shared state is the parameters: the exchange may replace them with the swarm's b
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,6 +57,16 @@ from shoal.protocol import Payload, parse_message
 
 # workspace slots beyond the codec's 0 and 1 (transform scratch, magnitudes)
 GRADIENT_SLOT, SUM_SLOT, WEIGHT_SLOT = 2, 2, 3
+
+
+@dataclass(frozen=True, slots=True)
+class _Gathered:
+    """A round's outcome as the exchange delivered it."""
+
+    contributions: list[Contribution]
+    adopted: list[torch.Tensor] | None
+    """The swarm's parameters, when this participant's differed at the start of the round."""
+    seconds: float
 
 
 class DeMo(torch.optim.Optimizer):
@@ -63,6 +89,10 @@ class DeMo(torch.optim.Optimizer):
             this many elements (a larger parameter alone); bounds the codec's scratch memory.
         clip_ratio: contributions whose norm exceeds this times the round's median are scaled down
             to it; None turns clipping off.
+        overlap: exchange in the background and apply each round's aggregate one step late.
+        lookahead: with overlap, compute each gradient at the parameters shifted by this
+            participant's own sign-of-momentum guess of the update in flight (one more
+            parameter-sized buffer and one more inverse transform per step).
     """
 
     def __init__(
@@ -81,6 +111,8 @@ class DeMo(torch.optim.Optimizer):
         max_payload_bytes: int = 1 << 30,
         max_slice_numel: int = 1 << 24,
         clip_ratio: float | None = DEFAULT_CLIP_RATIO,
+        overlap: bool = False,
+        lookahead: bool = False,
     ):
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr}")
@@ -90,6 +122,8 @@ class DeMo(torch.optim.Optimizer):
             raise ValueError(f"error_feedback must be in [0, 1], got {error_feedback}")
         if weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if lookahead and not overlap:
+            raise ValueError("lookahead needs overlap: without it no update is in flight")
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.codec = DCTTopKCodec(chunk=compression_chunk, topk=compression_topk, value_bits=value_bits)
         self.exchange = exchange
@@ -113,6 +147,17 @@ class DeMo(torch.optim.Optimizer):
         """Seconds spent per phase of the steps: encode, exchange, decode, apply (host wall time)."""
         self.bytes_received = 0
         """Payload bytes received from the other participants, in total."""
+        self.exchange_s = 0.0
+        """Seconds the exchanges took, on whichever thread ran them (phase_seconds["exchange"] is
+        what the training thread waited: all of it without overlap)."""
+        self.overlap = overlap
+        self._background = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-exchange") if overlap else None
+        )
+        self._pending: Future[_Gathered] | None = None
+        self.lookahead = lookahead
+        self._origin: list[torch.Tensor] | None = None  # lookahead: the parameters before the shift
+        self._shifted = False
 
     def _trainable(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
@@ -129,26 +174,122 @@ class DeMo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        settings = {
-            p: (group["lr"], group["weight_decay"]) for group in self.param_groups for p in group["params"]
-        }
+        self.unshift()
         started = time.perf_counter()
-        slices = self._slices()
+        previous = self._collect()  # overlap: the last round, before anything touches the parameters
+        waited = time.perf_counter()
+        slices, settings = self._slices(), self._settings()
+        selections = [self._compress(piece, settings) for piece in slices]
         payload = Payload(
             tensors=[
-                self.codec.pack(self._compress(piece, settings), piece.members[0].param.dtype)
-                for piece in slices
+                self.codec.pack(selection, piece.members[0].param.dtype)
+                for selection, piece in zip(selections, slices, strict=True)
             ]
         )
         data = payload.SerializeToString()
         params = self._trainable()
         encoded = time.perf_counter()
-        contributions = self.exchange.gather(data, samples, state=params)
-        adopted = self.exchange.adopted_state()
-        if adopted is not None:
-            self.load_shared_state(adopted)
-        gathered = time.perf_counter()
+        self.phase_seconds["encode"] += encoded - waited
+        self.phase_seconds["exchange"] += waited - started
         self.bytes_sent += len(data)
+        if self._background is None:
+            self._apply(self._gather(data, samples, params))
+        else:
+            if previous is not None:
+                self._apply(previous)
+            if self.lookahead:
+                params = self._shift(slices, selections, settings)
+            # the state this round compares is the one its aggregate will be applied to, a step from now
+            self._pending = self._background.submit(self._gather, data, samples, params)
+        return loss
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Ends training: with overlap, waits for the round in flight and applies it, so that every
+        participant lands on the same parameters. Without overlap: no-op."""
+        self.unshift()
+        previous = self._collect()
+        if previous is not None:
+            self._apply(previous)
+
+    def close(self) -> None:
+        """Waits for the exchange in flight (collectives must complete on every participant) and
+        stops the background thread; the round is not applied (see finish)."""
+        if self._background is not None:
+            if self._pending is not None:
+                self._pending.exception()
+                self._pending = None
+            self._background.shutdown(wait=True)
+
+    def _shift(
+        self,
+        slices: list[Slice],
+        selections: list[TopKCoefficients],
+        settings: dict[torch.Tensor, tuple[float, float]],
+    ) -> list[torch.Tensor]:
+        """Lookahead: keeps the parameters in `_origin` (returned: the round's shared state) and moves
+        them by -lr * sign(idct(momentum)), the momentum as before the sent part was removed."""
+        params = self._trainable()
+        if self._origin is None:
+            self._origin = [torch.empty_like(p) for p in params]
+        for origin, p in zip(self._origin, params, strict=True):
+            origin.copy_(p)
+        self._shifted = True
+        for piece, selection in zip(slices, selections, strict=True):
+            plan = piece.plan
+            first = piece.members[0].param
+            momentum = self.codec.workspace.get(SUM_SLOT, plan.numel, first.device, torch.float32)
+            momentum = momentum.view(plan.num_chunks, -1)
+            momentum.copy_(self.state[first]["delta"]).scatter_(
+                1, selection.indices, selection.values.float()
+            )
+            signs = dct.inverse_dense(momentum, plan, self.codec.workspace, out=momentum).sign_()
+            for member in piece.members:
+                member.matrix(member.param).add_(member.tiles(signs), alpha=-settings[member.param][0])
+        return self._origin
+
+    @torch.no_grad()
+    def unshift(self) -> None:
+        """Lookahead: puts the parameters back where the last step left them, exactly (a checkpoint
+        then holds the shared parameters; the next forward pass goes without the lookahead)."""
+        if self._shifted:
+            for p, origin in zip(self._trainable(), self._origin, strict=True):
+                p.copy_(origin)
+            self._shifted = False
+
+    def _settings(self) -> dict[torch.Tensor, tuple[float, float]]:
+        return {
+            p: (group["lr"], group["weight_decay"]) for group in self.param_groups for p in group["params"]
+        }
+
+    def _gather(self, data: bytes, samples: int, params: list[torch.Tensor]) -> _Gathered:
+        """Step 6: the exchange, on the training thread or the background one."""
+        start = time.perf_counter()
+        contributions = self.exchange.gather(data, samples, state=params)
+        adopted = self.exchange.adopted_state()  # read on the thread that gathered
+        seconds = time.perf_counter() - start
+        self.exchange_s += seconds
+        return _Gathered(contributions, adopted, seconds)
+
+    def _collect(self) -> _Gathered | None:
+        """The round in flight, waited for (None without overlap or before the first step); its
+        adopted state, if any, replaces the parameters at once."""
+        if self._pending is None:
+            return None
+        gathered, self._pending = self._pending.result(), None
+        if gathered.adopted is not None:
+            self.load_shared_state(gathered.adopted)
+        return gathered
+
+    def _apply(self, gathered: _Gathered) -> None:
+        """Steps 7-8 for a gathered round: decode, combine, and step along the sign."""
+        started = time.perf_counter()
+        if self._background is None:
+            self.phase_seconds["exchange"] += gathered.seconds
+            if gathered.adopted is not None:
+                self.load_shared_state(gathered.adopted)
+        slices, settings = self._slices(), self._settings()
+        contributions = gathered.contributions
         self.bytes_received += sum(len(c.payload) for c in contributions if c.rank != self.exchange.rank)
         received = self._accept(contributions, slices)
         decoded = time.perf_counter()
@@ -158,16 +299,13 @@ class DeMo(torch.optim.Optimizer):
             signs = torch.sign(torch.nan_to_num(direction, nan=0.0))
             for member in piece.members:
                 member.matrix(member.param).add_(member.tiles(signs), alpha=-settings[member.param][0])
-        phases = self.phase_seconds
-        phases["encode"] += encoded - started
-        phases["exchange"] += gathered - encoded
-        phases["decode"] += decoded - gathered
-        phases["apply"] += time.perf_counter() - decoded
-        return loss
+        self.phase_seconds["decode"] += decoded - started
+        self.phase_seconds["apply"] += time.perf_counter() - decoded
 
     def shared_state(self) -> list[torch.Tensor]:
-        """What every participant holds alike: the trainable parameters (the momentum is local)."""
-        return self._trainable()
+        """What every participant holds alike: the trainable parameters (the momentum is local), as
+        the last step left them (without the lookahead shift)."""
+        return self._origin if self._shifted else self._trainable()
 
     @torch.no_grad()
     def load_shared_state(self, tensors: list[torch.Tensor]) -> None:
@@ -175,11 +313,12 @@ class DeMo(torch.optim.Optimizer):
         params = self._trainable()
         if [t.shape for t in tensors] != [p.shape for p in params]:
             raise ValueError("shared state does not match this optimizer's parameters")
+        self._shifted = False  # the lookahead shift belonged to the parameters replaced
         for p, t in zip(params, tensors, strict=True):
             p.copy_(t)
         self.resyncs += 1
 
-    def _compress(self, piece: Slice, settings: dict) -> TopKCoefficients:
+    def _compress(self, piece: Slice, settings: dict[torch.Tensor, tuple[float, float]]) -> TopKCoefficients:
         """Steps 1-5 for a slice: decay, accumulate, select, error feedback. Returns what is sent.
 
         The momentum lives in the DCT domain: the transform is linear and orthonormal, so

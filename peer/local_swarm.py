@@ -33,6 +33,7 @@ from typing import IO
 
 from shoal.peer.files import replace_text
 from shoal.peer.progress import Progress
+from shoal.peer.settings import ALGORITHMS, OVERLAPPED
 
 STARTUP_S = 8.0  # importing torch and hivemind, starting a DHT, loading the corpus; more per extra peer
 STARTUP_PER_PEER_S = 2.0
@@ -136,7 +137,9 @@ def run(
             f"starting {peers} peers ({algorithm}, rounds of {round_seconds:g} s); logs in {logs}"
         )
         if coordinator:
-            server, coordinator_address, coordinator_metrics = _start_coordinator(logs, peers, round_seconds)
+            server, coordinator_address, coordinator_metrics = _start_coordinator(
+                logs, peers, round_seconds, overlap=ALGORITHMS[algorithm] in OVERLAPPED
+            )
             common += ["--coordinator", coordinator_address]
             progress.message(f"coordinator on {coordinator_address}")
             targets.add("coordinator", coordinator_metrics)
@@ -210,15 +213,17 @@ class TargetsFile:
             raise DemoError(f"--metrics-targets {self.path}: {error.strerror}") from None
 
 
-def _start_coordinator(logs: Path, peers: int, round_seconds: float) -> tuple[subprocess.Popen, str, str]:
+def _start_coordinator(
+    logs: Path, peers: int, round_seconds: float, overlap: bool
+) -> tuple[subprocess.Popen, str, str]:
     """A `shoal coordinator` on a free loopback port whose first round waits for every peer; rounds
-    compute for half of `round_seconds`, and at most twice that. Returns it, its address and its
-    metrics endpoint."""
+    compute for half of `round_seconds`, and at most twice that; with `overlap`, the next round is
+    announced as soon as one is decided. Returns it, its address and its metrics endpoint."""
     command = [sys.executable, "-m", "shoal.peer.cli", "coordinator", "--listen", "127.0.0.1:0"]
     command += ["--metrics-port", "0"]
     command += ["--state", str(logs / "coordinator.db"), "--log-format", "json", "--min-peers", str(peers)]
     command += ["--min-compute-s", repr(round_seconds / 2), "--max-compute-s", repr(round_seconds)]
-    command += ["--eviction-s", repr(10 * round_seconds)]
+    command += ["--eviction-s", repr(10 * round_seconds)] + (["--overlap"] if overlap else [])
     log = (logs / "coordinator.log").open("w")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     line = process.stdout.readline()  # its first line says where it listens (no torch: quick)

@@ -160,7 +160,7 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
             topk=settings.topk,
             inner_steps=settings.inner_steps,
             outer_lr=settings.outer_lr,
-            codec=DenseCodec(8) if settings.algorithm != "demo" else None,
+            codec=None if settings.algorithm.startswith("demo") else DenseCodec(8),
             checkpoints=CheckpointStore(settings.checkpoint_dir) if settings.checkpoint_dir else None,
             checkpoint_every=settings.checkpoint_every,
             loss_fn=loaded.loss_fn,

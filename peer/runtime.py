@@ -35,7 +35,7 @@ from shoal.peer.demo import DeMo
 from shoal.peer.diloco import DiLoCo
 from shoal.peer.exchange import Exchange
 
-ALGORITHMS = ("demo", "diloco-standard", "diloco-delayed", "diloco-eager")
+ALGORITHMS = ("demo", "demo-overlap", "diloco-standard", "diloco-delayed", "diloco-eager")
 PHASES = ("compute", "encode", "exchange", "decode", "apply")
 
 Batches = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
@@ -175,9 +175,16 @@ class Trainer:
         self._micro_seconds: float | None = None  # moving average of one micro-batch's compute time
         self.steps = 0
         """Optimizer steps taken; every round takes `inner_steps` of them."""
-        if algorithm == "demo":
+        if algorithm.startswith("demo"):
+            overlap = algorithm == "demo-overlap"  # with Psyche's lookahead: see shoal.peer.demo
             self.optimizer = DeMo(
-                model.parameters(), lr=lr, exchange=exchange, compression_topk=topk, value_bits=value_bits
+                model.parameters(),
+                lr=lr,
+                exchange=exchange,
+                compression_topk=topk,
+                value_bits=value_bits,
+                overlap=overlap,
+                lookahead=overlap,
             )
             self.inner_steps = 1
             self.diloco = None
@@ -310,17 +317,18 @@ class Trainer:
         )
 
     def finish(self) -> None:
-        """Ends training: DiLoCo applies the round still in flight; every peer lands on the shared state."""
-        if self.diloco is not None:
-            self.diloco.finish()
+        """Ends training: an overlapped algorithm applies the round still in flight; every peer lands
+        on the shared state."""
+        (self.optimizer if self.diloco is None else self.diloco).finish()
 
     def close(self) -> None:
-        if self.diloco is not None:
-            self.diloco.close()
+        (self.optimizer if self.diloco is None else self.diloco).close()
 
     def state_dict(self) -> dict:
         """Tensors and plain values only (loadable with weights_only=True)."""
         state = {"steps": self.steps, "algorithm": self.algorithm}
+        if self.diloco is None:
+            self.optimizer.unshift()  # the shared parameters, not the lookahead's guess
         state["model"] = self.model.state_dict()
         state["optimizer"] = self.optimizer.state_dict()
         if self.diloco is not None:

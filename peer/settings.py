@@ -29,11 +29,15 @@ def check_run_name(run: str) -> str:
 
 ALGORITHMS = {
     "demo": "demo",
+    "demo-overlap": "demo-overlap",
     "diloco": "diloco-eager",
     "diloco-standard": "diloco-standard",
     "diloco-delayed": "diloco-delayed",
     "diloco-eager": "diloco-eager",
 }
+OVERLAPPED = frozenset({"demo-overlap", "diloco-delayed", "diloco-eager"})
+"""Algorithms (ALGORITHMS' values) that exchange round r while round r + 1 computes: their coordinator
+runs with --overlap, announcing round r + 1 as soon as round r is decided."""
 DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d{1,3})?)$")
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -81,14 +85,14 @@ class JoinSettings:
         """What every peer of a run must share (hashed into its records; shoal.peer.membership)."""
         config = {"model": self.model, "algorithm": self.algorithm, "lr": repr(self.learning_rate)}
         config["seed"] = str(self.seed)
-        if self.algorithm == "demo":
+        if self.algorithm.startswith("demo"):
             return config | {"compression_topk": str(self.topk)}
         return config | {"inner_steps": str(self.inner_steps), "outer_lr": repr(self.outer_lr)}
 
     @property
     def learning_rate(self) -> float:
         """`lr`, or the algorithm's default when it is 0."""
-        return self.lr or (2e-3 if self.algorithm == "demo" else 1e-3)
+        return self.lr or (2e-3 if self.algorithm.startswith("demo") else 1e-3)
 
 
 def _text(value: Any) -> str:

@@ -9,9 +9,10 @@ Every method trains the same model from the same initial weights on the same per
 - compute_only: AdamW alone, no network (the upper bound);
 - ddp: AdamW after a torch.distributed gloo all-reduce of the full fp32 gradients every step (one
   flat buffer, as DistributedDataParallel's buckets amount to), through node 0's address;
-- demo_compact, diloco_standard, diloco_eager: a shoal peer (hivemind DHT, SwarmExchange) following
-  the coordinator of the last namespace; DeMo with top-4 coefficients and 1-bit values, DiLoCo with
-  4-bit (blockwise) pseudo-gradients every H inner steps.
+- demo_compact, demo_overlap, diloco_standard, diloco_eager: a shoal peer (hivemind DHT,
+  SwarmExchange) following the coordinator of the last namespace; DeMo with top-4 coefficients and
+  1-bit values (demo_overlap: exchanged while the next step computes, applied a step late, with the
+  lookahead), DiLoCo with 4-bit (blockwise) pseudo-gradients every H inner steps.
 
 Timing starts when every node is ready (gloo's barrier; the coordinator's first round, which waits for
 every peer) and ends after the last step (DiLoCo: once the last outer update landed).
@@ -35,7 +36,12 @@ MODELS = {
     "tiny": GPTConfig.preset("tiny"),
     "5m": GPTConfig.preset("small", n_layer=7),  # ~5.6M parameters
 }
-SWARM_METHODS = {"demo_compact": "demo", "diloco_standard": "diloco-standard", "diloco_eager": "diloco-eager"}
+SWARM_METHODS = {
+    "demo_compact": "demo",
+    "demo_overlap": "demo-overlap",
+    "diloco_standard": "diloco-standard",
+    "diloco_eager": "diloco-eager",
+}
 METHODS = ("compute_only", "ddp", *SWARM_METHODS)
 DDP_PORT = 29517
 
@@ -156,13 +162,13 @@ def _swarm(args, model, batch) -> dict:
         coordinator=CoordinatorLink(args.coordinator, dht.peer_id.to_base58()),
         fetch_timeout=timedelta(seconds=120),
     )
-    inner = 1 if algorithm == "demo" else args.inner_steps
+    inner = 1 if algorithm.startswith("demo") else args.inner_steps
     trainer = Trainer(
         model,
         exchange,
         algorithm=algorithm,
         batches=lambda step, _micro, _size: batch(step),
-        lr=2e-3 if algorithm == "demo" else 1e-3,
+        lr=2e-3 if algorithm.startswith("demo") else 1e-3,
         topk=4,
         value_bits=1,
         inner_steps=inner,

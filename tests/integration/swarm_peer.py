@@ -130,7 +130,7 @@ def main() -> None:
             algorithm=args.algorithm,
             batches=lambda step, _micro, _size: plan.batch(streams.train, step, args.index),
             topk=args.topk,
-            codec=DenseCodec(8) if args.algorithm != "demo" else None,
+            codec=None if args.algorithm.startswith("demo") else DenseCodec(8),
             checkpoints=CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None,
         )
         resumed = trainer.resume() if args.resume else False

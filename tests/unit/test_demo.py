@@ -1,6 +1,9 @@
 """DeMo against an independent float64 re-computation of the reference, its options, its state."""
 
+import functools
 import struct
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -255,6 +258,7 @@ def test_scalar_and_unused_parameters_take_part():
         ({"weight_decay": -1}, "weight_decay"),
         ({"value_bits": 2}, "value_bits"),
         ({"compression_topk": 0}, "topk"),
+        ({"lookahead": True}, "lookahead needs overlap"),
     ],
 )
 def test_bad_settings_name_the_setting(kwargs, match):
@@ -304,3 +308,128 @@ def test_the_exchange_can_replace_the_parameters_before_the_update():
     assert torch.all((p - 5.0).abs() <= 0.1 + 1e-6) and not torch.equal(p.detach(), swarm)
     with pytest.raises(ValueError, match="does not match"):
         opt.load_shared_state([torch.zeros(3)])
+
+
+class _OneRoundLate(Exchange):
+    """Meets the others at once but hands back the previous round's contributions (none at first):
+    a synchronous DeMo over it applies every aggregate one step late, the reference for overlap."""
+
+    def __init__(self, inner: Exchange):
+        self.inner = inner
+        self.held: list[Contribution] = []
+
+    rank = property(lambda self: self.inner.rank)
+    world_size = property(lambda self: self.inner.world_size)
+
+    def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
+        previous, self.held = self.held, self.inner.gather(payload, samples, state=state)
+        return previous
+
+    def mean(self, tensor, weight=1.0):
+        raise NotImplementedError
+
+    def adopted_state(self):
+        return None
+
+    def reject(self, contribution, reason):
+        self.inner.reject(contribution, reason)
+
+
+def test_overlap_applies_every_aggregate_one_step_late_and_finish_lands_everyone_together():
+    torch.manual_seed(20)
+    initial = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
+    grads = make_grads(steps=8, workers=3, seed=4)
+    settings = {"lr": 1e-3, "weight_decay": 0.1, "compression_topk": 4, "value_bits": 1}
+
+    def work(rank, exchange, overlap):
+        params = [torch.nn.Parameter(p.clone()) for p in initial]
+        opt = DeMo(
+            params, exchange=exchange if overlap else _OneRoundLate(exchange), overlap=overlap, **settings
+        )
+        for step_grads in grads:
+            for p, g in zip(params, step_grads[rank], strict=True):
+                p.grad = g
+            opt.step()
+        before = [p.detach().clone() for p in params]
+        opt.finish()
+        opt.close()
+        return before, [p.detach() for p in params]
+
+    late = run_workers(3, lambda rank, exchange: work(rank, exchange, overlap=False))
+    overlapped = run_workers(3, lambda rank, exchange: work(rank, exchange, overlap=True))
+    for (before, after), (reference, _) in zip(overlapped, late, strict=True):
+        for got, want in zip(before, reference, strict=True):
+            assert torch.equal(got, want)  # the same arithmetic, in the same order
+        assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))  # the last round
+        for a, b in zip(after, overlapped[0][1], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_overlap_hides_a_slow_exchange_behind_the_next_steps_computation():
+    latency = 0.3
+
+    def work(rank, exchange, overlap):
+        p = torch.nn.Parameter(torch.zeros(32, 32))
+        opt = DeMo([p], lr=1e-3, exchange=exchange, compression_topk=4, overlap=overlap)
+        for _ in range(5):
+            time.sleep(latency)  # the forward and backward pass
+            p.grad = torch.randn(32, 32)
+            opt.step()
+        opt.finish()
+        opt.close()
+        return opt
+
+    waited = {}
+    for overlap in (False, True):
+        opts = run_workers(2, functools.partial(work, overlap=overlap), latency=timedelta(seconds=latency))
+        waited[overlap] = opts[0]
+    assert waited[False].phase_seconds["exchange"] >= 5 * latency * 0.9  # every exchange waited for
+    assert waited[True].exchange_s >= 5 * latency * 0.9
+    # overlapped: only the last round (collected by finish) and scheduling noise are waited for
+    assert waited[True].phase_seconds["exchange"] < 2 * latency
+
+
+def test_overlap_adopts_the_swarms_parameters_before_the_late_update():
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    swarm = torch.full((8, 8), 5.0)
+    opt = DeMo([p], lr=0.1, exchange=_FixedExchange([], adopt=[swarm]), compression_topk=4, overlap=True)
+    p.grad = torch.randn(8, 8)
+    opt.step()  # round 0 is in flight: nothing applied, nothing adopted yet
+    assert opt.resyncs == 0 and torch.equal(p.detach(), torch.zeros(8, 8))
+    opt.finish()
+    assert opt.resyncs == 1
+    assert torch.all((p - 5.0).abs() <= 0.1 + 1e-6) and not torch.equal(p.detach(), swarm)
+    opt.close()
+
+
+def test_lookahead_computes_gradients_ahead_and_keeps_the_shared_parameters_identical():
+    torch.manual_seed(21)
+    initial = [torch.randn(s) for s in SHAPES]
+    grads = make_grads(steps=6, workers=3, seed=5)
+    lr = 1e-2
+
+    def work(rank, exchange):
+        params = [torch.nn.Parameter(p.clone()) for p in initial]
+        opt = DeMo(params, lr=lr, exchange=exchange, compression_topk=4, overlap=True, lookahead=True)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads[rank], strict=True):
+                p.grad = g.float()
+            opt.step()
+        live = [p.detach().clone() for p in params]
+        shared = [t.clone() for t in opt.shared_state()]
+        opt.unshift()
+        assert all(torch.equal(p, t) for p, t in zip(params, shared, strict=True))  # exactly back
+        opt.finish()
+        opt.close()
+        return live, shared, [p.detach() for p in params]
+
+    results = run_workers(3, work)
+    live0, shared0, final0 = results[0]
+    for live, shared, final in results:
+        assert all(torch.equal(a, b) for a, b in zip(shared, shared0, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(final, final0, strict=True))
+        for a, b in zip(live, shared, strict=True):
+            assert (a - b).abs().max().item() <= lr * 1.0001  # one sign step of lr: the guess
+    # each participant guesses from its own momentum: the live parameters differ between them
+    assert any(not torch.equal(a, b) for a, b in zip(results[1][0], live0, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(live0, shared0, strict=True))

@@ -142,3 +142,20 @@ def test_models_by_preset_factory_and_errors():
         load_model("no_such_module:factory")
     with pytest.raises(ModelError, match="expected one of tiny, small, base"):
         load_model("gpt-17")
+
+
+def test_demo_overlap_checkpoints_the_shared_parameters_and_finish_applies_the_last_round():
+    torch.manual_seed(0)
+    peer = Trainer(Linear(), LoopbackExchange.group(1)[0], algorithm="demo-overlap", batches=batches)
+    peer.run(3)
+    shared = [t.clone() for t in peer.optimizer.shared_state()]
+    live = [p.detach().clone() for p in peer.model.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(live, shared, strict=True))  # the lookahead's guess
+    state = peer.state_dict()
+    assert all(
+        torch.equal(state["model"][name], t)
+        for (name, _), t in zip(peer.model.named_parameters(), shared, strict=True)
+    )
+    peer.finish()
+    assert any(not torch.equal(p, t) for p, t in zip(peer.model.parameters(), shared, strict=True))
+    peer.close()
