@@ -2,13 +2,13 @@
 
     shoal --help
     shoal join [--initial-peers MADDR ...] [--config FILE] [--model NAME|module:factory|DIR] ...
-    shoal demo [--peers N] [--rounds R] [--algorithm demo|diloco] [--no-coordinator] [--slow-peer I] [--json]
+    shoal demo [--peers N] [--rounds R] [--algorithm demo|demo-overlap|diloco] [--json] ...
     shoal status [--initial-peers MADDR ...] [--run NAME] [--json]
     shoal check [--initial-peers MADDR ...] [--json]
     shoal keygen PATH
     shoal coordinator [--listen ADDR] [--state PATH] [--round-quantile Q] [--token-file F] ...
     shoal bench codec [--json] [--repeat N]
-    shoal bench converge [--json] [--quick]
+    shoal bench converge [--json] [--quick] [--methods M,...]
     shoal bench swarm-local [--json] [--peers N ...] [--model tiny|10m] [--rounds R] [--round-seconds S]
 
 Subcommands appear here as they are built; there are no placeholders.
@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     converge.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
     converge.add_argument(
         "--quick", action="store_true", help="the tiny model for 300 steps (~3 minutes on 2 cores)"
+    )
+    converge.add_argument(
+        "--methods",
+        help="comma-separated, of adamw_dp,demo_reference,demo_compact,diloco_standard,diloco_delayed,"
+        "diloco_eager (the default: all six) and demo_compact_overlap,demo_compact_lookahead",
     )
     wan = benchmarks.add_parser(
         "wan",
@@ -328,7 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.benchmark == "converge":
         from shoal.peer import convergence
 
-        return convergence.main(as_json=args.json, quick=args.quick)
+        methods = tuple(args.methods.split(",")) if args.methods else convergence.METHODS
+        unknown = set(methods) - set(convergence.TRAINERS)
+        if unknown:
+            print(
+                f"shoal bench converge: error: --methods: unknown {', '.join(sorted(unknown))}",
+                file=sys.stderr,
+            )
+            return 2
+        return convergence.main(as_json=args.json, quick=args.quick, methods=methods)
     if args.command == "bench" and args.benchmark == "swarm-local":
         from shoal.peer import swarm_bench
 

@@ -2,6 +2,7 @@
 
     shoal bench converge --quick          # a table, within 3 minutes on 2 CPU cores
     shoal bench converge --json           # {"results": [{"method", "final_val_loss", ...}]}
+    shoal bench converge --quick --methods demo_compact,demo_compact_overlap,demo_compact_lookahead
 
 Four simulated workers (threads, LoopbackExchange) train the embedded byte-level GPT on the standard
 library corpus for the same number of optimizer steps each, with disjoint batches per worker and step:
@@ -11,6 +12,9 @@ library corpus for the same number of optimizer steps each, with disjoint batche
 - demo_compact: DeMo with k=4, 1-bit values, beta 0.99, alpha 1 (the best of the alpha/beta we tried);
 - diloco_standard / diloco_delayed / diloco_eager: AdamW inner steps, an outer Nesterov step every
   `inner_steps`, exact float32 pseudo-gradients; `finish()` applies the last round still in flight.
+
+On request (`--methods`): demo_compact_overlap and demo_compact_lookahead, demo_compact exchanged in
+the background and applied a step late, without and with Psyche's lookahead (shoal.peer.demo).
 
 Reported per method: validation loss of worker 0's final parameters on fixed validation batches,
 payload bytes each worker sent, and wall time.
@@ -31,6 +35,7 @@ from shoal.peer.exchange import Exchange, run_loopback
 from shoal.peer.model import GPTConfig, TinyGPT
 
 METHODS = ("adamw_dp", "demo_reference", "demo_compact", "diloco_standard", "diloco_delayed", "diloco_eager")
+EXTRA_METHODS = ("demo_compact_overlap", "demo_compact_lookahead")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,11 +195,11 @@ def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> Me
     return MethodResult(method, loss, outcomes[0].bytes_sent, wall)
 
 
-def main(*, as_json: bool, quick: bool) -> int:
+def main(*, as_json: bool, quick: bool, methods: tuple[str, ...] = METHODS) -> int:
     config = QUICK if quick else FULL
     streams = stdlib_corpus()
     results = []
-    for method in METHODS:
+    for method in methods:
         result = run_method(method, config, streams)
         results.append(result)
         if not as_json:

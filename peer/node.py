@@ -45,6 +45,7 @@ from shoal.peer.swarm import RoundPlan, RoundSchedule, SwarmExchange
 DISCOVER_TIMEOUT = timedelta(seconds=60)
 # the run configuration's flags, in the order the join command names them
 RUN_FLAGS = ("run", "model", "algorithm", "lr", "topk", "inner_steps", "outer_lr", "seed")
+DRAIN_MAX_S = 30.0  # the longest a leaving peer serves its last payload to peers that have not pulled it
 
 
 class JoinError(RuntimeError):
@@ -184,7 +185,8 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
             metrics.close()
         if trainer is not None:
             trainer.close()
-        exchange.close()
+        # the others may still be pulling this peer's last payload: serve it for up to a round more
+        exchange.close(drain=timedelta(seconds=min(DRAIN_MAX_S, settings.round_seconds)))
 
 
 def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMetrics | None) -> dict:

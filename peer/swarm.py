@@ -312,6 +312,9 @@ class SwarmExchange(Exchange):
         self._states: dict[bytes, StateSnapshot] = {}
         self._seen: dict[bytes, int] = {}  # payload digest: the round it was first announced in
         self._adopted: list[torch.Tensor] | None = None
+        self._mine: tuple[int, bytes] | None = None  # (round, digest) of this peer's last payload
+        self._pullers: dict[tuple[int, bytes], set[str]] = {}  # own payload: the peers that pulled it
+        self._expected_pullers: set[str] = set()  # the other participants of the last round
         self._next_round = 0
         self._participants = [self.owner]
         self._me = self.owner  # this peer's key among the participants (its peer id under a coordinator)
@@ -445,13 +448,20 @@ class SwarmExchange(Exchange):
             )
         return weight, tensor
 
-    def close(self) -> None:
-        """Removes the handler, closes this process's P2P replica and stops the loop thread."""
+    def close(self, drain: timedelta = timedelta(0)) -> bool:
+        """Removes the handlers, closes this process's P2P replica and stops the loop thread.
+
+        With `drain`, first goes on serving, for at most that long, until every other participant of
+        the last round has pulled this peer's payload of it: a peer that leaves right after its last
+        round would otherwise leave a slower one without it (that one's round would miss a payload
+        and its parameters would differ). Returns whether all of them had it (True without drain)."""
         if not self._thread.is_alive():
-            return
+            return True
+        drained = drain <= timedelta(0) or self._call(self._drain(time.monotonic() + drain.total_seconds()))
         self._call(self._stop())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        return drained
 
     def __enter__(self) -> "SwarmExchange":
         return self
@@ -502,6 +512,15 @@ class SwarmExchange(Exchange):
             )
         return found
 
+    async def _drain(self, until: float) -> bool:
+        while not self._expected_pullers <= self._pullers.get(self._mine, set()):
+            if time.monotonic() >= until:
+                missing = len(self._expected_pullers - self._pullers.get(self._mine, set()))
+                logger.warning(f"leaving before {missing} peer(s) pulled this peer's last payload")
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     async def _stop(self) -> None:
         if self.coordinator is not None and self.coordinator.started:
             await self.coordinator.stop()
@@ -543,8 +562,11 @@ class SwarmExchange(Exchange):
             self.banned[owner] = until
             del self.strikes[owner]
 
-    async def _serve(self, request: PayloadRequest, _context):
-        for chunk in _chunks(self._held.get((request.round, request.digest), b"")):
+    async def _serve(self, request: PayloadRequest, context):
+        key = (request.round, request.digest)
+        if key in self._pullers and key in self._held and context.remote_id is not None:
+            self._pullers[key].add(context.remote_id.to_base58())
+        for chunk in _chunks(self._held.get(key, b"")):
             self.sent["payload"] += len(chunk.data)
             yield chunk
 
@@ -583,8 +605,11 @@ class SwarmExchange(Exchange):
             for old in list(self._states)[: -self.keep_states]:
                 del self._states[old]
         self._held[(round_number, digest)] = payload
+        self._mine, self._expected_pullers = (round_number, digest), set()
+        self._pullers[self._mine] = set()
         for key in [k for k in self._held if k[0] < round_number - 1]:  # keep the last round for late pullers
             del self._held[key]
+            self._pullers.pop(key, None)
         for key in [k for k, first_round in self._seen.items() if first_round < round_number - 16]:
             del self._seen[key]
         self.banned = {owner: until for owner, until in self.banned.items() if until > round_number}
@@ -678,6 +703,7 @@ class SwarmExchange(Exchange):
             self.synced = agreed == mine.state or self._adopted is not None
             held = [owner for owner in held if owner not in stale]
         self._participants, self._me = held, mine.owner
+        self._expected_pullers = {a.peer for owner, a in announced.items() if owner != mine.owner}
         return [
             Contribution(
                 rank,

@@ -4,6 +4,7 @@ what they pulled, and a puller falls back to them (real DHTs and libp2p streams,
 import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
@@ -11,7 +12,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from shoal.peer.bootstrap import start_dht
 from shoal.peer.membership import record_validators
 from shoal.peer.swarm import PROBE_MAX_BYTES, RoundSchedule, SwarmExchange
-from shoal.protocol.swarm_pb2 import ProbeRequest
+from shoal.protocol.swarm_pb2 import PayloadRequest, ProbeRequest
 
 CONFIG = {"model": "tiny", "algorithm": "demo"}
 
@@ -32,9 +33,11 @@ class ServesOnce(SwarmExchange):
             yield chunk
 
 
-@pytest.mark.timeout(90)
-def test_a_payload_served_once_by_its_origin_reaches_every_peer_through_relays():
-    identities = [RSAPrivateKey() for _ in range(4)]
+def start_swarm(
+    kinds: list[type[SwarmExchange]], round_seconds: float = 6
+) -> tuple[list, list, RoundSchedule]:
+    """(exchanges, their DHTs, the schedule): one exchange of each kind, in this process."""
+    identities = [RSAPrivateKey() for _ in kinds]
     dhts = [
         start_dht(
             [], host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=record_validators("r", identities[0])
@@ -49,12 +52,17 @@ def test_a_payload_served_once_by_its_origin_reaches_every_peer_through_relays()
                 record_validators=record_validators("r", identity),
             )
         )
-    schedule = RoundSchedule(start_time=time.time() + 2, round_seconds=6)
-    kinds = [ServesOnce] + [SwarmExchange] * 3
+    schedule = RoundSchedule(start_time=time.time() + 2, round_seconds=round_seconds)
     exchanges = [
         kind(dht, run="r", schedule=schedule, identity=identity, config=CONFIG)
         for kind, dht, identity in zip(kinds, dhts, identities, strict=True)
     ]
+    return exchanges, dhts, schedule
+
+
+@pytest.mark.timeout(90)
+def test_a_payload_served_once_by_its_origin_reaches_every_peer_through_relays():
+    exchanges, dhts, schedule = start_swarm([ServesOnce] + [SwarmExchange] * 3)
     try:
         payloads = [bytes([i]) * 300_000 for i in range(4)]
         time.sleep(max(0.0, schedule.start_time - time.time()))
@@ -78,6 +86,55 @@ def test_a_payload_served_once_by_its_origin_reaches_every_peer_through_relays()
         assert probe(exchanges[1]) == b""
         assert exchanges[0].rejected["probe_rate"] == 1
         assert len(probe(exchanges[2])) == PROBE_MAX_BYTES  # another peer is not limited by the first
+    finally:
+        for exchange in exchanges:
+            exchange.close()
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_leaving_peer_serves_its_last_payload_until_the_others_pulled_it():
+    exchanges, dhts, schedule = start_swarm([SwarmExchange] * 2, round_seconds=3)
+    leaving, staying = exchanges
+    try:
+        payloads = [b"a" * 50_000, b"b" * 50_000]
+        time.sleep(max(0.0, schedule.start_time - time.time()))
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda i: exchanges[i].gather(payloads[i], samples=1), range(2)))
+        number, digest = leaving._mine
+        assert leaving._expected_pullers == {staying.peer_id}
+        leaving._pullers[leaving._mine].clear()  # as if the other peer had not pulled it yet
+
+        def pull() -> bytes:
+            request = PayloadRequest(round=number, digest=digest)
+            return staying._call(staying._pull(leaving.peer_id, "shoal.r.payload", request, 1 << 20))
+
+        with ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            closing = pool.submit(leaving.close, timedelta(seconds=20))
+            time.sleep(1.5)  # the slower peer comes for it late
+            assert pull() == payloads[0]
+            assert closing.result(timeout=10) is True
+            assert 1.5 <= time.monotonic() - started < 10  # waited for it, not for the whole drain
+    finally:
+        for exchange in exchanges:
+            exchange.close()
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_drain_gives_up_after_its_time_when_a_participant_never_comes():
+    exchanges, dhts, schedule = start_swarm([SwarmExchange] * 2, round_seconds=3)
+    try:
+        time.sleep(max(0.0, schedule.start_time - time.time()))
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda i: exchanges[i].gather(bytes([i]) * 1000, samples=1), range(2)))
+        exchanges[0]._pullers[exchanges[0]._mine].clear()
+        started = time.monotonic()
+        assert exchanges[0].close(timedelta(seconds=1)) is False
+        assert 1 <= time.monotonic() - started < 5
     finally:
         for exchange in exchanges:
             exchange.close()

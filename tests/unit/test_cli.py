@@ -94,3 +94,17 @@ def test_bench_converge_json_reports_every_method(monkeypatch, capsys):
         assert set(row) == {"method", "final_val_loss", "bytes_sent_per_worker", "wall_s"}
         assert 0 < row["final_val_loss"] < 10 and row["bytes_sent_per_worker"] > 0
     assert rows["demo_compact"]["bytes_sent_per_worker"] * 100 < rows["adamw_dp"]["bytes_sent_per_worker"]
+
+
+def test_bench_converge_runs_the_methods_asked_for_and_refuses_unknown_ones(monkeypatch, capsys):
+    from shoal.peer import convergence
+
+    tiny = convergence.ConvergeConfig(model="tiny", steps=4, batch_size=2, inner_steps=2, eval_batches=1)
+    monkeypatch.setattr(convergence, "QUICK", tiny)
+    asked = ["bench", "converge", "--json", "--quick", "--methods", "demo_compact,demo_compact_lookahead"]
+    assert cli.main(asked) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert [r["method"] for r in rows] == ["demo_compact", "demo_compact_lookahead"]
+    assert rows[0]["bytes_sent_per_worker"] == rows[1]["bytes_sent_per_worker"]  # same payloads, later
+    assert cli.main(["bench", "converge", "--methods", "demo_fast"]) == 2
+    assert "unknown demo_fast" in capsys.readouterr().err
