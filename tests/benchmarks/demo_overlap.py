@@ -9,15 +9,13 @@ waited for them (worker 0).
 """
 
 import argparse
-import json
-import time
-from datetime import timedelta
 
 import torch
 
 from shoal.peer.demo import DeMo
-from shoal.peer.exchange import LoopbackExchange, run_loopback
+from shoal.peer.exchange import LoopbackExchange
 from shoal.peer.model import GPTConfig, TinyGPT
+from tests.benchmarks import time_loopback_mode
 
 MODES = {"sync": {}, "overlap": {"overlap": True}, "lookahead": {"overlap": True, "lookahead": True}}
 
@@ -51,20 +49,7 @@ def main() -> None:
             optimizer.close()
             return {"exchange_s": optimizer.exchange_s, "waited_s": optimizer.phase_seconds["exchange"]}
 
-        start = time.perf_counter()
-        results = run_loopback(args.workers, work, latency=timedelta(seconds=args.latency))
-        wall = time.perf_counter() - start
-        print(
-            json.dumps(
-                {
-                    "mode": mode,
-                    "latency_s": args.latency,
-                    "wall_s": round(wall, 2),
-                    **{k: round(v, 2) for k, v in results[0].items()},
-                }
-            ),
-            flush=True,
-        )
+        time_loopback_mode(mode, work, args.workers, args.latency)
 
 
 if __name__ == "__main__":

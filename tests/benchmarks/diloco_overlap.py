@@ -8,15 +8,13 @@ seconds hidden behind compute (worker 0).
 """
 
 import argparse
-import json
-import time
-from datetime import timedelta
 
 import torch
 
 from shoal.peer.diloco import MODES, DiLoCo
-from shoal.peer.exchange import LoopbackExchange, run_loopback
+from shoal.peer.exchange import LoopbackExchange
 from shoal.peer.model import GPTConfig, TinyGPT
+from tests.benchmarks import time_loopback_mode
 
 
 def main() -> None:
@@ -47,20 +45,7 @@ def main() -> None:
             stats = diloco.stats
             return {"exchange_s": stats.exchange_s, "waited_s": stats.waited_s, "hidden_s": stats.hidden_s}
 
-        start = time.perf_counter()
-        results = run_loopback(args.workers, work, latency=timedelta(seconds=args.latency))
-        wall = time.perf_counter() - start
-        print(
-            json.dumps(
-                {
-                    "mode": mode,
-                    "latency_s": args.latency,
-                    "wall_s": round(wall, 2),
-                    **{k: round(v, 2) for k, v in results[0].items()},
-                }
-            ),
-            flush=True,
-        )
+        time_loopback_mode(mode, work, args.workers, args.latency)
 
 
 if __name__ == "__main__":

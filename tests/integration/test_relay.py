@@ -1,8 +1,10 @@
 """Payloads reach every participant even when their origin serves them only once: peers re-serve
 what they pulled, and a puller falls back to them (real DHTs and libp2p streams, in one process)."""
 
+import contextlib
 import hashlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -33,10 +35,9 @@ class ServesOnce(SwarmExchange):
             yield chunk
 
 
-def start_swarm(
-    kinds: list[type[SwarmExchange]], round_seconds: float = 6
-) -> tuple[list, list, RoundSchedule]:
-    """(exchanges, their DHTs, the schedule): one exchange of each kind, in this process."""
+@contextlib.contextmanager
+def swarm(kinds: list[type[SwarmExchange]], round_seconds: float = 6) -> Iterator[tuple[list, RoundSchedule]]:
+    """(exchanges, the schedule): one exchange of each kind, in this process; all closed on exit."""
     identities = [RSAPrivateKey() for _ in kinds]
     dhts = [
         start_dht(
@@ -53,17 +54,21 @@ def start_swarm(
             )
         )
     schedule = RoundSchedule(start_time=time.time() + 2, round_seconds=round_seconds)
-    exchanges = [
-        kind(dht, run="r", schedule=schedule, identity=identity, config=CONFIG)
-        for kind, dht, identity in zip(kinds, dhts, identities, strict=True)
-    ]
-    return exchanges, dhts, schedule
+    exchanges = []
+    try:
+        for kind, dht, identity in zip(kinds, dhts, identities, strict=True):
+            exchanges.append(kind(dht, run="r", schedule=schedule, identity=identity, config=CONFIG))
+        yield exchanges, schedule
+    finally:
+        for exchange in exchanges:
+            exchange.close()
+        for dht in dhts:
+            dht.shutdown()
 
 
 @pytest.mark.timeout(90)
 def test_a_payload_served_once_by_its_origin_reaches_every_peer_through_relays():
-    exchanges, dhts, schedule = start_swarm([ServesOnce] + [SwarmExchange] * 3)
-    try:
+    with swarm([ServesOnce] + [SwarmExchange] * 3) as (exchanges, schedule):
         payloads = [bytes([i]) * 300_000 for i in range(4)]
         time.sleep(max(0.0, schedule.start_time - time.time()))
         with ThreadPoolExecutor(4) as pool:
@@ -86,18 +91,12 @@ def test_a_payload_served_once_by_its_origin_reaches_every_peer_through_relays()
         assert probe(exchanges[1]) == b""
         assert exchanges[0].rejected["probe_rate"] == 1
         assert len(probe(exchanges[2])) == PROBE_MAX_BYTES  # another peer is not limited by the first
-    finally:
-        for exchange in exchanges:
-            exchange.close()
-        for dht in dhts:
-            dht.shutdown()
 
 
 @pytest.mark.timeout(90)
 def test_a_leaving_peer_serves_its_last_payload_until_the_others_pulled_it():
-    exchanges, dhts, schedule = start_swarm([SwarmExchange] * 2, round_seconds=3)
-    leaving, staying = exchanges
-    try:
+    with swarm([SwarmExchange] * 2, round_seconds=3) as (exchanges, schedule):
+        leaving, staying = exchanges
         payloads = [b"a" * 50_000, b"b" * 50_000]
         time.sleep(max(0.0, schedule.start_time - time.time()))
         with ThreadPoolExecutor(2) as pool:
@@ -117,17 +116,11 @@ def test_a_leaving_peer_serves_its_last_payload_until_the_others_pulled_it():
             assert pull() == payloads[0]
             assert closing.result(timeout=10) is True
             assert 1.5 <= time.monotonic() - started < 10  # waited for it, not for the whole drain
-    finally:
-        for exchange in exchanges:
-            exchange.close()
-        for dht in dhts:
-            dht.shutdown()
 
 
 @pytest.mark.timeout(60)
 def test_a_drain_gives_up_after_its_time_when_a_participant_never_comes():
-    exchanges, dhts, schedule = start_swarm([SwarmExchange] * 2, round_seconds=3)
-    try:
+    with swarm([SwarmExchange] * 2, round_seconds=3) as (exchanges, schedule):
         time.sleep(max(0.0, schedule.start_time - time.time()))
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda i: exchanges[i].gather(bytes([i]) * 1000, samples=1), range(2)))
@@ -135,8 +128,3 @@ def test_a_drain_gives_up_after_its_time_when_a_participant_never_comes():
         started = time.monotonic()
         assert exchanges[0].close(timedelta(seconds=1)) is False
         assert 1 <= time.monotonic() - started < 5
-    finally:
-        for exchange in exchanges:
-            exchange.close()
-        for dht in dhts:
-            dht.shutdown()
