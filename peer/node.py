@@ -16,6 +16,8 @@ Data: in round r the peer in slot s of the round's peers trains on its own windo
 
 import errno
 import hashlib
+import json
+import math
 import socket
 import sys
 import time
@@ -116,8 +118,10 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
     model = loaded.module.to(device)
     numel = loaded.parameters
     if schedule is None:
-        start_time = settings.start_time or time.time() + 0.5
-        schedule = RoundSchedule(start_time=start_time, round_seconds=settings.round_seconds)
+        schedule = _saved_clock(settings, progress) or RoundSchedule(
+            start_time=settings.start_time or time.time() + 0.5, round_seconds=settings.round_seconds
+        )
+    _save_clock(settings, schedule)
     exchange = SwarmExchange(
         dht,
         coordinator=_coordinator_link(settings, dht.peer_id.to_base58()),
@@ -127,6 +131,7 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
         config=settings.run_config(),
         device=str(device),
         max_payload_bytes=max(1 << 20, 8 * numel),
+        rejoin=settings.initial_peers,
     )
     trainer = metrics = None
     try:
@@ -187,6 +192,44 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
             trainer.close()
         # the others may still be pulling this peer's last payload: serve it for up to a round more
         exchange.close(drain=timedelta(seconds=min(DRAIN_MAX_S, settings.round_seconds)))
+
+
+CLOCK_FILE = "clock.json"
+"""In the checkpoint folder: the swarm's round clock, which a peer restarted without --initial-peers (a
+swarm's first peer, its container restarted) keeps, so that the others still take it for one of theirs."""
+
+
+def _saved_clock(settings: JoinSettings, progress: Progress) -> RoundSchedule | None:
+    """The clock saved in the checkpoint folder, if it is this run's, with these rounds, and no
+    --start-time says otherwise."""
+    if not settings.checkpoint_dir or settings.start_time:
+        return None
+    path = Path(settings.checkpoint_dir) / CLOCK_FILE
+    try:
+        saved = json.loads(path.read_text())
+        start_time, round_seconds = float(saved["start_time"]), float(saved["round_seconds"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        progress.message(f"ignoring {path} ({error}): starting a new round clock")
+        return None
+    if saved.get("run") != settings.run or round_seconds != settings.round_seconds:
+        return None  # another swarm, or other rounds on purpose: a new clock
+    if not (math.isfinite(start_time) and 0 < start_time <= time.time() + 86400):
+        progress.message(f"ignoring {path}: its start time {start_time} is not a time")
+        return None
+    progress.message(f"continuing the round clock of {path} (rounds of {round_seconds:g} s)")
+    return RoundSchedule(start_time=start_time, round_seconds=round_seconds)
+
+
+def _save_clock(settings: JoinSettings, schedule: RoundSchedule) -> None:
+    if settings.checkpoint_dir:
+        clock = {
+            "run": settings.run,
+            "start_time": schedule.start_time,
+            "round_seconds": schedule.round_seconds,
+        }
+        replace_text(Path(settings.checkpoint_dir) / CLOCK_FILE, json.dumps(clock))
 
 
 def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMetrics | None) -> dict:

@@ -39,6 +39,7 @@ object runs one event loop on a thread it owns for the handler and the downloads
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import itertools
 import math
@@ -54,10 +55,12 @@ from datetime import timedelta
 import grpc
 import hivemind
 import torch
+from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import get_logger
+from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 from pydantic.v1 import ValidationError
 
@@ -84,6 +87,7 @@ CHUNK_BYTES = 1 << 20  # libp2p unary messages stop at 4 MiB; streamed chunks of
 DIGEST_BYTES = 32
 PROBE_MAX_BYTES = 8 << 20  # a bandwidth probe (`shoal check`) gets at most this much ...
 PROBE_INTERVAL_S = 10.0  # ... and at most once per this many seconds per asking peer
+REJOIN_EVERY_S = 10.0  # a peer alone in its run dials its initial peers again at most this often
 
 
 def peer_records(found) -> tuple[dict[bytes, PeerRecord], int]:
@@ -222,6 +226,10 @@ class SwarmExchange(Exchange):
         ban_rounds: ... for this many rounds.
         keep_states: state snapshots of the last rounds served to joining and re-syncing peers.
         coordinator: the link to the swarm's coordinator, if it has one (see `plan_round`).
+        rejoin: multiaddresses (the initial peers) dialled and pinged again whenever this peer
+            starts a round seeing no other peer of its run. hivemind drops a peer that stops
+            answering from its routing table: without this, peers that knew the swarm through one
+            bootstrap peer would never find it again once it restarted.
     """
 
     def __init__(
@@ -241,6 +249,7 @@ class SwarmExchange(Exchange):
         ban_rounds: int = 10,
         keep_states: int = 2,
         coordinator: CoordinatorLink | None = None,
+        rejoin: Sequence[str] = (),
     ):
         self.dht = dht
         self.run = run
@@ -319,6 +328,10 @@ class SwarmExchange(Exchange):
         self._participants = [self.owner]
         self._me = self.owner  # this peer's key among the participants (its peer id under a coordinator)
         self._members: list[bytes] = []  # compatible peers seen in the last round, by public key
+        self._rejoin = tuple(rejoin)
+        self._rejoined_at = -math.inf  # monotonic time of the last attempt
+        self.rejoins = 0
+        """Times this peer, alone in its run, dialled its initial peers again."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-swarm", daemon=True)
         self._thread.start()
@@ -614,6 +627,10 @@ class SwarmExchange(Exchange):
             del self._seen[key]
         self.banned = {owner: until for owner, until in self.banned.items() if until > round_number}
         await self._store_record(round_number)
+        if self._rejoin and self.peers_seen <= 1 and time.monotonic() - self._rejoined_at >= REJOIN_EVERY_S:
+            self._rejoined_at = time.monotonic()
+            self.rejoins += 1
+            self.dht.run_coroutine(functools.partial(_ping_again, self._rejoin), return_future=True)
         mine = Announcement(self.owner, self.peer_id, digest, len(payload), samples, state, self.synced)
         deadline = self.schedule.deadline(round_number)
         key = f"{self.run}.round.{round_number}"
@@ -950,6 +967,19 @@ class SwarmExchange(Exchange):
                 "digest_mismatch", f"{source}: payload does not match its announcement"
             )
         return data
+
+
+async def _ping_again(maddrs: tuple[str, ...], _dht: hivemind.DHT, node: DHTNode) -> int:
+    """In the DHT's process: dials each multiaddress and pings its DHT node, which puts the two back in
+    each other's routing tables. Returns how many answered."""
+    answered = 0
+    for maddr in maddrs:
+        address = Multiaddr(maddr)
+        peer = PeerID.from_base58(address["p2p"])
+        with contextlib.suppress(Exception):  # unreachable for now: the next lonely round tries again
+            await node.p2p._client.connect(peer, [address.decapsulate(Multiaddr(f"/p2p/{address['p2p']}"))])
+            answered += await node.protocol.call_ping(peer) is not None
+    return answered
 
 
 def _chunks(data: bytes) -> list[PayloadChunk]:

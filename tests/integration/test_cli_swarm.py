@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,12 @@ def events(path: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def wait_for(path: Path, predicate, timeout_s: float) -> dict:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -69,8 +76,11 @@ def test_join_twice_status_and_sigterm_checkpoint(tmp_path):
     first_out, second_out = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     common = ["--host", "127.0.0.1", "--run", "twice", "--log-format", "json", "--round-seconds", "2"]
     served = ["--metrics-port", "0", "--address-file", str(tmp_path / "first.address")]
+    # the first peer as a container runs it: a fixed port and identity, checkpoints (and its clock) kept
+    kept = ["--port", str(free_port()), "--identity", str(tmp_path / "first.key")]
+    kept += ["--checkpoint-dir", str(tmp_path / "first-checkpoints")]
     first = start(
-        "join", *common, *served, stdout=first_out.open("w"), stderr=(tmp_path / "first.err").open("w")
+        "join", *common, *served, *kept, stdout=first_out.open("w"), stderr=(tmp_path / "first.err").open("w")
     )
     second = None
     try:
@@ -126,6 +136,17 @@ def test_join_twice_status_and_sigterm_checkpoint(tmp_path):
         assert other.returncode == 1
         assert "every peer of this run has another configuration" in other.stderr
         assert "compression_topk is 32 there, 4 here" in other.stderr
+
+        # the first peer restarted (a container's restart policy): it keeps the swarm's round clock, so
+        # that the second still takes it for one of its run's peers, and the two train together again
+        os.kill(first.pid, signal.SIGTERM)
+        assert first.wait(timeout=20) == 0
+        again_out = tmp_path / "again.jsonl"
+        first = start(
+            "join", *common, *kept, stdout=again_out.open("w"), stderr=(tmp_path / "again.err").open("w")
+        )
+        wait_for(again_out, lambda e: e.get("event") == "round" and e["participants"] == 2, 90)
+        assert "continuing the round clock" in (tmp_path / "again.err").read_text() + again_out.read_text()
 
         os.kill(second.pid, signal.SIGTERM)  # Ctrl-C's path: leave at the round's end, with a checkpoint
         assert second.wait(timeout=20) == 0

@@ -6,7 +6,6 @@ continues its rounds while the peers train on through the outage."""
 
 import json
 import re
-import socket
 import sqlite3
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 
 from shoal.coordinator.rounds import Policy
 from shoal.protocol import coordinator_pb2, coordinator_pb2_grpc
-from tests.integration.test_cli_swarm import events, kill, shoal, start, wait_for
+from tests.integration.test_cli_swarm import events, free_port, kill, shoal, start, wait_for
 
 GRACE_S = Policy().report_grace_s  # the coordinator's, with the defaults the demo keeps
 
@@ -70,12 +69,6 @@ def test_slow_peer_is_left_out_and_rounds_keep_their_deadlines():
     assert len(slow_rounds) >= 2 and all(len(s) == 1 for s in slow_rounds)  # always the same one peer
     assert len({s[0] for s in slow_rounds}) == 1
     assert "evicted" in (logs / "coordinator.log").read_text()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.timeout(300)

@@ -94,7 +94,7 @@ def test_a_payload_served_once_by_its_origin_reaches_every_peer_through_relays()
 
 
 @pytest.mark.timeout(90)
-def test_a_leaving_peer_serves_its_last_payload_until_the_others_pulled_it():
+def test_a_leaving_peer_serves_its_last_payload_until_the_others_pulled_it_or_its_drain_ends():
     with swarm([SwarmExchange] * 2, round_seconds=3) as (exchanges, schedule):
         leaving, staying = exchanges
         payloads = [b"a" * 50_000, b"b" * 50_000]
@@ -103,7 +103,8 @@ def test_a_leaving_peer_serves_its_last_payload_until_the_others_pulled_it():
             list(pool.map(lambda i: exchanges[i].gather(payloads[i], samples=1), range(2)))
         number, digest = leaving._mine
         assert leaving._expected_pullers == {staying.peer_id}
-        leaving._pullers[leaving._mine].clear()  # as if the other peer had not pulled it yet
+        for exchange in exchanges:
+            exchange._pullers[exchange._mine].clear()  # as if the other peer had not pulled it yet
 
         def pull() -> bytes:
             request = PayloadRequest(round=number, digest=digest)
@@ -116,15 +117,7 @@ def test_a_leaving_peer_serves_its_last_payload_until_the_others_pulled_it():
             assert pull() == payloads[0]
             assert closing.result(timeout=10) is True
             assert 1.5 <= time.monotonic() - started < 10  # waited for it, not for the whole drain
-
-
-@pytest.mark.timeout(60)
-def test_a_drain_gives_up_after_its_time_when_a_participant_never_comes():
-    with swarm([SwarmExchange] * 2, round_seconds=3) as (exchanges, schedule):
-        time.sleep(max(0.0, schedule.start_time - time.time()))
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda i: exchanges[i].gather(bytes([i]) * 1000, samples=1), range(2)))
-        exchanges[0]._pullers[exchanges[0]._mine].clear()
+        # the peer that left never pulls the other's payload: that drain ends on its time limit
         started = time.monotonic()
-        assert exchanges[0].close(timedelta(seconds=1)) is False
+        assert staying.close(timedelta(seconds=1)) is False
         assert 1 <= time.monotonic() - started < 5
