@@ -23,7 +23,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from shoal.peer.bootstrap import BootstrapError, start_dht
 from shoal.peer.hardware import choose_device, describe
 from shoal.peer.membership import record_validators
-from shoal.peer.swarm import peer_records
+from shoal.peer.swarm_records import peer_records
 from shoal.protocol.swarm_pb2 import PayloadChunk, ProbeRequest
 
 PROBE_BYTES = 4 << 20

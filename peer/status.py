@@ -16,7 +16,7 @@ from rich.table import Table
 
 from shoal.peer.bootstrap import start_dht
 from shoal.peer.membership import record_validators
-from shoal.peer.swarm import peer_records
+from shoal.peer.swarm_records import peer_records
 
 
 def read_peers(initial_peers: list[str], run: str) -> tuple[list[dict], int]:

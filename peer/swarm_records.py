@@ -1,0 +1,139 @@
+"""The swarm's round clock and what peers write into and read back from the DHT: pure values, the
+untrusted ones parsed with limits (shoal.peer.swarm uses them; `shoal join` and `shoal status` too).
+
+- `RoundSchedule`: clock-synchronous rounds (start time, round length), discovered from the run's
+  peer records by a peer that joins;
+- `RoundPlan`: the round a peer is about to compute for (its coordinator's, or the clock's);
+- `Announcement`: one participant's payload for a round, validated from an untrusted DHT entry;
+- `peer_records`: the valid peer records of a DHT read, and how many were not.
+"""
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
+
+import hivemind
+from hivemind.p2p import PeerID
+from pydantic.v1 import ValidationError
+
+from shoal.peer.membership import PeerRecord
+from shoal.protocol import MalformedPayloadError
+
+DIGEST_BYTES = 32
+
+
+def peer_records(found) -> tuple[dict[bytes, PeerRecord], int]:
+    """The valid records of a DHT read of `<run>_peers` by public-key subkey, and how many were not."""
+    if found is None or not isinstance(found.value, dict):
+        return {}, 0
+    records, malformed = {}, 0
+    for owner, entry in found.value.items():
+        try:
+            records[owner] = PeerRecord.parse_obj(getattr(entry, "value", None))
+        except ValidationError:
+            malformed += 1
+    return records, malformed
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundSchedule:
+    """Clock-synchronous rounds: round r ends at `start_time + (r + 1) * round_seconds`."""
+
+    start_time: float
+    """Unix time at which round 0 starts."""
+    round_seconds: float
+    """Length of a round (compute and exchange), seconds."""
+
+    def __post_init__(self) -> None:
+        if not self.round_seconds > 0:
+            raise ValueError(f"round_seconds must be > 0, got {self.round_seconds}")
+
+    def round_at(self, now: float) -> int:
+        """The round in progress at `now` (0 before the start)."""
+        return max(0, math.floor((now - self.start_time) / self.round_seconds))
+
+    def deadline(self, round_number: int) -> float:
+        return self.start_time + (round_number + 1) * self.round_seconds
+
+    @staticmethod
+    def discover(dht: hivemind.DHT, run: str, timeout: timedelta = timedelta(seconds=30)) -> "RoundSchedule":
+        """The clock the run's live peers follow (the one most of their records name), for a peer that
+        joins a running swarm; raises TimeoutError if no peer record shows up in time."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            records, _ = peer_records(dht.get(f"{run}_peers", latest=True))
+            clocks = Counter(
+                (record.start_time, record.round_seconds)
+                for record in records.values()
+                if record.start_time > 0
+            )
+            if clocks:
+                (start_time, round_seconds), _ = max(clocks.items(), key=lambda item: (item[1], item[0]))
+                return RoundSchedule(start_time=start_time, round_seconds=round_seconds)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no live peer of run {run!r} found in the DHT within {timeout}")
+            time.sleep(0.5)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundPlan:
+    """The round a peer is about to compute for (`SwarmExchange.plan_round`)."""
+
+    round: int
+    coordinated: bool
+    """Whether the coordinator announced it (then it decides the participant set)."""
+    compute_seconds: float | None
+    """Seconds of computation that fit before the payload is due (None: the peer's own window)."""
+    data_seed: int | None
+    """The round's data seed from the coordinator (None: the run's seed)."""
+    slot: tuple[int, int]
+    """(this peer's place, count) among the round's peers: its data slice."""
+    exchange_deadline: float = 0.0
+    """Coordinated: when the round ends at the latest (this machine's clock)."""
+    expected: int = 0
+    """Coordinated: how many peers the coordinator expects in the round."""
+
+
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    """A validated DHT announcement of one participant's payload for a round."""
+
+    owner: bytes
+    """The announcing peer's public-key subkey: who it is, unforgeably."""
+    peer: str
+    """Its libp2p peer id, where the payload is pulled from."""
+    digest: bytes
+    size: int
+    samples: int
+    state: bytes = b""
+    """Digest of its shared state at the start of the round (shoal.peer.state); empty if none."""
+    synced: bool = False
+    """Whether it held the majority's state last round (only those vote while any exist)."""
+
+    @staticmethod
+    def parse(owner: object, value: object, max_bytes: int) -> "Announcement":
+        """From an untrusted DHT subkey and value; raises MalformedPayloadError."""
+        if not isinstance(owner, bytes) or not isinstance(value, dict):
+            raise MalformedPayloadError("bad_announcement", "announcement is not {public key: {...}}")
+        peer, digest, size, samples = (value.get(k) for k in ("peer", "digest", "size", "samples"))
+        try:
+            PeerID.from_base58(peer)
+        except (TypeError, ValueError):
+            raise MalformedPayloadError("bad_announcement", f"{peer!r} is not a peer id") from None
+        if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
+            raise MalformedPayloadError("bad_announcement", f"{peer}: digest is not {DIGEST_BYTES} bytes")
+        if type(size) is not int or not 0 < size <= max_bytes:
+            raise MalformedPayloadError("too_large", f"{peer}: size {size!r} outside (0, {max_bytes}]")
+        if type(samples) is not int or samples < 0:
+            raise MalformedPayloadError("bad_announcement", f"{peer}: samples {samples!r}")
+        state, synced = value.get("state", b""), value.get("synced", False)
+        if not isinstance(state, bytes) or len(state) not in (0, DIGEST_BYTES) or type(synced) is not bool:
+            raise MalformedPayloadError("bad_announcement", f"{peer}: state {state!r}, synced {synced!r}")
+        return Announcement(owner, peer, digest, size, samples, state, synced)
+
+    def value(self) -> dict:
+        """What `parse` reads back: the DHT value (the owner is the subkey)."""
+        value = {"peer": self.peer, "digest": self.digest, "size": self.size, "samples": self.samples}
+        return value | ({"state": self.state, "synced": self.synced} if self.state else {})
