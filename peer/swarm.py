@@ -85,7 +85,8 @@ logger = get_logger(__name__)
 CHUNK_BYTES = 1 << 20  # libp2p unary messages stop at 4 MiB; streamed chunks of 1 MiB are fastest here
 PROBE_MAX_BYTES = 8 << 20  # a bandwidth probe (`shoal check`) gets at most this much ...
 PROBE_INTERVAL_S = 10.0  # ... and at most once per this many seconds per asking peer
-REJOIN_EVERY_S = 10.0  # a peer alone in its run dials its initial peers again at most this often
+REJOIN_EVERY_S = 10.0  # a peer alone in its run dials its initial peers again at most this often ...
+REJOIN_TIMEOUT_S = 5.0  # ... each for at most this long
 
 
 class SwarmExchange(Exchange):
@@ -855,14 +856,19 @@ class SwarmExchange(Exchange):
 async def _ping_again(maddrs: tuple[str, ...], _dht: hivemind.DHT, node: DHTNode) -> int:
     """In the DHT's process: dials each multiaddress and pings its DHT node, which puts the two back in
     each other's routing tables. Returns how many answered."""
-    answered = 0
-    for maddr in maddrs:
+
+    async def ping(maddr: str) -> bool:
         address = Multiaddr(maddr)
         peer = PeerID.from_base58(address["p2p"])
-        with contextlib.suppress(Exception):  # unreachable for now: the next lonely round tries again
-            await node.p2p._client.connect(peer, [address.decapsulate(Multiaddr(f"/p2p/{address['p2p']}"))])
-            answered += await node.protocol.call_ping(peer) is not None
-    return answered
+        await node.p2p._client.connect(peer, [address.decapsulate(Multiaddr(f"/p2p/{address['p2p']}"))])
+        return await node.protocol.call_ping(peer) is not None
+
+    # bounded, so that none is still dialling when the peer leaves; unreachable for now: the next
+    # lonely round tries again
+    outcomes = await asyncio.gather(
+        *(asyncio.wait_for(ping(maddr), REJOIN_TIMEOUT_S) for maddr in maddrs), return_exceptions=True
+    )
+    return sum(outcome is True for outcome in outcomes)
 
 
 def _chunks(data: bytes) -> list[PayloadChunk]:
