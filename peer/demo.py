@@ -150,7 +150,6 @@ class DeMo(torch.optim.Optimizer):
         self.exchange_s = 0.0
         """Seconds the exchanges took, on whichever thread ran them (phase_seconds["exchange"] is
         what the training thread waited: all of it without overlap)."""
-        self.overlap = overlap
         self._background = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-exchange") if overlap else None
         )
@@ -193,10 +192,13 @@ class DeMo(torch.optim.Optimizer):
         self.phase_seconds["exchange"] += waited - started
         self.bytes_sent += len(data)
         if self._background is None:
-            self._apply(self._gather(data, samples, params))
+            gathered = self._gather(data, samples, params)
+            self.phase_seconds["exchange"] += gathered.seconds
+            self._adopt(gathered)
+            self._apply(gathered, settings)
         else:
             if previous is not None:
-                self._apply(previous)
+                self._apply(previous, settings)
             if self.lookahead:
                 params = self._shift(slices, selections, settings)
             # the state this round compares is the one its aggregate will be applied to, a step from now
@@ -210,7 +212,7 @@ class DeMo(torch.optim.Optimizer):
         self.unshift()
         previous = self._collect()
         if previous is not None:
-            self._apply(previous)
+            self._apply(previous, self._settings())
 
     def close(self) -> None:
         """Waits for the exchange in flight (collectives must complete on every participant) and
@@ -277,19 +279,17 @@ class DeMo(torch.optim.Optimizer):
         if self._pending is None:
             return None
         gathered, self._pending = self._pending.result(), None
-        if gathered.adopted is not None:
-            self.load_shared_state(gathered.adopted)
+        self._adopt(gathered)
         return gathered
 
-    def _apply(self, gathered: _Gathered) -> None:
+    def _adopt(self, gathered: _Gathered) -> None:
+        if gathered.adopted is not None:
+            self.load_shared_state(gathered.adopted)
+
+    def _apply(self, gathered: _Gathered, settings: dict[torch.Tensor, tuple[float, float]]) -> None:
         """Steps 7-8 for a gathered round: decode, combine, and step along the sign."""
         started = time.perf_counter()
-        if self._background is None:
-            self.phase_seconds["exchange"] += gathered.seconds
-            if gathered.adopted is not None:
-                self.load_shared_state(gathered.adopted)
-        slices, settings = self._slices(), self._settings()
-        contributions = gathered.contributions
+        slices, contributions = self._slices(), gathered.contributions
         self.bytes_received += sum(len(c.payload) for c in contributions if c.rank != self.exchange.rank)
         received = self._accept(contributions, slices)
         decoded = time.perf_counter()

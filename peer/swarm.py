@@ -206,7 +206,7 @@ class SwarmExchange(Exchange):
         self._seen: dict[bytes, int] = {}  # payload digest: the round it was first announced in
         self._adopted: list[torch.Tensor] | None = None
         self._mine: tuple[int, bytes] | None = None  # (round, digest) of this peer's last payload
-        self._pullers: dict[tuple[int, bytes], set[str]] = {}  # own payload: the peers that pulled it
+        self._pullers: set[str] = set()  # the peers that pulled this peer's last payload
         self._expected_pullers: set[str] = set()  # the other participants of the last round
         self._next_round = 0
         self._participants = [self.owner]
@@ -410,9 +410,9 @@ class SwarmExchange(Exchange):
         return found
 
     async def _drain(self, until: float) -> bool:
-        while not self._expected_pullers <= self._pullers.get(self._mine, set()):
+        while not self._expected_pullers <= self._pullers:
             if time.monotonic() >= until:
-                missing = len(self._expected_pullers - self._pullers.get(self._mine, set()))
+                missing = len(self._expected_pullers - self._pullers)
                 logger.warning(f"leaving before {missing} peer(s) pulled this peer's last payload")
                 return False
             await asyncio.sleep(0.05)
@@ -461,8 +461,8 @@ class SwarmExchange(Exchange):
 
     async def _serve(self, request: PayloadRequest, context):
         key = (request.round, request.digest)
-        if key in self._pullers and key in self._held and context.remote_id is not None:
-            self._pullers[key].add(context.remote_id.to_base58())
+        if key == self._mine and context.remote_id is not None:
+            self._pullers.add(context.remote_id.to_base58())
         for chunk in _chunks(self._held.get(key, b"")):
             self.sent["payload"] += len(chunk.data)
             yield chunk
@@ -502,11 +502,9 @@ class SwarmExchange(Exchange):
             for old in list(self._states)[: -self.keep_states]:
                 del self._states[old]
         self._held[(round_number, digest)] = payload
-        self._mine, self._expected_pullers = (round_number, digest), set()
-        self._pullers[self._mine] = set()
+        self._mine, self._pullers, self._expected_pullers = (round_number, digest), set(), set()
         for key in [k for k in self._held if k[0] < round_number - 1]:  # keep the last round for late pullers
             del self._held[key]
-            self._pullers.pop(key, None)
         for key in [k for k, first_round in self._seen.items() if first_round < round_number - 16]:
             del self._seen[key]
         self.banned = {owner: until for owner, until in self.banned.items() if until > round_number}

@@ -104,7 +104,7 @@ def test_a_leaving_peer_serves_its_last_payload_until_the_others_pulled_it_or_it
         number, digest = leaving._mine
         assert leaving._expected_pullers == {staying.peer_id}
         for exchange in exchanges:
-            exchange._pullers[exchange._mine].clear()  # as if the other peer had not pulled it yet
+            exchange._pullers.clear()  # as if the other peer had not pulled it yet
 
         def pull() -> bytes:
             request = PayloadRequest(round=number, digest=digest)
