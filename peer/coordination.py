@@ -1,12 +1,14 @@
 """A peer's link to the swarm's coordinator (`shoal join --coordinator HOST:PORT`).
 
 The link lives on the SwarmExchange's event loop. One task owned by the link keeps it a member:
-join, a heartbeat every `heartbeat_interval` (carrying the last round this peer finished, its
-compute throughput and its exchange time, which the coordinator's deadlines follow), and the stream
-of round announcements. When a call fails because the coordinator is unreachable, `connected` turns
-False and the task retries with backoff (capped at `MAX_BACKOFF_S`) until it answers again; the
-peer meanwhile trains uncoordinated. An eviction (the coordinator refuses the member) is waited
-out the same way: the link joins again once it is allowed to.
+join, the stream of round announcements, and a heartbeat whenever the coordinator has not heard
+from this peer for `heartbeat_interval` (by default a third of the timeout its join reply states;
+a report counts as heard). A heartbeat carries the last round this peer finished, its compute
+throughput and its exchange time, which the coordinator's deadlines follow. When a call fails
+because the coordinator is unreachable, `connected` turns False and the task retries with backoff
+(capped at `MAX_BACKOFF_S`) until it answers again; the peer meanwhile trains uncoordinated. An
+eviction (the coordinator refuses the member) is waited out the same way: the link joins again
+once it is allowed to.
 
 Every call has a timeout. Times from the coordinator are converted to this machine's clock with the
 offset measured on each reply (`now` fields), so a peer with a skewed clock still meets deadlines.
@@ -14,6 +16,7 @@ offset measured on each reply (`now` fields), so a peer with a skewed clock stil
 
 import asyncio
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +31,7 @@ from shoal.protocol import coordinator_pb2_grpc
 logger = get_logger(__name__)
 
 MAX_BACKOFF_S = 5.0
+DEFAULT_HEARTBEAT_S = 1.0  # when the coordinator states no usable heartbeat timeout
 CALL_TIMEOUT_S = 5.0
 # codes that mean "not reachable right now", as opposed to a refusal of this request
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -70,10 +74,13 @@ class CoordinatorLink:
         token: str | None = None,
         tls_roots: bytes | None = None,
         tls: bool = False,
-        heartbeat_interval: float = 1.0,
+        heartbeat_interval: float | None = None,
     ):
         self.address, self.peer_id = address, peer_id
-        self.heartbeat_interval = heartbeat_interval
+        self._interval = heartbeat_interval
+        self.heartbeat_interval = heartbeat_interval or DEFAULT_HEARTBEAT_S
+        """Longest silence toward the coordinator (set from its join reply unless given)."""
+        self._heard_at = -math.inf  # monotonic time of the last call the coordinator counts as a sign of life
         self.connected = False
         """Whether the last call reached the coordinator."""
         self.member = False
@@ -173,6 +180,7 @@ class CoordinatorLink:
             reply = await self._call(self._stub.ReportReady, request, CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
             return error.code()
+        self._heard_at = time.monotonic()
         self.compute_scale = reply.compute_scale
         return reply
 
@@ -197,6 +205,7 @@ class CoordinatorLink:
             exchange_s=progress.exchange_s,
         )
         reply = await self._call(self._stub.Heartbeat, request, CALL_TIMEOUT_S)
+        self._heard_at = time.monotonic()
         self.compute_scale = reply.compute_scale
         self._measure(reply.now)
 
@@ -210,8 +219,11 @@ class CoordinatorLink:
                 await self._join()
                 stream = asyncio.create_task(self._follow_rounds())
                 while not stream.done():
-                    await self.heartbeat()
-                    await asyncio.wait({stream}, timeout=self.heartbeat_interval)
+                    wait = self._heard_at + self.heartbeat_interval - time.monotonic()
+                    if wait <= 0:
+                        await self.heartbeat()
+                        wait = self.heartbeat_interval
+                    await asyncio.wait({stream}, timeout=wait)
                 stream.result()  # raises what ended the stream
                 raise ConnectionError("the coordinator ended the round stream")
             except asyncio.CancelledError:
@@ -240,7 +252,12 @@ class CoordinatorLink:
             peer_id=self.peer_id, throughput=progress.throughput, min_samples=progress.min_samples
         )
         reply = await self._call(self._stub.Join, request, CALL_TIMEOUT_S)
+        self._heard_at = time.monotonic()
         self._measure(reply.now)
+        timeout = reply.heartbeat_timeout_s
+        if self._interval is None:  # a third of the timeout: two heartbeats may be lost or late
+            usable = math.isfinite(timeout) and timeout > 0
+            self.heartbeat_interval = min(max(timeout / 3, 0.1), 60.0) if usable else DEFAULT_HEARTBEAT_S
         if not self.member:
             logger.info(f"joined the coordinator {self.address} at round {reply.round}")
         self.member = True

@@ -181,6 +181,9 @@ def run(
         "coordinator": coordinator,
         "stragglers_excluded": stragglers,
         "coordinated_rounds": sum(s["coordinated_rounds"] for s in summaries.values()),
+        "dht_stores_per_peer_per_round": fmean(
+            s["dht_stores"] / max(s["rounds"], 1) for s in summaries.values()
+        ),
     }
 
 

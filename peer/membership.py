@@ -37,6 +37,7 @@ class PeerRecord(BaseModel):
     round_seconds: confloat(gt=0, le=86400, strict=True) = 60.0  # and how long a round lasts
     samples: conint(ge=0, strict=True) = 0  # samples this peer has contributed since it started
     updated: confloat(ge=0, strict=True) = 0.0  # unix time the record was written
+    coordinator: constr(strict=True, max_length=256) = ""  # the coordinator it follows, as it reaches it
 
 
 class RunRecords(BaseModel):

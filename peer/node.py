@@ -299,6 +299,7 @@ def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMe
         "bytes_received": exchange.bytes_received,
         "resyncs": exchange.resyncs,
         "coordinated_rounds": exchange.coordinated_rounds,
+        "dht_stores": exchange.dht_stores,
         "late_rounds": exchange.late,
         "rejected": dict(exchange.rejected),
         "stopped": stopped,
@@ -426,8 +427,15 @@ def _check_port(host: str, port: int, flag: str = "--port") -> None:
 
 
 def _check_compatible(exchange: SwarmExchange) -> None:
-    """Refuses to train alone next to a swarm of another configuration."""
-    if len(exchange.compatible_peers()) == 1 and exchange.refused:
+    """Refuses to train alone next to a swarm of another configuration, or next to one that follows a
+    coordinator (coordinated peers announce their payloads only to it)."""
+    compatible = exchange.compatible_peers()
+    if exchange.coordinator is None and exchange.coordinators:
+        raise JoinError(
+            "the peers of this run follow a coordinator (they reach it as "
+            f"{', '.join(sorted(exchange.coordinators))}): pass --coordinator HOST:PORT"
+        )
+    if len(compatible) == 1 and exchange.refused:
         reasons = "\n".join(f"  {peer}: {reason}" for peer, reason in exchange.refused.items())
         raise JoinError(
             "every peer of this run has another configuration; use their settings (see the join command "

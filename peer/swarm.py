@@ -33,6 +33,11 @@ Rounds are clock-synchronous: a `RoundSchedule` (start time, round length) fixes
 participant that calls `gather` late joins the round in progress; one whose announcement comes too
 late for others to pull is left out of their round.
 
+Under a coordinator (shoal.peer.coordination), step 2's announcement goes to the coordinator
+instead, which decides the round's participants for everyone; the record is then rewritten only
+every `RECORD_REFRESH_S`, to stay alive. Should the coordinator stop answering, the round is
+announced in the DHT after all and finishes as above.
+
 The DHT is the caller's (create it before starting threads: hivemind forks a process for it). This
 object runs one event loop on a thread it owns for the handler and the downloads; `close()` stops it.
 """
@@ -87,6 +92,7 @@ PROBE_MAX_BYTES = 8 << 20  # a bandwidth probe (`shoal check`) gets at most this
 PROBE_INTERVAL_S = 10.0  # ... and at most once per this many seconds per asking peer
 REJOIN_EVERY_S = 10.0  # a peer alone in its run dials its initial peers again at most this often ...
 REJOIN_TIMEOUT_S = 5.0  # ... each for at most this long
+RECORD_REFRESH_S = 30.0  # under a coordinator, a peer rewrites its DHT record at most this often
 
 
 class SwarmExchange(Exchange):
@@ -154,6 +160,7 @@ class SwarmExchange(Exchange):
             round=0,
             start_time=float(schedule.start_time),
             round_seconds=float(schedule.round_seconds),
+            coordinator=coordinator.address[:256] if coordinator is not None else "",
         )
         self.strike_limit, self.ban_rounds, self.keep_states = strike_limit, ban_rounds, keep_states
         self.rejected: Counter[str] = Counter()
@@ -168,9 +175,13 @@ class SwarmExchange(Exchange):
         """Whether this peer held (or adopted) the majority's state in its last round."""
         self.refused: dict[str, str] = {}
         """Incompatible peers seen (peer id: which settings differ)."""
+        self.coordinators: set[str] = set()
+        """The coordinators compatible peers follow, as their records name them."""
         self.sent: Counter[str] = Counter()
         """Bytes this peer sent, by kind: payload and state (its handlers served them), probe (bandwidth
         measurements it answered), dht (the serialized records and announcements it stored)."""
+        self.dht_stores = 0
+        """Records and announcements this peer wrote into the DHT."""
         self.received: Counter[str] = Counter()
         """Bytes this peer received, by kind: payload, state, dht (the serialized values of its reads)."""
         self.stragglers = 0
@@ -246,6 +257,7 @@ class SwarmExchange(Exchange):
             "stragglers": self.stragglers,
             "late": self.late,
             "coordinated_rounds": self.coordinated_rounds,
+            "dht_stores": self.dht_stores,
             "relayed": self.relayed,
         }
 
@@ -385,17 +397,21 @@ class SwarmExchange(Exchange):
         await self._store_record(self.schedule.round_at(time.time()))
         return p2p
 
-    async def _store_record(self, round_number: int) -> None:
-        self.record = self.record.copy(update={"round": round_number, "updated": time.time()})
-        await self._store(
-            f"{self.run}_peers",
-            self.record.dict(),
-            self.schedule.deadline(round_number) + 3 * self.schedule.round_seconds,
-        )
+    async def _store_record(self, round_number: int, *, refresh_s: float = 0.0) -> None:
+        """Writes this peer's record, unless the last write is less than `refresh_s` old. It outlives
+        the next write by three rounds: under a coordinator, that may be `RECORD_REFRESH_S` away."""
+        now = time.time()
+        if now - self.record.updated < refresh_s:
+            return
+        self.record = self.record.copy(update={"round": round_number, "updated": now})
+        next_write = now + (RECORD_REFRESH_S if self.coordinator is not None else 0.0)
+        expires = max(self.schedule.deadline(round_number), next_write) + 3 * self.schedule.round_seconds
+        await self._store(f"{self.run}_peers", self.record.dict(), expires)
 
     async def _store(self, key: str, value: dict, expiration: float) -> None:
         """Stores `value` under this peer's subkey, counting its serialized bytes."""
         self.sent["dht"] += len(key) + len(self.owner) + len(MSGPackSerializer.dumps(value))
+        self.dht_stores += 1
         await self.dht.store(key, value, expiration, subkey=self.owner, return_future=True)
 
     async def _get(self, key: str):
@@ -492,8 +508,13 @@ class SwarmExchange(Exchange):
         payload: bytes,
         samples: int,
         snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
+        *,
+        coordinated: bool = False,
     ) -> Announcement:
-        """Serves this peer's payload (and state snapshot) for the round and announces it in the DHT."""
+        """Serves this peer's payload (and state snapshot) for the round and, uncoordinated, announces
+        it in the DHT. A coordinator is told of it instead (`_coordinated_round`), and the record is
+        then only kept alive: it serves `shoal status` and the fallback's data slots, and rewriting it
+        and an announcement every round was most of a small payload's wire traffic (BENCHMARKS.md)."""
         digest = hashlib.sha256(payload).digest()
         state = b""
         if snapshot is not None:
@@ -508,17 +529,20 @@ class SwarmExchange(Exchange):
         for key in [k for k, first_round in self._seen.items() if first_round < round_number - 16]:
             del self._seen[key]
         self.banned = {owner: until for owner, until in self.banned.items() if until > round_number}
-        await self._store_record(round_number)
+        await self._store_record(round_number, refresh_s=RECORD_REFRESH_S if coordinated else 0.0)
         if self._rejoin and self.peers_seen <= 1 and time.monotonic() - self._rejoined_at >= REJOIN_EVERY_S:
             self._rejoined_at = time.monotonic()
             self.rejoins += 1
             self.dht.run_coroutine(functools.partial(_ping_again, self._rejoin), return_future=True)
         mine = Announcement(self.owner, self.peer_id, digest, len(payload), samples, state, self.synced)
-        deadline = self.schedule.deadline(round_number)
-        key = f"{self.run}.round.{round_number}"
-        await self._store(key, mine.value(), deadline + 60)
+        if not coordinated:
+            await self._announce(round_number, mine)
         self._seen.setdefault(digest, round_number)
         return mine
+
+    async def _announce(self, round_number: int, mine: Announcement) -> None:
+        key = f"{self.run}.round.{round_number}"
+        await self._store(key, mine.value(), self.schedule.deadline(round_number) + 60)
 
     async def _collect(
         self, round_number: int, mine: Announcement, deadline: float
@@ -669,7 +693,7 @@ class SwarmExchange(Exchange):
         deadline. If the coordinator stops answering, the round finishes uncoordinated (it is announced in
         the DHT as well)."""
         link, number = self.coordinator, plan.round
-        mine = await self._hold(number, payload, samples, snapshot)
+        mine = await self._hold(number, payload, samples, snapshot, coordinated=True)
         request = ReportRequest(
             round=number,
             digest=mine.digest,
@@ -685,6 +709,7 @@ class SwarmExchange(Exchange):
             logger.warning(
                 f"round {number}: no answer from the coordinator ({result.name}); going on without it"
             )
+            await self._announce(number, mine)
             announced, _ = await self._collect(number, mine, plan.exchange_deadline)
             return await self._settle(number, announced, mine, snapshot)
         if isinstance(report, ReportReply) and not report.included:
@@ -790,6 +815,8 @@ class SwarmExchange(Exchange):
             reason = incompatibility(self.record, record)
             if reason is None:
                 compatible.add(owner)
+                if record.coordinator:
+                    self.coordinators.add(record.coordinator)
             elif record.peer_id not in self.refused:
                 self.refused[record.peer_id] = reason
                 logger.warning(f"refusing peer {record.peer_id}: {reason}")

@@ -12,7 +12,10 @@ down. Reported per run:
   predicts (payload bytes x the peers that pull them; ddp: a ring all-reduce's 2 (N - 1) / N of the
   fp32 gradients); `wire_overhead` = measured / predicted - 1 (headers, framing, DHT and coordinator
   traffic, retries);
-- final_val_loss: the mean validation loss of peer 0's model after the last step.
+- final_val_loss: the mean validation loss of peer 0's model after the last step;
+- coordinator_bytes_per_peer (shoal's methods): what the coordinator's interface received over the
+  whole run (the peers' gRPC calls, joining included) over the number of peers: the coordinator's
+  share of the overhead.
 """
 
 import json
@@ -109,7 +112,11 @@ def run(method: str, rate_mbit: float, config: WanConfig, log_dir: Path) -> dict
                     f"{method} at {rate_mbit:g} Mbit/s: peer {index} exited with {code}:\n{tail}"
                 )
         results = [json.loads(path.read_text()) for path in outputs]
-    return summarize(method, rate_mbit, config, results)
+        _, to_coordinator = lab.counters(peers)
+    summary = summarize(method, rate_mbit, config, results)
+    if method in SWARM_METHODS:  # the peers' gRPC traffic to it, the whole run (joining included)
+        summary["coordinator_bytes_per_peer"] = round(to_coordinator / peers)
+    return summary
 
 
 def summarize(method: str, rate_mbit: float, config: WanConfig, results: list[dict]) -> dict:

@@ -2,7 +2,8 @@
 ports) and one in-process `Coordinator`, driven by generated stubs. Each refusal is checked for its
 exact status code and followed by a valid call, so that a refusal is known not to break the server:
 tokens, malformed and oversized requests, out-of-order rounds, a round from join to result, health,
-reflection, TLS, a restart on the same state file, and the Prometheus metrics."""
+reflection, TLS, a restart on the same state file, the Prometheus metrics, and a peer's link heartbeating
+at the pace the coordinator asks for."""
 
 import asyncio
 import contextlib
@@ -28,6 +29,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from shoal.coordinator.rounds import Policy
 from shoal.coordinator.server import MAX_REQUEST_BYTES, Coordinator
+from shoal.peer.coordination import CoordinatorLink
 from shoal.protocol import coordinator_pb2 as pb
 from shoal.protocol import coordinator_pb2_grpc
 
@@ -361,3 +363,28 @@ def test_a_port_it_cannot_serve_is_a_clean_error(tmp_path, trouble):
             assert line == "" and process.wait(timeout=10) == 1
     errors = (tmp_path / "c.db.err").read_text()
     assert "shoal coordinator: error:" in errors and "Traceback" not in errors  # gRPC's own log lines aside
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_link_heartbeats_within_the_timeout_its_join_reply_states(tmp_path):
+    """`CoordinatorLink` (the peers' side) against the in-process server: it takes a third of the stated
+    timeout as its heartbeat interval and, idle, stays a member over several timeouts."""
+
+    async def scenario() -> None:
+        policy = Policy(heartbeat_timeout_s=0.9)
+        server = Coordinator(listen="127.0.0.1:0", state_path=tmp_path / "c.db", policy=policy)
+        port = await server.start()
+        link = CoordinatorLink(f"127.0.0.1:{port}", A)
+        try:
+            await link.start()
+            assert await link.wait_connected(datetime.timedelta(seconds=5))
+            assert link.heartbeat_interval == pytest.approx(0.3)
+            await asyncio.sleep(4 * policy.heartbeat_timeout_s)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as c:
+                status = await stub(c).SwarmStatus(pb.SwarmStatusRequest(), timeout=CALL_S)
+            assert [m.peer_id for m in status.members] == [A] and link.member and link.connected
+        finally:
+            await link.stop()
+            await server.stop(grace_s=0)
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
