@@ -7,11 +7,11 @@ For round r, a participant
    (DHT values stay tiny: payload bytes never go through the DHT);
 3. until the round's deadline, reads the announcements of compatible peers (same run configuration
    and shoal major.minor; others are refused, naming what differs) and pulls every payload it does
-   not hold, with bounded concurrency, a timeout per call and retries with backoff: from the peer
-   that announced it first, then from any other participant of the round, since every peer serves
-   what it pulled (a relay that does not hold it yet answers with nothing). A payload is accepted only
-   if its size and SHA-256 match the announcement; a source that sends other bytes is struck and not
-   asked again for it;
+   not hold (shoal.peer.swarm_pull), with bounded concurrency, a timeout per call and retries with
+   backoff: from the peer that announced it first, then from any other participant of the round,
+   since every peer serves what it pulled (a relay that does not hold it yet answers with nothing).
+   A payload is accepted only if its size and SHA-256 match the announcement; a source that sends
+   other bytes is struck and not asked again for it;
 4. at the deadline returns the payloads it holds, ordered by public key, so that participants
    holding the same payloads aggregate them in the same order.
 
@@ -46,9 +46,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-import itertools
 import math
-import random
 import struct
 import threading
 import time
@@ -61,7 +59,6 @@ import hivemind
 import torch
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
-from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
@@ -72,7 +69,6 @@ from shoal.peer.coordination import UNREACHABLE, CoordinatorLink
 from shoal.peer.exchange import Contribution, Exchange
 from shoal.peer.membership import SHOAL_VERSION, PeerRecord, incompatibility, owner_subkey, run_hash
 from shoal.peer.state import (
-    MAX_CHUNK_BYTES,
     StateSnapshot,
     StateUnavailable,
     download,
@@ -80,14 +76,14 @@ from shoal.peer.state import (
     restore,
     state_size,
 )
+from shoal.peer.swarm_pull import Puller, chunks
 from shoal.peer.swarm_records import Announcement, RoundPlan, RoundSchedule, peer_records
 from shoal.protocol import EncodedTensor, MalformedPayloadError, parse_message
 from shoal.protocol.coordinator_pb2 import ReportReply, ReportRequest, RoundResultReply
-from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, ProbeRequest, StateRequest
+from shoal.protocol.swarm_pb2 import PayloadRequest, ProbeRequest, StateRequest
 
 logger = get_logger(__name__)
 
-CHUNK_BYTES = 1 << 20  # libp2p unary messages stop at 4 MiB; streamed chunks of 1 MiB are fastest here
 PROBE_MAX_BYTES = 8 << 20  # a bandwidth probe (`shoal check`) gets at most this much ...
 PROBE_INTERVAL_S = 10.0  # ... and at most once per this many seconds per asking peer
 REJOIN_EVERY_S = 10.0  # a peer alone in its run dials its initial peers again at most this often ...
@@ -194,8 +190,6 @@ class SwarmExchange(Exchange):
         """Strikes given, all peers together."""
         self.last_payload_bytes = 0
         """Size of this peer's payload in its last round."""
-        self.relayed = 0
-        """Payloads pulled from a peer other than their origin."""
         self.last_round: int | None = None
         """The round of the last `gather`."""
         self.coordinator = coordinator
@@ -230,8 +224,7 @@ class SwarmExchange(Exchange):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-swarm", daemon=True)
         self._thread.start()
-        self._semaphore = asyncio.Semaphore(max_concurrent_fetches)
-        self._p2p = self._call(self._start())
+        self._p2p = self._call(self._start(max_concurrent_fetches))
 
     @property
     def bytes_sent(self) -> int:
@@ -260,6 +253,11 @@ class SwarmExchange(Exchange):
             "dht_stores": self.dht_stores,
             "relayed": self.relayed,
         }
+
+    @property
+    def relayed(self) -> int:
+        """Payloads pulled from a peer other than their author."""
+        return self._puller.relayed
 
     @property
     def rank(self) -> int:
@@ -383,8 +381,19 @@ class SwarmExchange(Exchange):
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    async def _start(self):
+    async def _start(self, max_concurrent_fetches: int):
         p2p = await self.dht.replicate_p2p()
+        self._puller = Puller(
+            p2p,
+            payload_handler=self._handler,
+            state_handler=self._state_handler,
+            owner=self.owner,
+            timeout_s=self.fetch_timeout_s,
+            max_concurrent=max_concurrent_fetches,
+            strike=self._strike,
+            received=self.received,
+            rejected=self.rejected,
+        )
         await p2p.add_protobuf_handler(self._handler, self._serve, PayloadRequest, stream_output=True)
         await p2p.add_protobuf_handler(
             self._state_handler, self._serve_state, StateRequest, stream_output=True
@@ -445,7 +454,7 @@ class SwarmExchange(Exchange):
     async def _serve_state(self, request: StateRequest, _context):
         snapshot = self._states.get(request.state)
         if snapshot is not None:
-            for chunk in _chunks(snapshot.manifest if request.manifest else snapshot.chunk(request.chunk)):
+            for chunk in chunks(snapshot.manifest if request.manifest else snapshot.chunk(request.chunk)):
                 self.sent["state"] += len(chunk.data)
                 yield chunk
 
@@ -458,7 +467,7 @@ class SwarmExchange(Exchange):
         if len(self._probed) > 1024:
             self._probed = {p: t for p, t in self._probed.items() if now - t < PROBE_INTERVAL_S}
         self._probed[context.remote_id] = now
-        for chunk in _chunks(bytes(min(request.size, PROBE_MAX_BYTES))):
+        for chunk in chunks(bytes(min(request.size, PROBE_MAX_BYTES))):
             self.sent["probe"] += len(chunk.data)
             yield chunk
 
@@ -479,7 +488,7 @@ class SwarmExchange(Exchange):
         key = (request.round, request.digest)
         if key == self._mine and context.remote_id is not None:
             self._pullers.add(context.remote_id.to_base58())
-        for chunk in _chunks(self._held.get(key, b"")):
+        for chunk in chunks(self._held.get(key, b"")):
             self.sent["payload"] += len(chunk.data)
             yield chunk
 
@@ -768,7 +777,7 @@ class SwarmExchange(Exchange):
             _, data = await download(
                 digest,
                 sources,
-                self._fetch_state_piece,
+                self._puller.state_piece,
                 expected_size=state_size(like),
                 transient=(P2PDaemonError, P2PHandlerError),
                 rejected=self.rejected,
@@ -783,27 +792,6 @@ class SwarmExchange(Exchange):
         elapsed = time.perf_counter() - started
         logger.info(f"re-synced {len(data)} bytes of state from {len(sources)} peers in {elapsed:.1f} s")
         return adopted
-
-    async def _fetch_state_piece(self, source: str, request: StateRequest) -> bytes:
-        data = await self._pull(source, self._state_handler, request, MAX_CHUNK_BYTES + CHUNK_BYTES)
-        if not data:
-            raise ConnectionError(f"{source} does not hold the state")
-        return data
-
-    async def _pull(self, peer: str, handler: str, request, max_bytes: int) -> bytes:
-        """The chunks a peer's stream handler sends back, joined; empty if it holds nothing.
-        Each wait is bounded by the fetch timeout, the total by `max_bytes`."""
-        stream = await asyncio.wait_for(
-            self._p2p.iterate_protobuf_handler(PeerID.from_base58(peer), handler, request, PayloadChunk),
-            self.fetch_timeout_s,
-        )
-        parts, size = [], 0
-        async for chunk in aiter_with_timeout(stream, self.fetch_timeout_s):
-            size += len(chunk.data)
-            if size > max_bytes:
-                raise MalformedPayloadError("too_large", f"{peer} sent more than {max_bytes} bytes")
-            parts.append(chunk.data)
-        return b"".join(parts)
 
     async def _compatible_peers(self) -> set[bytes]:
         """Public-key subkeys of the peers whose current record is compatible with this one's."""
@@ -840,42 +828,10 @@ class SwarmExchange(Exchange):
     async def _fetch(
         self, round_number: int, announcement: Announcement, holders: Mapping[bytes, Announcement]
     ) -> None:
-        """Pulls one payload into `_held`: from its origin, then from the other participants in `holders`
-        (read live: it grows during the round), cycling with backoff until it is had or the round's task
-        is cancelled. Bytes that do not match the announcement strike the source that sent them."""
-        request = PayloadRequest(round=round_number, digest=announcement.digest)
-        refused: set[bytes] = set()  # sources that sent bad bytes for this payload
-        for cycle in itertools.count():
-            others = [h for h in holders.values() if h.owner not in (announcement.owner, self.owner)]
-            random.shuffle(others)  # spreads the load of re-serving over the relays
-            for source in [announcement, *others]:
-                if source.owner in refused:
-                    continue
-                try:
-                    async with self._semaphore:
-                        data = await self._download(source.peer, announcement, request)
-                except MalformedPayloadError as error:
-                    self.rejected[error.reason] += 1
-                    self._strike(source.owner, error.reason)
-                    refused.add(source.owner)
-                    continue
-                except (TimeoutError, P2PDaemonError, P2PHandlerError, OSError, asyncio.IncompleteReadError):
-                    continue
-                self._held[(round_number, announcement.digest)] = data
-                self.received["payload"] += len(data)
-                self.relayed += source.owner != announcement.owner
-                return
-            await asyncio.sleep(min(1.0, 0.1 * 2**cycle))
-
-    async def _download(self, source: str, announcement: Announcement, request: PayloadRequest) -> bytes:
-        data = await self._pull(source, self._handler, request, announcement.size)
-        if not data:
-            raise TimeoutError(f"{source} does not hold the payload (yet)")
-        if len(data) != announcement.size or hashlib.sha256(data).digest() != announcement.digest:
-            raise MalformedPayloadError(
-                "digest_mismatch", f"{source}: payload does not match its announcement"
-            )
-        return data
+        """Pulls one payload into `_held` (shoal.peer.swarm_pull), until it is had or the round's task
+        is cancelled."""
+        data = await self._puller.payload(round_number, announcement, holders)
+        self._held[(round_number, announcement.digest)] = data
 
 
 async def _ping_again(maddrs: tuple[str, ...], _dht: hivemind.DHT, node: DHTNode) -> int:
@@ -894,10 +850,3 @@ async def _ping_again(maddrs: tuple[str, ...], _dht: hivemind.DHT, node: DHTNode
         *(asyncio.wait_for(ping(maddr), REJOIN_TIMEOUT_S) for maddr in maddrs), return_exceptions=True
     )
     return sum(outcome is True for outcome in outcomes)
-
-
-def _chunks(data: bytes) -> list[PayloadChunk]:
-    """`data` as stream replies of at most CHUNK_BYTES each (none if it is empty)."""
-    return [
-        PayloadChunk(data=data[start : start + CHUNK_BYTES]) for start in range(0, len(data), CHUNK_BYTES)
-    ]

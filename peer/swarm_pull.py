@@ -1,0 +1,124 @@
+"""Pulling what other peers serve, for SwarmExchange (shoal.peer.swarm), on its event loop.
+
+- A payload is pulled from the peer that announced it, then from any other participant of the round
+  (every peer serves what it pulled; a relay that does not hold it yet answers with nothing), cycling
+  with backoff until it is had or the round gives up on it. At most `max_concurrent` pulls run at a
+  time, and every wait is bounded by `timeout_s`.
+- It is accepted only if its size and SHA-256 match the announcement; a source that sends other
+  bytes is struck (the exchange's `strike`) and not asked again for it.
+- A piece of a shared state is pulled the same way, by shoal.peer.state's `download`, which checks
+  it against the state's manifest.
+
+Replies are streams of `PayloadChunk`s of at most `CHUNK_BYTES`, capped in total by what the caller
+expects.
+"""
+
+import asyncio
+import hashlib
+import random
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
+from hivemind.utils.asyncio import aiter_with_timeout
+
+from shoal.peer.state import MAX_CHUNK_BYTES
+from shoal.peer.swarm_records import Announcement
+from shoal.protocol import MalformedPayloadError
+from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, StateRequest
+
+CHUNK_BYTES = 1 << 20  # libp2p unary messages stop at 4 MiB; streamed chunks of 1 MiB are fastest here
+TRANSIENT = (TimeoutError, P2PDaemonError, P2PHandlerError, OSError, asyncio.IncompleteReadError)
+"""Failures that say nothing about the source's honesty: try another, or again later."""
+
+
+class Puller:
+    """See the module docstring. Create on the loop it will run on."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        *,
+        payload_handler: str,
+        state_handler: str,
+        owner: bytes,
+        timeout_s: float,
+        max_concurrent: int,
+        strike: Callable[[bytes, str], None],
+        received: Counter[str],
+        rejected: Counter[str],
+    ):
+        self.p2p, self.owner, self.timeout_s = p2p, owner, timeout_s
+        self.payload_handler, self.state_handler = payload_handler, state_handler
+        self.strike, self.received, self.rejected = strike, received, rejected
+        self.relayed = 0
+        """Payloads pulled from a peer other than their author."""
+        self._semaphore = asyncio.Semaphore(max_concurrent)
+
+    async def payload(
+        self, round_number: int, announcement: Announcement, holders: Mapping[bytes, Announcement]
+    ) -> bytes:
+        """The announced payload, from its author or the other participants in `holders` (read live:
+        it grows during the round)."""
+        request = PayloadRequest(round=round_number, digest=announcement.digest)
+        refused: set[bytes] = set()  # sources that sent bad bytes for this payload
+        cycle = 0
+        while True:
+            others = [h for h in holders.values() if h.owner not in (announcement.owner, self.owner)]
+            random.shuffle(others)  # spreads the load of re-serving over the relays
+            for source in [announcement, *others]:
+                if source.owner in refused:
+                    continue
+                try:
+                    async with self._semaphore:
+                        data = await self._checked(source.peer, announcement, request)
+                except MalformedPayloadError as error:
+                    self.rejected[error.reason] += 1
+                    self.strike(source.owner, error.reason)
+                    refused.add(source.owner)
+                    continue
+                except TRANSIENT:
+                    continue
+                self.received["payload"] += len(data)
+                self.relayed += source.owner != announcement.owner
+                return data
+            await asyncio.sleep(min(1.0, 0.1 * 2**cycle))
+            cycle += 1
+
+    async def state_piece(self, source: str, request: StateRequest) -> bytes:
+        data = await self.pull(source, self.state_handler, request, MAX_CHUNK_BYTES + CHUNK_BYTES)
+        if not data:
+            raise ConnectionError(f"{source} does not hold the state")
+        return data
+
+    async def pull(self, peer: str, handler: str, request, max_bytes: int) -> bytes:
+        """The chunks a peer's stream handler sends back, joined; empty if it holds nothing.
+        Each wait is bounded by the timeout, the total by `max_bytes`."""
+        stream = await asyncio.wait_for(
+            self.p2p.iterate_protobuf_handler(PeerID.from_base58(peer), handler, request, PayloadChunk),
+            self.timeout_s,
+        )
+        parts, size = [], 0
+        async for chunk in aiter_with_timeout(stream, self.timeout_s):
+            size += len(chunk.data)
+            if size > max_bytes:
+                raise MalformedPayloadError("too_large", f"{peer} sent more than {max_bytes} bytes")
+            parts.append(chunk.data)
+        return b"".join(parts)
+
+    async def _checked(self, source: str, announcement: Announcement, request: PayloadRequest) -> bytes:
+        data = await self.pull(source, self.payload_handler, request, announcement.size)
+        if not data:
+            raise TimeoutError(f"{source} does not hold the payload (yet)")
+        if len(data) != announcement.size or hashlib.sha256(data).digest() != announcement.digest:
+            raise MalformedPayloadError(
+                "digest_mismatch", f"{source}: payload does not match its announcement"
+            )
+        return data
+
+
+def chunks(data: bytes) -> list[PayloadChunk]:
+    """`data` as stream replies of at most CHUNK_BYTES each (none if it is empty)."""
+    return [
+        PayloadChunk(data=data[start : start + CHUNK_BYTES]) for start in range(0, len(data), CHUNK_BYTES)
+    ]

@@ -1,0 +1,61 @@
+"""How much consecutive DiLoCo rounds agree: the cosine between one round's mean pseudo-gradient and
+the next's, and their norms, in a standard run of `shoal bench converge`'s setting. The eager outer
+update stands the last round's mean in for the other workers' current one, so it is only as good as
+this agreement (BENCHMARKS.md, issue 3).
+
+    python -m tests.benchmarks.outer_agreement [--full] [--outer-lr 0.4] [--outer-momentum 0.9]
+
+Prints one JSON object: the final validation loss, the cosines and the norms (worker 0).
+"""
+
+import argparse
+import dataclasses
+import itertools
+import json
+
+import torch
+
+from shoal.peer import convergence
+from shoal.peer.data import stdlib_corpus
+from shoal.peer.diloco import DiLoCo
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--full", action="store_true", help="the full setting (default: --quick's)")
+    parser.add_argument("--outer-lr", type=float, default=convergence.QUICK.outer_lr)
+    parser.add_argument("--outer-momentum", type=float, default=convergence.QUICK.outer_momentum)
+    args = parser.parse_args()
+    config = convergence.FULL if args.full else convergence.QUICK
+    config = dataclasses.replace(config, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+    directions: list[torch.Tensor] = []
+    apply = DiLoCo._apply
+
+    def recording(self, direction, params=None, optimizer=None):
+        if params is None and self.exchange.rank == 0:  # the mean each standard outer step applies
+            directions.append(torch.cat([d.detach().flatten().float().cpu() for d in direction]))
+        return apply(self, direction, params, optimizer)
+
+    DiLoCo._apply = recording
+    try:
+        result = convergence.run_method("diloco_standard", config, stdlib_corpus())
+    finally:
+        DiLoCo._apply = apply
+    cosines = [
+        torch.nn.functional.cosine_similarity(a, b, dim=0).item() for a, b in itertools.pairwise(directions)
+    ]
+    print(
+        json.dumps(
+            {
+                "final_val_loss": result.final_val_loss,
+                "cosine": [round(c, 3) for c in cosines],
+                "norm": [round(d.norm().item(), 3) for d in directions],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
