@@ -12,6 +12,7 @@ library corpus for the same number of optimizer steps each, with disjoint batche
 - demo_compact: DeMo with k=4, 1-bit values, beta 0.99, alpha 1 (the best of the alpha/beta we tried);
 - diloco_standard / diloco_delayed / diloco_eager: AdamW inner steps, an outer Nesterov step every
   `inner_steps`, exact float32 pseudo-gradients; `finish()` applies the last round still in flight.
+  The outer learning rate and momentum are each mode's best on the quick setting (`OUTER`).
 
 On request (`--methods`): demo_compact_overlap and demo_compact_lookahead, demo_compact exchanged in
 the background and applied a step late, without and with Psyche's lookahead (shoal.peer.demo).
@@ -36,6 +37,10 @@ from shoal.peer.model import GPTConfig, TinyGPT
 
 METHODS = ("adamw_dp", "demo_reference", "demo_compact", "diloco_standard", "diloco_delayed", "diloco_eager")
 EXTRA_METHODS = ("demo_compact_overlap", "demo_compact_lookahead")
+OUTER = {"standard": (0.4, 0.5), "delayed": (0.4, 0.0), "eager": (0.4, 0.0)}
+"""DiLoCo's outer (learning rate, Nesterov momentum) per mode: the best of a sweep on the quick setting
+(BENCHMARKS.md). The late modes want no momentum: it carries the stale part of each update forward.
+At DiLoCo's 0.7 and 0.9, delayed and eager diverge on this short run."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,11 +56,10 @@ class ConvergeConfig:
     workers: int = 4
     inner_steps: int = 25
     """DiLoCo's H."""
-    outer_lr: float = 0.4
-    """DiLoCo's outer learning rate; 0.4 as in the eager paper. At 0.7 (DiLoCo's value, with
-    momentum 0.9) delayed and eager diverge on this short run while standard gains 1%."""
-    outer_momentum: float = 0.9
-    """DiLoCo's outer Nesterov momentum (0 turns it off)."""
+    outer_lr: float | None = None
+    """DiLoCo's outer learning rate; None: the mode's in `OUTER`."""
+    outer_momentum: float | None = None
+    """DiLoCo's outer Nesterov momentum (0 turns it off); None: the mode's in `OUTER`."""
     adamw_lr: float = 4e-3
     """AdamW learning rate, also DiLoCo's inner one."""
     demo_lr: float = 2e-3
@@ -124,14 +128,15 @@ def _train_demo(model, exchange, batches, config, **settings) -> int:
 
 
 def _train_diloco(model, exchange, batches, config, mode: str) -> int:
+    outer_lr, outer_momentum = OUTER[mode]
     with DiLoCo(
         model,
         _adamw(model, config),
         exchange=exchange,
         inner_steps=config.inner_steps,
         mode=mode,
-        outer_lr=config.outer_lr,
-        outer_momentum=config.outer_momentum,
+        outer_lr=outer_lr if config.outer_lr is None else config.outer_lr,
+        outer_momentum=outer_momentum if config.outer_momentum is None else config.outer_momentum,
     ) as diloco:
         for inputs, targets in batches:
             _loss(model, inputs, targets).backward()
