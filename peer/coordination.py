@@ -30,7 +30,15 @@ from shoal.protocol import coordinator_pb2_grpc
 
 logger = get_logger(__name__)
 
-MAX_BACKOFF_S = 5.0
+MAX_BACKOFF_S = 2.0
+# gRPC's own reconnection backoff grows to 120 s, and calls fail at once while it waits: after a long
+# outage, peers would reach a restarted coordinator only after its grace for them (one heartbeat
+# timeout) has passed, and be dropped as silent
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", int(MAX_BACKOFF_S * 1000)),
+)
 DEFAULT_HEARTBEAT_S = 1.0  # when the coordinator states no usable heartbeat timeout
 CALL_TIMEOUT_S = 5.0
 # codes that mean "not reachable right now", as opposed to a refusal of this request
@@ -129,9 +137,9 @@ class CoordinatorLink:
     async def start(self) -> None:
         if self._tls:
             credentials = grpc.ssl_channel_credentials(root_certificates=self._tls_roots)
-            self._channel = grpc.aio.secure_channel(self.address, credentials)
+            self._channel = grpc.aio.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.aio.insecure_channel(self.address)
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._task = asyncio.create_task(self._keep_member())
 

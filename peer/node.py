@@ -430,10 +430,12 @@ def _check_compatible(exchange: SwarmExchange) -> None:
     """Refuses to train alone next to a swarm of another configuration, or next to one that follows a
     coordinator (coordinated peers announce their payloads only to it)."""
     compatible = exchange.compatible_peers()
-    if exchange.coordinator is None and exchange.coordinators:
+    # most of them, so that one peer lying in its record cannot keep newcomers out
+    if exchange.coordinator is None and 2 * len(exchange.coordinators) > len(compatible) - 1:
+        addresses = ", ".join(sorted(set(exchange.coordinators.values())))
         raise JoinError(
-            "the peers of this run follow a coordinator (they reach it as "
-            f"{', '.join(sorted(exchange.coordinators))}): pass --coordinator HOST:PORT"
+            f"the peers of this run follow a coordinator (they reach it as {addresses}): "
+            "pass --coordinator HOST:PORT"
         )
     if len(compatible) == 1 and exchange.refused:
         reasons = "\n".join(f"  {peer}: {reason}" for peer, reason in exchange.refused.items())

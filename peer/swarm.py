@@ -47,6 +47,7 @@ import contextlib
 import functools
 import hashlib
 import math
+import re
 import struct
 import threading
 import time
@@ -89,6 +90,7 @@ PROBE_INTERVAL_S = 10.0  # ... and at most once per this many seconds per asking
 REJOIN_EVERY_S = 10.0  # a peer alone in its run dials its initial peers again at most this often ...
 REJOIN_TIMEOUT_S = 5.0  # ... each for at most this long
 RECORD_REFRESH_S = 30.0  # under a coordinator, a peer rewrites its DHT record at most this often
+ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,250}:[0-9]{1,5}")  # a coordinator's HOST:PORT in a record
 
 
 class SwarmExchange(Exchange):
@@ -171,8 +173,9 @@ class SwarmExchange(Exchange):
         """Whether this peer held (or adopted) the majority's state in its last round."""
         self.refused: dict[str, str] = {}
         """Incompatible peers seen (peer id: which settings differ)."""
-        self.coordinators: set[str] = set()
-        """The coordinators compatible peers follow, as their records name them."""
+        self.coordinators: dict[bytes, str] = {}
+        """Compatible peers that follow a coordinator: the address their record names (HOST:PORT,
+        printable; anything else is dropped: it is another peer's text, shown to a user)."""
         self.sent: Counter[str] = Counter()
         """Bytes this peer sent, by kind: payload and state (its handlers served them), probe (bandwidth
         measurements it answered), dht (the serialized records and announcements it stored)."""
@@ -799,12 +802,13 @@ class SwarmExchange(Exchange):
         if malformed:
             self.rejected["bad_record"] += malformed
         compatible = {self.owner}
+        self.coordinators = {}
         for owner, record in records.items():
             reason = incompatibility(self.record, record)
             if reason is None:
                 compatible.add(owner)
-                if record.coordinator:
-                    self.coordinators.add(record.coordinator)
+                if owner != self.owner and ADDRESS.fullmatch(record.coordinator):
+                    self.coordinators[owner] = record.coordinator
             elif record.peer_id not in self.refused:
                 self.refused[record.peer_id] = reason
                 logger.warning(f"refusing peer {record.peer_id}: {reason}")

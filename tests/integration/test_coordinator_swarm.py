@@ -102,13 +102,15 @@ def test_coordinator_killed_and_restarted_mid_run(tmp_path):
                 )
             )
         before = wait_until(lambda: (s := swarm_status(address)) is not None and s.round >= 5 and s, 120)
-        # coordinated peers announce their payloads only to the coordinator: joining without it is refused
+        kill(server)  # SIGKILL: no goodbye, mid-round
+        killed_at = time.time()
+        # coordinated peers announce their payloads only to the coordinator: joining without it is
+        # refused, also while it is away (the peers' records still name it)
         alone = [flag for flag in common if flag not in ("--coordinator", address)]
         lost = shoal("join", *alone, "--initial-peers", first, timeout=90)
         assert lost.returncode == 1, lost.stderr[-2000:]
         assert f"follow a coordinator (they reach it as {address})" in lost.stderr
-        kill(server)  # SIGKILL: no goodbye, mid-round
-        time.sleep(4)  # the peers notice and train on uncoordinated
+        time.sleep(max(0.0, killed_at + 4 - time.time()))  # the peers notice and train on uncoordinated
         restarted_at = time.time()
         server = coordinator("restarted")
         after = wait_until(
