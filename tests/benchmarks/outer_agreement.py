@@ -4,6 +4,7 @@ update stands the last round's mean in for the other workers' current one, so it
 this agreement (BENCHMARKS.md, issue 3).
 
     python -m tests.benchmarks.outer_agreement [--full] [--outer-lr 0.4] [--outer-momentum 0.9]
+        [--batch-size 64]
 
 Prints one JSON object: the final validation loss, the cosines and the norms (worker 0).
 """
@@ -27,9 +28,14 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="the full setting (default: --quick's)")
     parser.add_argument("--outer-lr", type=float, default=0.4)  # as measured in BENCHMARKS.md
     parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument(
+        "--batch-size", type=int, help="sequences per worker and step (default: the setting's)"
+    )
     args = parser.parse_args()
     config = convergence.FULL if args.full else convergence.QUICK
     config = dataclasses.replace(config, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+    if args.batch_size:
+        config = dataclasses.replace(config, batch_size=args.batch_size)
     directions: list[torch.Tensor] = []
     apply = DiLoCo._apply
 
