@@ -38,6 +38,9 @@ CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.min_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", int(MAX_BACKOFF_S * 1000)),
+    # no bandwidth-estimation pings: a round's few small calls need no flow-control tuning, and the
+    # pings and their acknowledgements were a fifth of a peer's packets to the coordinator
+    ("grpc.http2.bdp_probe", 0),
 )
 DEFAULT_HEARTBEAT_S = 1.0  # when the coordinator states no usable heartbeat timeout
 CALL_TIMEOUT_S = 5.0

@@ -89,7 +89,10 @@ PROBE_MAX_BYTES = 8 << 20  # a bandwidth probe (`shoal check`) gets at most this
 PROBE_INTERVAL_S = 10.0  # ... and at most once per this many seconds per asking peer
 REJOIN_EVERY_S = 10.0  # a peer alone in its run dials its initial peers again at most this often ...
 REJOIN_TIMEOUT_S = 5.0  # ... each for at most this long
-RECORD_REFRESH_S = 30.0  # under a coordinator, a peer rewrites its DHT record at most this often
+# under a coordinator, a peer rewrites its DHT record at most this often: the coordinator tracks who is
+# alive, so the record only serves `shoal status` (which shows its age), joining checks and the fallback;
+# a write costs about 18 KB on the wire in a small swarm (BENCHMARKS.md)
+RECORD_REFRESH_S = 120.0
 ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,250}:[0-9]{1,5}")  # a coordinator's HOST:PORT in a record
 
 
