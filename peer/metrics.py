@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 REJECTION_REASONS = (
     "bad_announcement", "bad_block", "bad_chunk", "bad_dtype", "bad_indices", "bad_index_bits",
     "bad_manifest", "bad_record", "bad_samples", "bad_scale", "bad_shape", "bad_topk", "bad_zstd",
-    "banned", "digest_mismatch",
+    "banned", "channel_request", "channels", "digest_mismatch",
     "duplicate", "length_mismatch", "missing", "non_finite", "probe_rate", "replayed", "resync_failed",
     "stale_state", "too_large", "unknown_codec", "unknown_value_encoding", "unparsable",
     "value_out_of_range", "wrong_structure",

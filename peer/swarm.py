@@ -1,7 +1,9 @@
 """SwarmExchange: the Exchange of DeMo and DiLoCo over a hivemind DHT and its libp2p transport.
 
 For round r, a participant
-1. holds its serialized payload and serves it through a libp2p stream handler;
+1. holds its serialized payload and serves it over payload channels (shoal.peer.swarm_channels:
+   libp2p streams kept open between two peers, one request after another; also to one-off streams,
+   for hivemind's own clients);
 2. heartbeats its signed `PeerRecord` (shoal.peer.membership) and announces `(peer id, digest, size,
    samples)` under `<run>.round.<r>`, both under its public-key subkey, which only it can write
    (DHT values stay tiny: payload bytes never go through the DHT);
@@ -77,6 +79,7 @@ from shoal.peer.state import (
     restore,
     state_size,
 )
+from shoal.peer.swarm_channels import Channels, ChannelServer
 from shoal.peer.swarm_pull import Puller, chunks
 from shoal.peer.swarm_records import Announcement, RoundPlan, RoundSchedule, peer_records
 from shoal.protocol import EncodedTensor, MalformedPayloadError, parse_message
@@ -208,6 +211,7 @@ class SwarmExchange(Exchange):
         )  # planned, not yet gathered (DiLoCo gathers in the background)
         self._planned = 0  # the round after the last coordinated plan
         self._handler = f"shoal.{run}.payload"
+        self._channel_handler = f"shoal.{run}.payloads"
         self._state_handler = f"shoal.{run}.state"
         self._probe_handler = f"shoal.{run}.probe"
         self._probed: dict[PeerID, float] = {}  # asking peer: monotonic time of its last probe
@@ -389,9 +393,13 @@ class SwarmExchange(Exchange):
 
     async def _start(self, max_concurrent_fetches: int):
         p2p = await self.dht.replicate_p2p()
+        self._channels = Channels(p2p, self._channel_handler, self.fetch_timeout_s)
+        self._channel_server = ChannelServer(
+            self._serve, p2p.peer_id, self._channel_handler, self.fetch_timeout_s, self.rejected
+        )
         self._puller = Puller(
             p2p,
-            payload_handler=self._handler,
+            channels=self._channels,
             state_handler=self._state_handler,
             owner=self.owner,
             timeout_s=self.fetch_timeout_s,
@@ -400,6 +408,8 @@ class SwarmExchange(Exchange):
             received=self.received,
             rejected=self.rejected,
         )
+        await p2p.add_binary_stream_handler(self._channel_handler, self._channel_server.handle)
+        # a payload also goes to a one-off stream (hivemind's own clients can ask for it so)
         await p2p.add_protobuf_handler(self._handler, self._serve, PayloadRequest, stream_output=True)
         await p2p.add_protobuf_handler(
             self._state_handler, self._serve_state, StateRequest, stream_output=True
@@ -452,6 +462,9 @@ class SwarmExchange(Exchange):
     async def _stop(self) -> None:
         if self.coordinator is not None and self.coordinator.started:
             await self.coordinator.stop()
+        await self._p2p.remove_binary_stream_handler(self._channel_handler)
+        self._channel_server.close()
+        self._channels.close()
         await self._p2p.remove_protobuf_handler(self._handler, stream_output=True)
         await self._p2p.remove_protobuf_handler(self._state_handler, stream_output=True)
         await self._p2p.remove_protobuf_handler(self._probe_handler, stream_output=True)

@@ -9,8 +9,9 @@
 - A piece of a shared state is pulled the same way, by shoal.peer.state's `download`, which checks
   it against the state's manifest.
 
-Replies are streams of `PayloadChunk`s of at most `CHUNK_BYTES`, capped in total by what the caller
-expects.
+Payloads travel over channels (shoal.peer.swarm_channels): streams kept open between two peers, as a
+stream per pull cost more on the wire than a small payload. Other replies are one-off streams of
+`PayloadChunk`s of at most `CHUNK_BYTES`, capped in total by what the caller expects.
 """
 
 import asyncio
@@ -23,6 +24,7 @@ from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.utils.asyncio import aiter_with_timeout
 
 from shoal.peer.state import MAX_CHUNK_BYTES
+from shoal.peer.swarm_channels import Channels
 from shoal.peer.swarm_records import Announcement
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, StateRequest
@@ -39,7 +41,7 @@ class Puller:
         self,
         p2p: P2P,
         *,
-        payload_handler: str,
+        channels: Channels,
         state_handler: str,
         owner: bytes,
         timeout_s: float,
@@ -49,7 +51,7 @@ class Puller:
         rejected: Counter[str],
     ):
         self.p2p, self.owner, self.timeout_s = p2p, owner, timeout_s
-        self.payload_handler, self.state_handler = payload_handler, state_handler
+        self.channels, self.state_handler = channels, state_handler
         self.strike, self.received, self.rejected = strike, received, rejected
         self.relayed = 0
         """Payloads pulled from a peer other than their author."""
@@ -107,7 +109,7 @@ class Puller:
         return b"".join(parts)
 
     async def _checked(self, source: str, announcement: Announcement, request: PayloadRequest) -> bytes:
-        data = await self.pull(source, self.payload_handler, request, announcement.size)
+        data = await self.channels.pull(source, request, announcement.size)
         if not data:
             raise TimeoutError(f"{source} does not hold the payload (yet)")
         if len(data) != announcement.size or hashlib.sha256(data).digest() != announcement.digest:
