@@ -172,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     wan.add_argument("--plot", metavar="PNG", help="also plot tokens/s against bandwidth (needs matplotlib)")
     wan.add_argument(
+        "--pcap",
+        metavar="DIR",
+        help="capture peer 0's packets of each run into DIR (headers only; needs tcpdump), for "
+        "tests/benchmarks/wire_breakdown.py",
+    )
+    wan.add_argument(
         "--quick", action="store_true", help="2 peers, 8 steps, 10mbit only: within 10 minutes on 2 cores"
     )
     swarm = benchmarks.add_parser(
@@ -384,7 +390,9 @@ def _bench_wan(args: argparse.Namespace) -> int:
         inner_steps=args.inner_steps or config.inner_steps,
         methods=methods,
     )
-    return wan.main(as_json=args.json, bandwidths=bandwidths, config=config, plot=args.plot)
+    return wan.main(
+        as_json=args.json, bandwidths=bandwidths, config=config, plot=args.plot, pcap_dir=args.pcap
+    )
 
 
 def _join(args: argparse.Namespace) -> int:

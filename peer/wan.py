@@ -20,6 +20,7 @@ down. Reported per run:
 
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -71,10 +72,15 @@ def parse_bandwidths(text: str) -> list[float]:
     return rates
 
 
-def run(method: str, rate_mbit: float, config: WanConfig, log_dir: Path) -> dict:
-    """One method at one bandwidth, in a NetLab of its own."""
+def run(
+    method: str, rate_mbit: float, config: WanConfig, log_dir: Path, pcap_dir: Path | None = None
+) -> dict:
+    """One method at one bandwidth, in a NetLab of its own; with `pcap_dir`, peer 0's packets are
+    captured there (headers only), for tests/benchmarks/wire_breakdown.py."""
     peers = config.peers
     with NetLab(peers + 1, rate_mbit) as lab, tempfile.TemporaryDirectory() as scratch:
+        if pcap_dir is not None:
+            _capture(lab, pcap_dir / f"{method}-{rate_mbit:g}mbit-peer0.pcap")
         first = lab.address(0) if method == "ddp" else str(Path(scratch) / "first.maddr")
         coordinator = f"{lab.address(peers)}:{COORDINATOR_PORT}"
         if method in SWARM_METHODS:
@@ -140,6 +146,15 @@ def summarize(method: str, rate_mbit: float, config: WanConfig, results: list[di
     }
 
 
+def _capture(lab: NetLab, path: Path) -> None:
+    """tcpdump on node 0's interface until the lab closes (its SIGTERM flushes the file)."""
+    command = ["tcpdump", "-i", "eth0", "-s", "128", "-U", "-w", str(path)]
+    capture = lab.popen(0, command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    line = capture.stderr.readline()  # "listening on eth0 ..." once it captures
+    if "listening on" not in line:
+        raise RuntimeError(f"tcpdump did not start: {line.strip() or capture.wait()}")
+
+
 def _start_coordinator(lab: NetLab, peers: int, method: str, scratch: Path, log_dir: Path) -> None:
     """The swarm's coordinator in the last namespace: the first round waits for every peer; windows so
     wide that rounds end when the peers are done (decided when all have reported), not on a clock."""
@@ -156,8 +171,19 @@ def _start_coordinator(lab: NetLab, peers: int, method: str, scratch: Path, log_
         raise RuntimeError(f"the coordinator did not start; see {log_dir / f'{method}-coordinator.log'}")
 
 
-def main(*, as_json: bool, bandwidths: list[float], config: WanConfig, plot: str | None = None) -> int:
+def main(
+    *,
+    as_json: bool,
+    bandwidths: list[float],
+    config: WanConfig,
+    plot: str | None = None,
+    pcap_dir: str | None = None,
+) -> int:
     reason = available()
+    if reason is None and pcap_dir is not None:
+        reason = None if shutil.which("tcpdump") else "--pcap needs tcpdump"
+        if reason is None and not Path(pcap_dir).is_dir():
+            reason = f"--pcap: {pcap_dir} is not a directory"
     if reason is not None:
         print(f"shoal bench wan: {reason}", file=sys.stderr)
         return 2
@@ -169,7 +195,7 @@ def main(*, as_json: bool, bandwidths: list[float], config: WanConfig, plot: str
         for rate in bandwidths:
             for method in config.methods:
                 started = time.perf_counter()
-                result = run(method, rate, config, log_dir)
+                result = run(method, rate, config, log_dir, Path(pcap_dir) if pcap_dir else None)
                 result["run_s"] = time.perf_counter() - started
                 results.append(result)
                 if not as_json:
