@@ -9,7 +9,8 @@ libp2p connection to each other peer: payload pulls, DHT, keep-alives), `other` 
 Kinds, by the TCP payload's size: `ack` (none), `small` (under 200 B: stream frames, requests,
 protocol negotiation), `medium` (under 2,000 B) and `large` (payload pieces). `wire` counts whole
 frames (Ethernet, IP and TCP headers included), as the interface counters do; `payload` only TCP
-payload. Only the standard pcap format (tcpdump's default) is read; no dependency.
+payload; `retransmitted` the segments TCP sent again (already counted in their kind). Only the
+standard pcap format (tcpdump's default) is read; no dependency.
 """
 
 import argparse
@@ -17,14 +18,26 @@ import json
 import struct
 import sys
 from collections import Counter, defaultdict
+from typing import NamedTuple
 
 COORDINATOR_PORT = 7733
 ETHERNET_BYTES = 14
 
 
+class Packet(NamedTuple):
+    when: float
+    length: int  # the whole frame's
+    source: str | None
+    destination: str | None
+    protocol: int | None  # None: not IPv4
+    source_port: int = 0
+    destination_port: int = 0
+    payload: int = 0  # TCP or UDP payload bytes
+    sequence: int = 0  # TCP's
+
+
 def packets(data: bytes):
-    """(seconds, frame length, ip source, ip destination, protocol, source port, destination port, payload
-    bytes) of each IPv4 frame; other frames with protocol None."""
+    """Each frame of a pcap file, as a Packet."""
     magic = struct.unpack("<I", data[:4])[0]
     if magic not in (0xA1B2C3D4, 0xA1B23C4D):
         raise ValueError("not a little-endian pcap file (tcpdump -w writes one)")
@@ -36,20 +49,21 @@ def packets(data: bytes):
         offset += 16 + captured
         when = seconds + fraction * scale
         if len(frame) < ETHERNET_BYTES + 20 or frame[12:14] != b"\x08\x00":
-            yield when, length, None, None, None, 0, 0, 0
+            yield Packet(when, length, None, None, None)
             continue
         ip = frame[ETHERNET_BYTES:]
         header, protocol = (ip[0] & 15) * 4, ip[9]
         total = struct.unpack("!H", ip[2:4])[0]
         source, destination = ".".join(map(str, ip[12:16])), ".".join(map(str, ip[16:20]))
-        ports, payload = (0, 0), 0
+        ports, payload, sequence = (0, 0), 0, 0
         if protocol in (6, 17) and len(ip) >= header + 4:
             ports = struct.unpack("!HH", ip[header : header + 4])
             if protocol == 6 and len(ip) >= header + 13:
                 payload = total - header - (ip[header + 12] >> 4) * 4
+                sequence = struct.unpack("!I", ip[header + 4 : header + 8])[0]
             elif protocol == 17:
                 payload = total - header - 8
-        yield when, length, source, destination, protocol, *ports, payload
+        yield Packet(when, length, source, destination, protocol, *ports, payload, sequence)
 
 
 def kind(payload: int) -> str:
@@ -57,24 +71,38 @@ def kind(payload: int) -> str:
 
 
 def breakdown(data: bytes, me: str, *, since: float = 0.0, until: float = float("inf")) -> dict:
-    """What `me` sent between `since` and `until` seconds after the first packet."""
+    """What `me` sent between `since` and `until` seconds after the first packet. A TCP segment that
+    ends no further than what its connection already sent is also counted as `retransmitted`."""
     sent: defaultdict[str, Counter] = defaultdict(Counter)
+    sent_up_to: dict[tuple, int] = {}  # per connection: bytes of sequence space sent, from its first segment
+    first_sequence: dict[tuple, int] = {}
     first = None
-    for when, length, source, destination, protocol, source_port, destination_port, payload in packets(data):
-        first = when if first is None else first
-        if source != me or not since <= when - first < until:
+    for p in packets(data):
+        first = p.when if first is None else first
+        if p.source != me:
             continue
-        if protocol == 6 and COORDINATOR_PORT in (source_port, destination_port):
+        if p.protocol == 6:
+            flow = (p.source_port, p.destination, p.destination_port)
+            start = (p.sequence - first_sequence.setdefault(flow, p.sequence)) % (1 << 32)
+            repeated = p.payload > 0 and start + p.payload <= sent_up_to.get(flow, 0)
+            sent_up_to[flow] = max(sent_up_to.get(flow, 0), start + p.payload)
+        if not since <= p.when - first < until:
+            continue
+        if p.protocol == 6 and COORDINATOR_PORT in (p.source_port, p.destination_port):
             where = "coordinator"
-        elif protocol == 6:
-            where = f"peer {destination}"
+        elif p.protocol == 6:
+            where = f"peer {p.destination}"
         else:
             where = "other"
-        sort = kind(payload) if protocol == 6 else "other"
-        sent[where][f"{sort}_packets"] += 1
-        sent[where][f"{sort}_wire"] += length
-        sent[where][f"{sort}_payload"] += payload
-        sent[where]["wire"] += length
+        sort = kind(p.payload) if p.protocol == 6 else "other"
+        counts = sent[where]
+        counts[f"{sort}_packets"] += 1
+        counts[f"{sort}_wire"] += p.length
+        counts[f"{sort}_payload"] += p.payload
+        counts["wire"] += p.length
+        if p.protocol == 6 and repeated:
+            counts["retransmitted_packets"] += 1
+            counts["retransmitted_wire"] += p.length
     total = Counter()
     for counts in sent.values():
         total.update(counts)

@@ -7,8 +7,10 @@ import pytest
 from tests.benchmarks.wire_breakdown import breakdown
 
 
-def frame(source: str, destination: str, source_port: int, destination_port: int, payload: int) -> bytes:
-    tcp = struct.pack("!HHIIBBHHH", source_port, destination_port, 0, 0, 5 << 4, 0x10, 0, 0, 0)
+def frame(
+    source: str, destination: str, source_port: int, destination_port: int, payload: int, sequence: int = 0
+) -> bytes:
+    tcp = struct.pack("!HHIIBBHHH", source_port, destination_port, sequence, 0, 5 << 4, 0x10, 0, 0, 0)
     total = 20 + len(tcp) + payload
     ip = struct.pack(
         "!BBHHHBBH4s4s",
@@ -41,10 +43,11 @@ def test_packets_are_sorted_by_connection_and_size_counting_whole_frames():
         [
             (100.0, frame(me, coordinator, 40000, 7733, 189)),  # a report
             (100.1, frame(coordinator, me, 7733, 40000, 75)),  # its reply: received, not counted
-            (100.2, frame(me, peer, 4001, 4002, 0)),  # an acknowledgement
-            (100.3, frame(me, peer, 4001, 4002, 9420)),  # a payload
-            (100.4, frame(me, peer, 4001, 4002, 84)),  # a request
-            (105.0, frame(me, peer, 4001, 4002, 600)),  # after `until`
+            (100.2, frame(me, peer, 4001, 4002, 0, 2**32 - 100)),  # an acknowledgement
+            (100.3, frame(me, peer, 4001, 4002, 9420, 2**32 - 100)),  # a payload (its sequence wraps)
+            (100.4, frame(me, peer, 4001, 4002, 84, 9320)),  # a request
+            (100.5, frame(me, peer, 4001, 4002, 1400, 2**32 - 100)),  # part of the payload again
+            (105.0, frame(me, peer, 4001, 4002, 600, 9404)),  # after `until`
         ]
     )
     result = breakdown(data, me, until=4.0)
@@ -57,8 +60,9 @@ def test_packets_are_sorted_by_connection_and_size_counting_whole_frames():
     sent = result["sent"][f"peer {peer}"]
     assert (sent["ack_packets"], sent["large_packets"], sent["small_packets"]) == (1, 1, 1)
     assert sent["large_wire"] == 14 + 40 + 9420 and sent["large_payload"] == 9420
-    assert "medium_packets" not in sent
-    assert result["total"]["wire"] == (14 + 40) * 4 + 189 + 9420 + 84
+    assert (sent["medium_packets"], sent["retransmitted_packets"]) == (1, 1)
+    assert sent["retransmitted_wire"] == 14 + 40 + 1400
+    assert result["total"]["wire"] == (14 + 40) * 5 + 189 + 9420 + 84 + 1400
 
 
 def test_a_file_that_is_not_a_pcap_is_refused():
