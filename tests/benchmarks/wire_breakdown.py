@@ -7,7 +7,8 @@ and per kind of packet, in one JSON object.
 Classes: `coordinator` (TCP to or from port 7733, the wan bench's coordinator), `peer <address>` (its
 libp2p connection to each other peer: payload pulls, DHT, keep-alives), `other` (multicast, ARP).
 Kinds, by the TCP payload's size: `ack` (none), `small` (under 200 B: stream frames, requests,
-protocol negotiation), `medium` (under 2,000 B) and `large` (payload pieces). `wire` counts whole
+protocol negotiation), `medium` (under 2,000 B: also single segments of a bulk transfer, at most
+one MSS) and `large` (the kernel's segmentation-offload frames of a bulk transfer). `wire` counts whole
 frames (Ethernet, IP and TCP headers included), as the interface counters do; `payload` only TCP
 payload; `retransmitted` the segments TCP sent again (already counted in their kind). Only the
 standard pcap format (tcpdump's default) is read; no dependency.
