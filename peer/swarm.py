@@ -36,9 +36,9 @@ participant that calls `gather` late joins the round in progress; one whose anno
 late for others to pull is left out of their round.
 
 Under a coordinator (shoal.peer.coordination), step 2's announcement goes to the coordinator
-instead, which decides the round's participants for everyone (shoal.peer.swarm_coordinated); the record is then rewritten only
-every `RECORD_REFRESH_S`, to stay alive. Should the coordinator stop answering, the round is
-announced in the DHT after all and finishes as above.
+instead, which decides the round's participants for everyone (shoal.peer.swarm_coordinated); the
+record is then rewritten only every `RECORD_REFRESH_S`, to stay alive. Should the coordinator stop
+answering, the round is announced in the DHT after all and finishes as above.
 
 The DHT is the caller's (create it before starting threads: hivemind forks a process for it). This
 object runs one event loop on a thread it owns for the handler and the downloads; `close()` stops it.
