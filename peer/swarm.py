@@ -391,13 +391,12 @@ class SwarmExchange(CoordinatedRounds, Exchange):
 
     async def _start(self, max_concurrent_fetches: int):
         p2p = await self.dht.replicate_p2p()
-        self._channels = Channels(p2p, self._channel_handler, self.fetch_timeout_s)
         self._channel_server = ChannelServer(
             self._serve, p2p.peer_id, self._channel_handler, self.fetch_timeout_s, self.rejected
         )
         self._puller = Puller(
             p2p,
-            channels=self._channels,
+            channels=Channels(p2p, self._channel_handler, self.fetch_timeout_s),
             state_handler=self._state_handler,
             owner=self.owner,
             timeout_s=self.fetch_timeout_s,
@@ -462,7 +461,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             await self.coordinator.stop()
         await self._p2p.remove_binary_stream_handler(self._channel_handler)
         self._channel_server.close()
-        self._channels.close()
+        self._puller.channels.close()
         await self._p2p.remove_protobuf_handler(self._handler, stream_output=True)
         await self._p2p.remove_protobuf_handler(self._state_handler, stream_output=True)
         await self._p2p.remove_protobuf_handler(self._probe_handler, stream_output=True)

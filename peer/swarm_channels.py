@@ -162,10 +162,11 @@ class ChannelServer:
                 except DecodeError:
                     self.rejected["channel_request"] += 1
                     return
-                data = b"".join([chunk.data async for chunk in self.serve(request, context)])
-                writer.write(len(data).to_bytes(HEADER_BYTES, "big"))
-                for start in range(0, len(data), READ_BYTES):
-                    writer.write(data[start : start + READ_BYTES])
+                # the handler's chunks (at most 1 MiB each) go out as they are: no joined copy
+                parts = [chunk.data async for chunk in self.serve(request, context)]
+                writer.write(sum(map(len, parts)).to_bytes(HEADER_BYTES, "big"))
+                for part in parts:
+                    writer.write(part)
                     await asyncio.wait_for(writer.drain(), self.timeout_s)
                 await asyncio.wait_for(writer.drain(), self.timeout_s)
         except (asyncio.IncompleteReadError, TimeoutError, ConnectionError, OSError):
