@@ -124,10 +124,15 @@ def decode(encoded: EncodedValues, encoding: int, count: int, group: int) -> tor
         if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
             raise MalformedPayloadError("bad_scale", "a scale is negative, NaN or infinite")
         if encoding == ValueEncoding.VALUE_ENCODING_SIGN:
-            decoded = (1 - 2 * bitpack.unpack(stream, 1, count)).float() * scales
-        else:
-            per_value = scales[torch.arange(count, device=stream.device) // group]  # never groups * group
-            decoded = _decode_unit(stream, encoding, count) * per_value
+            return (1 - 2 * bitpack.unpack(stream, 1, count)).float() * scales
+        # the unit values of a group, in [-1, 1], times its finite scale: finite, no check needed
+        decoded = torch.empty(count, dtype=torch.float32, device=stream.device)
+        _decode_unit(stream, encoding, decoded)
+        full = count // group  # whole groups, then a shorter last one (nothing sized by `group`)
+        decoded[: full * group].view(full, group).mul_(scales[:full].view(full, 1))
+        if full * group < count:
+            decoded[full * group :].mul_(scales[full])
+        return decoded
     if not bool(torch.isfinite(decoded).all()):
         raise MalformedPayloadError("non_finite", "decoded values contain NaN or infinity")
     return decoded
@@ -166,26 +171,27 @@ def from_message(message, count: int, group: int, device: torch.device) -> torch
     return decode(encoded, encoding, count, group)
 
 
-def _decode_unit(stream: torch.Tensor, encoding: int, count: int) -> torch.Tensor:
-    """Scaled encodings: the values divided by their group's scale, in [-1, 1]."""
+def _decode_unit(stream: torch.Tensor, encoding: int, out: torch.Tensor) -> None:
+    """Scaled encodings: writes the values divided by their group's scale, in [-1, 1], into the
+    float32 tensor `out` (one per value); raises MalformedPayloadError for any outside that range."""
     if encoding == ValueEncoding.VALUE_ENCODING_FLOAT16:
-        unit = stream.view(torch.float16).float()
-        if not bool((unit.abs() <= 1).all()):  # also false for NaN
+        out.copy_(stream.view(torch.float16))
+        if not bool((out.abs() <= 1).all()):  # also false for NaN
             raise MalformedPayloadError("value_out_of_range", "a float16 value is outside [-1, 1]")
-        return unit
+        return
     if encoding == ValueEncoding.VALUE_ENCODING_INT8:
-        levels = stream.view(torch.int8)
-        offset = 0
+        levels, offset, lowest = stream.view(torch.int8), 0, -128
     elif encoding == ValueEncoding.VALUE_ENCODING_INT4:
-        levels = bitpack.unpack(stream, 4, count)
-        offset = 8
+        levels, offset, lowest = bitpack.unpack_bytes(stream, 4, out.numel()), 8, 0
     else:
         raise MalformedPayloadError("unknown_value_encoding", f"value encoding {encoding} is not known")
     limit = _LEVELS[encoding]
-    quantized = levels.to(torch.int32) - offset
-    if not bool((quantized.abs() <= limit).all()):
+    if bool((levels == lowest).any()):  # the one level of the type beyond -limit
         raise MalformedPayloadError("value_out_of_range", f"a quantized value is outside [-{limit}, {limit}]")
-    return quantized.float() / limit
+    out.copy_(levels)
+    if offset:
+        out.sub_(offset)
+    out.div_(limit)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
