@@ -123,7 +123,7 @@ class CoordinatedRounds:
                 self.rejected[error.reason] += 1
         fetches = [
             asyncio.create_task(self._fetch(number, a, announced))
-            for a in announced.values()
+            for a in pull_order(list(announced.values()), me)
             if (number, a.digest) not in self._held
         ]
         if fetches:
@@ -140,3 +140,12 @@ class CoordinatedRounds:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await link.heartbeat()  # finished: the coordinator may start the next round
         return contributions
+
+
+def pull_order(participants: list[Announcement], me: bytes) -> list[Announcement]:
+    """The decided participants, starting after this peer in the coordinator's order (every peer sees
+    the same): when pulls run one or a few at a time, each peer's upload then serves one puller at
+    a time instead of every puller starting with the first participant."""
+    owners = [a.owner for a in participants]
+    start = owners.index(me) + 1 if me in owners else 0
+    return participants[start:] + participants[:start]

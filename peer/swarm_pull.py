@@ -3,7 +3,13 @@
 - A payload is pulled from the peer that announced it, then from any other participant of the round
   (every peer serves what it pulled; a relay that does not hold it yet answers with nothing), cycling
   with backoff until it is had or the round gives up on it. At most `max_concurrent` pulls run at a
-  time, and every wait is bounded by `timeout_s`.
+  time, and beyond the first at most `max_bytes_in_flight` bytes of payloads (`InFlight`); every
+  wait is bounded by `timeout_s`.
+- Why a byte budget: small payloads (DeMo's, kilobytes) are pulled side by side, so that a round costs
+  one round trip, not one per peer. Large ones (DiLoCo's, megabytes) one after the other: each fills
+  the link alone, and several at once overfill a slow link's queue. Measured with `shoal bench wan`
+  at 10 Mbit/s, 4 peers, 2.8 MB payloads: three pulls at once had TCP resend 15% of what a peer sent
+  (a capture); one at a time took the wire overhead from +6.8% to +3.1% (BENCHMARKS.md).
 - It is accepted only if its size and SHA-256 match the announcement; a source that sends other
   bytes is struck (the exchange's `strike`) and not asked again for it.
 - A piece of a shared state is pulled the same way, by shoal.peer.state's `download`, which checks
@@ -15,9 +21,10 @@ stream per pull cost more on the wire than a small payload. Other replies are on
 """
 
 import asyncio
+import contextlib
 import hashlib
 import random
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
@@ -29,6 +36,7 @@ from shoal.peer.swarm_records import Announcement
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, StateRequest
 
+MAX_BYTES_IN_FLIGHT = 1 << 20
 CHUNK_BYTES = 1 << 20  # libp2p unary messages stop at 4 MiB; streamed chunks of 1 MiB are fastest here
 TRANSIENT = (TimeoutError, P2PDaemonError, P2PHandlerError, OSError, asyncio.IncompleteReadError)
 """Failures that say nothing about the source's honesty: try another, or again later."""
@@ -49,13 +57,14 @@ class Puller:
         strike: Callable[[bytes, str], None],
         received: Counter[str],
         rejected: Counter[str],
+        max_bytes_in_flight: int = MAX_BYTES_IN_FLIGHT,
     ):
         self.p2p, self.owner, self.timeout_s = p2p, owner, timeout_s
         self.channels, self.state_handler = channels, state_handler
         self.strike, self.received, self.rejected = strike, received, rejected
         self.relayed = 0
         """Payloads pulled from a peer other than their author."""
-        self._semaphore = asyncio.Semaphore(max_concurrent)
+        self._in_flight = InFlight(max_concurrent, max_bytes_in_flight)
 
     async def payload(
         self, round_number: int, announcement: Announcement, holders: Mapping[bytes, Announcement]
@@ -72,7 +81,7 @@ class Puller:
                 if source.owner in refused:
                     continue
                 try:
-                    async with self._semaphore:
+                    async with self._in_flight.hold(announcement.size):
                         data = await self._checked(source.peer, announcement, request)
                 except MalformedPayloadError as error:
                     self.rejected[error.reason] += 1
@@ -117,6 +126,58 @@ class Puller:
                 "digest_mismatch", f"{source}: payload does not match its announcement"
             )
         return data
+
+
+class InFlight:
+    """Admits a pull when none runs, or when fewer than `max_pulls` run and its bytes fit in
+    `max_bytes` with theirs (so one larger than the budget runs alone). Waiters are admitted in the
+    order they came, so pulls start in the order the caller asked for them."""
+
+    def __init__(self, max_pulls: int, max_bytes: int):
+        if max_pulls < 1 or max_bytes < 0:
+            raise ValueError(f"max_pulls must be >= 1 and max_bytes >= 0, got {max_pulls}, {max_bytes}")
+        self.max_pulls, self.max_bytes = max_pulls, max_bytes
+        self.pulls = self.bytes = 0
+        self._waiting: deque[tuple[int, asyncio.Future]] = deque()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, size: int):
+        if self._waiting or not self._fits(size):
+            admitted = asyncio.get_running_loop().create_future()
+            self._waiting.append((size, admitted))
+            try:
+                await admitted
+            except asyncio.CancelledError:
+                if admitted.done() and not admitted.cancelled():  # admitted just before the cancel
+                    self._release(size)
+                else:
+                    self._waiting.remove((size, admitted))
+                    self._admit()
+                raise
+        else:
+            self._take(size)
+        try:
+            yield
+        finally:
+            self._release(size)
+
+    def _fits(self, size: int) -> bool:
+        return self.pulls == 0 or (self.pulls < self.max_pulls and self.bytes + size <= self.max_bytes)
+
+    def _take(self, size: int) -> None:
+        self.pulls += 1
+        self.bytes += size
+
+    def _release(self, size: int) -> None:
+        self.pulls -= 1
+        self.bytes -= size
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._waiting and self._fits(self._waiting[0][0]):
+            size, admitted = self._waiting.popleft()
+            self._take(size)
+            admitted.set_result(None)
 
 
 def chunks(data: bytes) -> list[PayloadChunk]:

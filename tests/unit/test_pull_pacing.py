@@ -1,0 +1,124 @@
+"""How pulls are paced: InFlight's admission (shoal.peer.swarm_pull) and the order a coordinated
+round pulls in (shoal.peer.swarm_coordinated.pull_order)."""
+
+import asyncio
+
+import pytest
+
+from shoal.peer.swarm_coordinated import pull_order
+from shoal.peer.swarm_pull import InFlight
+from shoal.peer.swarm_records import Announcement
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def _pull(budget: InFlight, name: str, size: int, log: list, release: asyncio.Event) -> None:
+    async with budget.hold(size):
+        log.append(("start", name, budget.pulls, budget.bytes))
+        await release.wait()
+    log.append(("end", name))
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_small_pulls_run_side_by_side_up_to_the_count():
+    async def main():
+        budget, log, release = InFlight(max_pulls=3, max_bytes=1000), [], asyncio.Event()
+        tasks = [asyncio.create_task(_pull(budget, f"p{i}", 10, log, release)) for i in range(5)]
+        await _settle()
+        assert [entry[1] for entry in log] == ["p0", "p1", "p2"] and budget.pulls == 3
+        release.set()
+        await asyncio.gather(*tasks)
+        assert budget.pulls == 0 and budget.bytes == 0
+        assert [entry[1] for entry in log if entry[0] == "start"] == ["p0", "p1", "p2", "p3", "p4"]
+
+    asyncio.run(main())
+
+
+def test_large_pulls_run_one_at_a_time_in_the_order_asked():
+    async def main():
+        budget, log = InFlight(max_pulls=4, max_bytes=1000), []
+        releases = [asyncio.Event() for _ in range(3)]
+        tasks = [asyncio.create_task(_pull(budget, f"p{i}", 800, log, releases[i])) for i in range(3)]
+        for i in range(3):
+            await _settle()
+            assert [entry[1] for entry in log if entry[0] == "start"] == [f"p{j}" for j in range(i + 1)]
+            assert budget.pulls == 1 and budget.bytes == 800
+            releases[i].set()
+        await asyncio.gather(*tasks)
+        assert budget.pulls == 0 and budget.bytes == 0
+
+    asyncio.run(main())
+
+
+def test_a_pull_larger_than_the_budget_still_runs_alone():
+    async def main():
+        budget, log, release = InFlight(max_pulls=4, max_bytes=100), [], asyncio.Event()
+        tasks = [asyncio.create_task(_pull(budget, f"p{i}", 10_000, log, release)) for i in range(2)]
+        await _settle()
+        assert log == [("start", "p0", 1, 10_000)]
+        release.set()
+        await asyncio.gather(*tasks)
+        assert log[-1] == ("end", "p1")
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_waiter_lets_the_next_one_in_and_leaks_nothing():
+    async def main():
+        budget, log = InFlight(max_pulls=4, max_bytes=1000), []
+        first, never = asyncio.Event(), asyncio.Event()
+        running = asyncio.create_task(_pull(budget, "big", 900, log, first))
+        await _settle()
+        blocked = asyncio.create_task(_pull(budget, "blocked", 900, log, never))
+        small = asyncio.create_task(_pull(budget, "small", 50, log, first))
+        await _settle()
+        # "small" would fit beside "big", but waits behind "blocked": admission keeps the order
+        assert [entry[1] for entry in log] == ["big"]
+        blocked.cancel()
+        await _settle()
+        assert [entry[1] for entry in log] == ["big", "small"] and budget.bytes == 950
+        first.set()
+        await asyncio.gather(running, small)
+        with pytest.raises(asyncio.CancelledError):
+            await blocked
+        assert budget.pulls == 0 and budget.bytes == 0
+
+    asyncio.run(main())
+
+
+def test_a_pull_that_fails_gives_its_place_back():
+    async def main():
+        budget = InFlight(max_pulls=1, max_bytes=0)
+        with pytest.raises(ConnectionError):
+            async with budget.hold(5):
+                raise ConnectionError("lost")
+        assert budget.pulls == 0 and budget.bytes == 0
+        async with budget.hold(5):
+            assert budget.pulls == 1
+
+    asyncio.run(main())
+
+
+def test_bad_limits_are_refused():
+    with pytest.raises(ValueError):
+        InFlight(max_pulls=0, max_bytes=10)
+    with pytest.raises(ValueError):
+        InFlight(max_pulls=1, max_bytes=-1)
+
+
+def _announcement(owner: bytes) -> Announcement:
+    return Announcement(owner, owner.decode(), b"\0" * 32, 10, 1, b"", True)
+
+
+def test_each_peer_pulls_starting_after_itself_so_no_author_serves_two_at_first():
+    owners = [b"a", b"b", b"c", b"d"]
+    decided = [_announcement(o) for o in owners]
+    orders = {me: [a.owner for a in pull_order(decided, me) if a.owner != me] for me in owners}
+    assert orders[b"a"] == [b"b", b"c", b"d"] and orders[b"c"] == [b"d", b"a", b"b"]
+    for step in range(3):  # at every step of serial pulling, each author serves exactly one peer
+        assert sorted(order[step] for order in orders.values()) == owners
+    assert [a.owner for a in pull_order(decided, b"stranger")] == owners
