@@ -143,6 +143,9 @@ def summarize(method: str, rate_mbit: float, config: WanConfig, results: list[di
         "steps": config.steps,
         "params": results[0]["params"],
         "exchanges": results[0]["exchanges"],
+        "time_s": {  # where a peer's wall time went (mean over peers): see wan_worker
+            key: statistics.fmean(r["time_s"].get(key, 0.0) for r in results) for key in results[0]["time_s"]
+        },
     }
 
 

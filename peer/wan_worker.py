@@ -23,6 +23,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
@@ -128,6 +129,7 @@ def _data_parallel(args, model, batch) -> dict:
         "received_bytes": received,
         "predicted_sent_bytes": int(predicted),
         "exchanges": args.steps if ddp else 0,
+        "time_s": {"compute": compute, "exchange": wall - compute},
     }
 
 
@@ -176,15 +178,20 @@ def _swarm(args, model, batch) -> dict:
         batch_size=args.batch_size,
     )
     try:
-        compute = 0.0
+        compute = planning = 0.0
         started = None
         payloads = 0
+        phases: Counter[str] = Counter()
         for _ in range(math.ceil(args.steps / inner)):
+            begin = time.perf_counter()
             exchange.plan_round()
             if started is None:  # round 0 starts once every peer has joined the coordinator
                 started, wire = time.perf_counter(), interface_bytes()
+            else:
+                planning += time.perf_counter() - begin
             report = trainer.round()
             compute += report.compute_s
+            phases.update(report.phases)
             payloads += exchange.last_payload_bytes
             exchange.set_progress(
                 throughput=report.samples / max(report.compute_s, 1e-9),
@@ -192,7 +199,9 @@ def _swarm(args, model, batch) -> dict:
                 compute_throughput=report.samples / max(report.compute_s, 1e-9),
                 min_samples=report.samples,
             )
+        begin = time.perf_counter()
         trainer.finish()
+        finishing = time.perf_counter() - begin
         wall, (sent, received) = time.perf_counter() - started, _since(wire)
         _linger(Path(args.out), args.peers)
         return {
@@ -203,11 +212,29 @@ def _swarm(args, model, batch) -> dict:
             # every other peer pulls each payload once, from its author
             "predicted_sent_bytes": payloads * (args.peers - 1),
             "exchanges": trainer.rounds_done,
+            "time_s": _swarm_time(wall, compute, planning, finishing, phases, trainer),
         }
     finally:
         trainer.close()
         exchange.close()
         dht.shutdown()
+
+
+def _swarm_time(wall: float, compute: float, planning: float, finishing: float, phases, trainer) -> dict:
+    """Where a swarm peer's wall time went, in seconds: computing, waiting for the coordinator's next
+    round (`plan`), the optimizer's exchange on the training thread (DeMo: its phases; DiLoCo: encoding
+    and waiting for the background exchange, whose own phases overlap the computation), the final
+    `finish`, and the rest (bookkeeping)."""
+    if trainer.diloco is None:
+        blocking = sum(phases[k] for k in ("encode", "exchange", "decode", "apply"))
+        background = {}
+    else:
+        stats = trainer.diloco.stats
+        blocking = stats.waited_s + stats.phase_seconds["apply"] - finishing
+        background = {"exchange_s": stats.exchange_s, "hidden_s": stats.hidden_s}
+    spent = {"compute": compute, "plan": planning, "exchange": blocking, "finish": finishing}
+    spent["other"] = wall - sum(spent.values())
+    return {**spent, **background}
 
 
 @torch.no_grad()

@@ -27,20 +27,21 @@ def peer(**fields):
         "final_val_loss": 3.5,
         "params": 123,
         "exchanges": 4,
+        "time_s": {"compute": 8.0, "exchange": 2.0},
     }
     return base | fields
 
 
 def test_summary_adds_tokens_per_second_and_averages_the_rest():
     config = WanConfig(peers=2, steps=4)
-    result = summarize(
-        "demo_compact", 10.0, config, [peer(), peer(wall_s=20.0, compute_s=10.0, sent_bytes=1250)]
-    )
+    slow = peer(wall_s=20.0, compute_s=10.0, sent_bytes=1250, time_s={"compute": 10.0, "exchange": 10.0})
+    result = summarize("demo_compact", 10.0, config, [peer(), slow])
     assert result["tokens_per_s"] == pytest.approx(4096 / 10 + 4096 / 20)
     assert result["utilization"] == pytest.approx((0.8 + 0.5) / 2)
     assert result["bytes_per_peer"] == 1200 and result["predicted_bytes_per_peer"] == 1000
     assert result["wire_overhead"] == pytest.approx(0.2)
     assert result["wall_s"] == 20.0 and result["final_val_loss"] == 3.5
+    assert result["time_s"] == {"compute": 9.0, "exchange": 6.0}
     assert {
         "method",
         "bandwidth_mbit",
