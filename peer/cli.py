@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     wan.add_argument("--inner-steps", type=_positive_int, help="DiLoCo's H (default: 4; --quick: 4)")
     wan.add_argument(
+        "--batch-size", type=_positive_int, help="sequences per step and peer (default: 32; --quick: 32)"
+    )
+    wan.add_argument(
         "--methods",
         help="comma-separated subset of compute_only,ddp,demo_compact,demo_overlap,diloco_standard,"
         "diloco_eager",
@@ -228,6 +231,7 @@ JOIN_FLAGS = {
     "topk": ("K", "DeMo: DCT coefficients sent per chunk"),
     "inner_steps": ("H", "DiLoCo: inner steps per round"),
     "outer_lr": ("LR", "DiLoCo: outer learning rate"),
+    "outer_momentum": ("M", "DiLoCo: outer Nesterov momentum (default: 0.9 standard, 0 delayed and eager)"),
     "batch_size": ("B", "samples per micro-batch to start with (halved if the device runs out of memory)"),
     "max_micro_batches": ("N", "most micro-batches accumulated per step"),
     "seed": ("N", "seed of the initial weights and of the data order"),
@@ -388,6 +392,7 @@ def _bench_wan(args: argparse.Namespace) -> int:
         peers=args.peers or config.peers,
         steps=args.steps or config.steps,
         inner_steps=args.inner_steps or config.inner_steps,
+        batch_size=args.batch_size or config.batch_size,
         methods=methods,
     )
     return wan.main(

@@ -55,6 +55,12 @@ from shoal.peer.robust import DEFAULT_CLIP_RATIO, clip_scales
 from shoal.protocol import Payload, parse_message
 
 MODES = ("standard", "delayed", "eager")
+OUTER_MOMENTUM = {"standard": 0.9, "delayed": 0.0, "eager": 0.0}
+"""The outer Nesterov momentum of each mode when none is given: DiLoCo's 0.9 in standard mode, none in
+the late modes. Momentum carries the stale part of each late update forward, round after round, and
+the late modes fall behind or diverge with it (BENCHMARKS.md: `shoal bench converge`, eager at outer
+lr 0.7 reaches 3.87 against standard's 2.51; `shoal bench wan`, 48 steps at lr 0.4: eager 3.89 against
+2.96)."""
 
 
 @dataclass(slots=True)
@@ -114,7 +120,8 @@ class DiLoCo:
         exchange: how participants meet.
         inner_steps: H, inner steps per outer step.
         outer_lr: outer learning rate (DiLoCo: 0.7; the eager paper: 0.4).
-        outer_momentum: outer momentum (0.9).
+        outer_momentum: outer Nesterov momentum; None: the mode's in OUTER_MOMENTUM (0.9 standard, 0
+            delayed and eager).
         nesterov: Nesterov momentum in the outer SGD.
         mode: "standard", "delayed" or "eager".
         codec: how pseudo-gradients travel; None sends them exactly (float32). A lossy codec gets
@@ -132,7 +139,7 @@ class DiLoCo:
         exchange: Exchange,
         inner_steps: int,
         outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_momentum: float | None = None,
         nesterov: bool = True,
         mode: str = "standard",
         codec: Codec | None = None,
@@ -145,6 +152,8 @@ class DiLoCo:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
+        if outer_momentum is None:
+            outer_momentum = OUTER_MOMENTUM[mode]
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -46,7 +46,7 @@ from shoal.peer.swarm import RoundPlan, RoundSchedule, SwarmExchange
 
 DISCOVER_TIMEOUT = timedelta(seconds=60)
 # the run configuration's flags, in the order the join command names them
-RUN_FLAGS = ("run", "model", "algorithm", "lr", "topk", "inner_steps", "outer_lr", "seed")
+RUN_FLAGS = ("run", "model", "algorithm", "lr", "topk", "inner_steps", "outer_lr", "outer_momentum", "seed")
 DRAIN_MAX_S = 30.0  # the longest a leaving peer serves its last payload to peers that have not pulled it
 
 
@@ -166,6 +166,7 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
             topk=settings.topk,
             inner_steps=settings.inner_steps,
             outer_lr=settings.outer_lr,
+            outer_momentum=settings.outer_momentum,
             codec=None if settings.algorithm.startswith("demo") else DenseCodec(8),
             checkpoints=CheckpointStore(settings.checkpoint_dir) if settings.checkpoint_dir else None,
             checkpoint_every=settings.checkpoint_every,

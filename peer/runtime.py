@@ -120,6 +120,7 @@ class Trainer:
         value_bits: DeMo's bits per transmitted value (32, 16, 8, 4 or 1: signs only).
         inner_steps: DiLoCo's H.
         outer_lr: DiLoCo's outer learning rate.
+        outer_momentum: DiLoCo's outer Nesterov momentum (None: the mode's, shoal.peer.diloco).
         codec: how DiLoCo's pseudo-gradients travel (None: exactly).
         checkpoints: where to keep checkpoints (None: nowhere).
         checkpoint_every: rounds between checkpoints (0: only on stop).
@@ -143,6 +144,7 @@ class Trainer:
         value_bits: int = 32,
         inner_steps: int = 5,
         outer_lr: float = 0.4,
+        outer_momentum: float | None = None,
         codec: Codec | None = None,
         checkpoints: CheckpointStore | None = None,
         checkpoint_every: int = 0,
@@ -198,6 +200,7 @@ class Trainer:
                 inner_steps=inner_steps,
                 mode=algorithm.removeprefix("diloco-"),
                 outer_lr=outer_lr,
+                outer_momentum=outer_momentum,
                 codec=codec,
             )
 

@@ -75,6 +75,7 @@ class JoinSettings:
     topk: int = 32
     inner_steps: int = 10
     outer_lr: float = 0.4
+    outer_momentum: float | None = None
     batch_size: int = 8
     max_micro_batches: int = 64
     seed: int = 0
@@ -87,7 +88,16 @@ class JoinSettings:
         config["seed"] = str(self.seed)
         if self.algorithm.startswith("demo"):
             return config | {"compression_topk": str(self.topk)}
-        return config | {"inner_steps": str(self.inner_steps), "outer_lr": repr(self.outer_lr)}
+        momentum = self.outer_momentum
+        if momentum is None:
+            from shoal.peer.diloco import OUTER_MOMENTUM  # torch: not before it is needed
+
+            momentum = OUTER_MOMENTUM[self.algorithm.removeprefix("diloco-")]
+        return config | {
+            "inner_steps": str(self.inner_steps),
+            "outer_lr": repr(self.outer_lr),
+            "outer_momentum": repr(momentum),
+        }
 
     @property
     def learning_rate(self) -> float:
@@ -185,6 +195,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "topk": _int(1, 4096),
     "inner_steps": _int(1, 100_000),
     "outer_lr": _float(0.0, 10.0, open_low=True),
+    "outer_momentum": _float(0.0, 0.999),
     "batch_size": _int(1, 65536),
     "max_micro_batches": _int(1, 4096),
     "seed": _int(0),

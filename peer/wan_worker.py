@@ -12,7 +12,8 @@ Every method trains the same model from the same initial weights on the same per
 - demo_compact, demo_overlap, diloco_standard, diloco_eager: a shoal peer (hivemind DHT,
   SwarmExchange) following the coordinator of the last namespace; DeMo with top-4 coefficients and
   1-bit values (demo_overlap: exchanged while the next step computes, applied a step late, with the
-  lookahead), DiLoCo with 4-bit (blockwise) pseudo-gradients every H inner steps.
+  lookahead), DiLoCo with 4-bit (blockwise) pseudo-gradients every H inner steps and an outer SGD of
+  lr 0.4 with each mode's default Nesterov momentum (shoal.peer.diloco: 0.9 standard, none eager).
 
 Timing starts when every node is ready (gloo's barrier; the coordinator's first round, which waits for
 every peer) and ends after the last step (DiLoCo: once the last outer update landed).

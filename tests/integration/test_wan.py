@@ -106,7 +106,7 @@ def test_two_peers_train_demo_compact_over_20_mbit_links(tmp_path):
 def test_sigterm_stops_the_benchmark_and_removes_its_namespaces(tmp_path):
     """ddp at 1 Mbit/s would run for an hour: SIGTERM after it started ends it within seconds."""
     command = [sys.executable, "-m", "shoal.peer.cli", "bench", "wan", "--methods", "ddp", "--peers", "2"]
-    command += ["--steps", "50", "--bandwidth", "1mbit"]
+    command += ["--steps", "50", "--batch-size", "4", "--bandwidth", "1mbit"]
     bench = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     prefix = f"shl{bench.pid}-"
     try:

@@ -86,12 +86,34 @@ def test_eager_with_one_worker_and_instant_exchange_equals_standard(codec):
     runs = {}
     for mode in ("standard", "eager"):
         model = make_model()
+        exchange = LoopbackExchange.group(1)[0]
         with DiLoCo(
-            model, adamw(model), exchange=LoopbackExchange.group(1)[0], inner_steps=3, mode=mode, codec=codec
+            model, adamw(model), exchange=exchange, inner_steps=3, mode=mode, codec=codec, outer_momentum=0.9
         ) as diloco:
             runs[mode] = train(model, diloco, batches(0, 12))
     for a, b in zip(runs["standard"], runs["eager"], strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_late_modes_default_to_no_outer_momentum_and_standard_to_diloco_s():
+    for mode, momentum, nesterov in (("standard", 0.9, True), ("delayed", 0.0, False), ("eager", 0.0, False)):
+        model = make_model()
+        with DiLoCo(
+            model, adamw(model), exchange=LoopbackExchange.group(1)[0], inner_steps=2, mode=mode
+        ) as d:
+            for optimizer in (d.outer_optimizer, d.consensus_optimizer):
+                assert (
+                    optimizer.defaults["momentum"] == momentum and optimizer.defaults["nesterov"] is nesterov
+                )
+        with DiLoCo(
+            model,
+            adamw(model),
+            exchange=LoopbackExchange.group(1)[0],
+            inner_steps=2,
+            mode=mode,
+            outer_momentum=0.5,
+        ) as d:
+            assert d.outer_optimizer.defaults["momentum"] == 0.5
 
 
 def test_delayed_mode_applies_the_previous_rounds_mean():
@@ -188,7 +210,9 @@ def test_every_mode_shares_one_state_and_ends_bit_identical(mode):
     def work(rank, exchange):
         model = make_model()
         states = []
-        with DiLoCo(model, adamw(model), exchange=exchange, inner_steps=3, mode=mode) as diloco:
+        with DiLoCo(
+            model, adamw(model), exchange=exchange, inner_steps=3, mode=mode, outer_momentum=0.9
+        ) as diloco:
             for step, tokens in enumerate(batches(rank, 12)):
                 model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
                 diloco.step(samples=tokens.shape[0])
