@@ -2,8 +2,8 @@
 (Kale, Douillard, Donchev, arXiv 2502.12996), over any Exchange.
 
 Every `inner_steps` inner optimizer steps, participant m computes its outer pseudo-gradient
-`delta_m(t) = theta(t-1) - theta_m(t)` (start of the phase minus end) and the outer optimizer, SGD with
-Nesterov momentum, steps the global parameters theta:
+`delta_m(t) = theta(t-1) - theta_m(t)` (start of the phase minus end) and the outer optimizer, SGD (with
+Nesterov momentum by default in standard mode only: OUTER_MOMENTUM), steps the global parameters theta:
 
 - standard: block until `delta(t)` = the sample-weighted mean of every delta_m(t) is known, then
   `theta(t) = Outer(theta(t-1), delta(t))`; everyone restarts from theta(t), bit-identical.
