@@ -3,8 +3,9 @@
 - A payload is pulled from the peer that announced it, then from any other participant of the round
   (every peer serves what it pulled; a relay that does not hold it yet answers with nothing), cycling
   with backoff until it is had or the round gives up on it. At most `max_concurrent` pulls run at a
-  time, and beyond the first at most `max_bytes_in_flight` bytes of payloads (`InFlight`); every
-  wait is bounded by `timeout_s`.
+  time, and beyond the first at most `max_bytes_in_flight` bytes of payloads (`InFlight`; a pull
+  that takes much longer than the recent ones stops counting, so a stalled source does not hold up
+  the others); every wait is bounded by `timeout_s`.
 - Why a byte budget: small payloads (DeMo's, kilobytes) are pulled side by side, so that a round costs
   one round trip, not one per peer. Large ones (DiLoCo's, megabytes) one after the other: each fills
   the link alone, and several at once overfill a slow link's queue. Measured with `shoal bench wan`
@@ -24,6 +25,7 @@ import asyncio
 import contextlib
 import hashlib
 import random
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 
@@ -82,7 +84,9 @@ class Puller:
                     continue
                 try:
                     async with self._in_flight.hold(announcement.size):
+                        started = time.monotonic()
                         data = await self._checked(source.peer, announcement, request)
+                        self._in_flight.observe(len(data), time.monotonic() - started)
                 except MalformedPayloadError as error:
                     self.rejected[error.reason] += 1
                     self.strike(source.owner, error.reason)
@@ -129,16 +133,40 @@ class Puller:
 
 
 class InFlight:
-    """Admits a pull when none runs, or when fewer than `max_pulls` run and its bytes fit in
-    `max_bytes` with theirs (so one larger than the budget runs alone). Waiters are admitted in the
-    order they came, so pulls start in the order the caller asked for them."""
+    """Admits a pull when fewer than `max_pulls` run and its bytes fit in `max_bytes` with the bytes
+    counted in flight, or when none are counted (so one larger than the budget runs alone). Waiters
+    are admitted in the order they came, so pulls start in the order the caller asked for them.
 
-    def __init__(self, max_pulls: int, max_bytes: int):
-        if max_pulls < 1 or max_bytes < 0:
-            raise ValueError(f"max_pulls must be >= 1 and max_bytes >= 0, got {max_pulls}, {max_bytes}")
-        self.max_pulls, self.max_bytes = max_pulls, max_bytes
+    A pull that runs longer than its patience stops counting against the bytes (it still counts as a
+    pull), so that a source that stalls, or serves slowly, holds up the others for no longer than
+    that: twice the time its bytes should take at the rate recent large pulls achieved (`observe`),
+    and at least `min_patience_s`."""
+
+    OBSERVED_BYTES = 64 * 1024
+    """Pulls smaller than this say more about latency than about the rate: not observed."""
+
+    def __init__(self, max_pulls: int, max_bytes: int, min_patience_s: float = 3.0):
+        if max_pulls < 1 or max_bytes < 0 or not min_patience_s > 0:
+            raise ValueError(
+                f"max_pulls must be >= 1, max_bytes >= 0 and min_patience_s > 0; got {max_pulls}, "
+                f"{max_bytes}, {min_patience_s}"
+            )
+        self.max_pulls, self.max_bytes, self.min_patience_s = max_pulls, max_bytes, min_patience_s
         self.pulls = self.bytes = 0
+        self.rate: float | None = None
+        """Bytes per second of recent large pulls (a moving average); None before the first."""
         self._waiting: deque[tuple[int, asyncio.Future]] = deque()
+
+    def observe(self, size: int, seconds: float) -> None:
+        """A pull of `size` bytes took `seconds`."""
+        if size >= self.OBSERVED_BYTES and seconds > 0:
+            rate = size / seconds
+            self.rate = rate if self.rate is None else 0.5 * (self.rate + rate)
+
+    def patience(self, size: int) -> float:
+        if self.rate is None:
+            return self.min_patience_s
+        return max(self.min_patience_s, 2 * size / self.rate)
 
     @contextlib.asynccontextmanager
     async def hold(self, size: int):
@@ -149,28 +177,39 @@ class InFlight:
                 await admitted
             except asyncio.CancelledError:
                 if admitted.done() and not admitted.cancelled():  # admitted just before the cancel
-                    self._release(size)
+                    self._release(size, counted=True)
                 else:
                     self._waiting.remove((size, admitted))
                     self._admit()
                 raise
         else:
             self._take(size)
+        counted = True
+
+        def stop_counting() -> None:
+            nonlocal counted
+            counted = False
+            self.bytes -= size
+            self._admit()
+
+        timer = asyncio.get_running_loop().call_later(self.patience(size), stop_counting)
         try:
             yield
         finally:
-            self._release(size)
+            timer.cancel()
+            self._release(size, counted=counted)
 
     def _fits(self, size: int) -> bool:
-        return self.pulls == 0 or (self.pulls < self.max_pulls and self.bytes + size <= self.max_bytes)
+        return self.pulls < self.max_pulls and (self.bytes == 0 or self.bytes + size <= self.max_bytes)
 
     def _take(self, size: int) -> None:
         self.pulls += 1
         self.bytes += size
 
-    def _release(self, size: int) -> None:
+    def _release(self, size: int, *, counted: bool) -> None:
         self.pulls -= 1
-        self.bytes -= size
+        if counted:
+            self.bytes -= size
         self._admit()
 
     def _admit(self) -> None:

@@ -108,6 +108,49 @@ def test_bad_limits_are_refused():
         InFlight(max_pulls=0, max_bytes=10)
     with pytest.raises(ValueError):
         InFlight(max_pulls=1, max_bytes=-1)
+    with pytest.raises(ValueError):
+        InFlight(max_pulls=1, max_bytes=1, min_patience_s=0)
+
+
+def test_a_stalled_pull_stops_holding_up_the_next_after_its_patience():
+    async def main():
+        budget, log = InFlight(max_pulls=2, max_bytes=1000, min_patience_s=0.3), []
+        stalled, second, third = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        tasks = [asyncio.create_task(_pull(budget, "stalled", 800, log, stalled))]
+        await _settle()
+        tasks.append(asyncio.create_task(_pull(budget, "second", 800, log, second)))
+        tasks.append(asyncio.create_task(_pull(budget, "third", 800, log, third)))
+        await asyncio.sleep(0.15)
+        assert [entry[1] for entry in log] == ["stalled"]  # still within its patience
+        while len(log) < 2:
+            await asyncio.sleep(0.01)
+        waited = loop.time() - began
+        assert 0.25 < waited < 1.0
+        # the stalled pull still counts as a pull, no longer as bytes; the third waits for a slot
+        assert log[1] == ("start", "second", 2, 800) and budget.pulls == 2
+        second.set()
+        await _settle()
+        assert log[-1][:2] == ("start", "third") and budget.bytes == 800
+        stalled.set()
+        third.set()
+        await asyncio.gather(*tasks)
+        assert budget.pulls == 0 and budget.bytes == 0
+
+    asyncio.run(main())
+
+
+def test_patience_follows_the_rate_of_recent_large_pulls():
+    budget = InFlight(max_pulls=4, max_bytes=1 << 20, min_patience_s=3.0)
+    assert budget.patience(10_000_000) == 3.0  # no rate measured yet
+    budget.observe(1000, 10.0)  # small pulls measure latency, not the link: ignored
+    assert budget.rate is None
+    budget.observe(2_000_000, 2.0)
+    assert budget.rate == 1_000_000 and budget.patience(4_000_000) == 8.0
+    assert budget.patience(100_000) == 3.0
+    budget.observe(1_000_000, 0.5)
+    assert budget.rate == 1_500_000
 
 
 def _announcement(owner: bytes) -> Announcement:
