@@ -24,7 +24,6 @@ import json
 import math
 import os
 import time
-from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
@@ -179,10 +178,9 @@ def _swarm(args, model, batch) -> dict:
         batch_size=args.batch_size,
     )
     try:
-        compute = planning = 0.0
+        compute = planning = exchanging = 0.0
         started = None
         payloads = 0
-        phases: Counter[str] = Counter()
         for _ in range(math.ceil(args.steps / inner)):
             begin = time.perf_counter()
             exchange.plan_round()
@@ -192,7 +190,7 @@ def _swarm(args, model, batch) -> dict:
                 planning += time.perf_counter() - begin
             report = trainer.round()
             compute += report.compute_s
-            phases.update(report.phases)
+            exchanging += report.exchange_s
             payloads += exchange.last_payload_bytes
             exchange.set_progress(
                 throughput=report.samples / max(report.compute_s, 1e-9),
@@ -213,7 +211,7 @@ def _swarm(args, model, batch) -> dict:
             # every other peer pulls each payload once, from its author
             "predicted_sent_bytes": payloads * (args.peers - 1),
             "exchanges": trainer.rounds_done,
-            "time_s": _swarm_time(wall, compute, planning, finishing, phases, trainer),
+            "time_s": _swarm_time(wall, compute, planning, exchanging, finishing, trainer),
         }
     finally:
         trainer.close()
@@ -221,13 +219,15 @@ def _swarm(args, model, batch) -> dict:
         dht.shutdown()
 
 
-def _swarm_time(wall: float, compute: float, planning: float, finishing: float, phases, trainer) -> dict:
+def _swarm_time(
+    wall: float, compute: float, planning: float, exchanging: float, finishing: float, trainer
+) -> dict:
     """Where a swarm peer's wall time went, in seconds: computing, waiting for the coordinator's next
-    round (`plan`), the optimizer's exchange on the training thread (DeMo: its phases; DiLoCo: encoding
-    and waiting for the background exchange, whose own phases overlap the computation), the final
-    `finish`, and the rest (bookkeeping)."""
+    round (`plan`), the optimizer's exchange on the training thread (DeMo: `exchanging`, the rounds'
+    exchange phases; DiLoCo: encoding and waiting for the background exchange, whose own phases overlap
+    the computation), the final `finish`, and the rest (bookkeeping)."""
     if trainer.diloco is None:
-        blocking = sum(phases[k] for k in ("encode", "exchange", "decode", "apply"))
+        blocking = exchanging
         background = {}
     else:
         stats = trainer.diloco.stats
