@@ -66,8 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overlap",
         action="store_true",
-        help="announce a round as soon as the previous one is decided, so that peers compute it while "
-        "they still exchange the previous one (for DiLoCo's eager or delayed outer updates)",
+        help="announce a round as soon as a peer reports the previous one, so that peers compute it while "
+        "they still exchange the previous one (DiLoCo's eager or delayed outer updates, overlapped DeMo); "
+        "two rounds at most are undecided at a time",
     )
     parser.add_argument(
         "--token-file", metavar="F", help="accepted tokens: '<token>' (swarm) or '<peer id> <token>' per line"

@@ -15,10 +15,15 @@ Life of round r (times are the coordinator's Unix seconds):
                        participant set is exactly the on-time reports; each expected member that missed
                        is a straggler and gets a strike (unless no one made it)
     exchange           participants pull each other's payloads; round r + 1 is announced as soon as every
-                       participant says (heartbeat) it finished r, and at E at the latest; with
-                       `overlap`, as soon as r is decided: peers then exchange r while they compute
-                       r + 1 (DiLoCo's eager and delayed outer updates), each exchange still ending by
-                       its own E
+                       participant says (heartbeat) it finished r, and at E at the latest
+
+With `overlap` (DiLoCo's eager and delayed outer updates, overlapped DeMo), peers exchange round r while
+they compute r + 1, so r + 1 need not wait for r's exchange, nor for its decision: it is announced as
+soon as the first member reports r. A peer done with r then starts r + 1 at once instead of waiting for
+the slowest peer's report. Round r still takes reports until its own deadline and is decided as above;
+at most two rounds are undecided at a time (`previous` and `round`), so r + 2 waits for r's decision.
+The compute window of a round announced while the last is undecided starts at the last one's compute
+deadline if that is later: a peer may use all of r's window and still have a whole one for r + 1.
 
 Adaptive windows: the compute window lets at least a fraction `quantile` of the members finish their
 smallest contribution (`min_samples / throughput`, times `headroom`), clamped to
@@ -82,7 +87,7 @@ class Policy:
     min_start_members: int = 1
     """Members the swarm's first round waits for."""
     overlap: bool = False
-    """Announce round r + 1 as soon as round r is decided, not once its exchange is over."""
+    """Announce round r + 1 as soon as a member reports round r, not once r's exchange is over."""
 
     def __post_init__(self) -> None:
         if not 0 < self.quantile <= 1:
@@ -167,6 +172,8 @@ class SwarmState:
     """Evicted peers and when they may join again."""
     round: Round | None = None
     """The round in progress, or the last one (decided, exchanging)."""
+    previous: Round | None = None
+    """With `overlap`: the round before `round` while it is still undecided (it takes reports)."""
     next_round: int = 0
     """The number the next announcement takes."""
     history: tuple[Round, ...] = ()
@@ -284,10 +291,16 @@ def resume(state: SwarmState, now: float) -> SwarmState:
     while it was down) but must be heard from again before a round is announced; an undecided round
     whose compute deadline passed meanwhile is abandoned."""
     members = {p: replace(m, last_seen=now, heard=False) for p, m in state.members.items()}
-    current = state.round
-    if current is not None and current.decided_at is None and current.compute_deadline <= now:
-        current = None  # its peers gave up on it and finished it uncoordinated: no strikes for them
-    return replace(state, members=members, round=current, resumed_at=now)
+
+    def kept(pending: Round | None) -> Round | None:
+        # its peers gave up on it and finished it uncoordinated: no strikes for them
+        gave_up = pending is not None and pending.decided_at is None and pending.compute_deadline <= now
+        return None if gave_up else pending
+
+    current, previous = kept(state.round), kept(state.previous)
+    if current is None:  # the older round, if it lives on, is the one in progress
+        current, previous = previous, None
+    return replace(state, members=members, round=current, previous=previous, resumed_at=now)
 
 
 def transition(
@@ -316,15 +329,18 @@ def transition(
     return state, actions + answer + more
 
 
-def round_result(state: SwarmState, number: int) -> Round | Refused | None:
-    """The decided round `number`; None while it is undecided; Refused if it is unknown."""
+def round_result(state: SwarmState, number: int, min_reports: int = 0) -> Round | Refused | None:
+    """The decided round `number`, or, with `min_reports` > 0, the round once it has that many on-time
+    reports, decided or not (its reports are then a part of its participants: they are never
+    withdrawn); None while neither; Refused if it is unknown."""
     if number >= state.next_round:
         return Refused(
             "OUT_OF_RANGE", f"round {number} has not been announced (the next is {state.next_round})"
         )
-    for candidate in (state.round, *reversed(state.history)):
+    for candidate in (state.round, state.previous, *reversed(state.history)):
         if candidate is not None and candidate.number == number:
-            return candidate if candidate.decided_at is not None else None
+            done = candidate.decided_at is not None or 0 < min_reports <= len(candidate.reports)
+            return candidate if done else None
     return Refused(
         "NOT_FOUND", f"round {number} is unknown, abandoned or too old (the last {KEEP_ROUNDS} are kept)"
     )
@@ -434,9 +450,12 @@ def _heartbeat(
     actions: list[Action] = [Reply({"compute_scale": member.compute_scale})]
     if event.round >= state.next_round:  # it trained on while the coordinator was away: catch up
         state = replace(state, next_round=event.round + 1)
-        if state.round is not None and state.round.decided_at is None and state.round.number <= event.round:
+        if state.previous is not None:
+            actions.append(Abandoned(state.previous))
+            state = replace(state, previous=None)
+        if state.round is not None and state.round.decided_at is None:
             actions.append(Abandoned(state.round))
-            state = replace(state, round=None, history=_kept(state.history, state.round))
+            state = replace(state, round=None)
     return state, actions
 
 
@@ -444,15 +463,14 @@ def _report(state: SwarmState, now: float, event: Report, policy: Policy) -> tup
     refusal = check_peer_id(event.peer_id) or _check_member(state, event.peer_id) or _check_payload(event)
     if refusal:
         return state, [refusal]
-    current = state.round
-    if current is None or event.round > current.number:
-        shown = "none yet" if current is None else f"the current one is {current.number}"
+    latest = state.round
+    if latest is None or event.round > latest.number:
+        shown = "none yet" if latest is None else f"the current one is {latest.number}"
         return state, [Refused("OUT_OF_RANGE", f"round {event.round} has not been announced ({shown})")]
-    if event.round < current.number:
+    current = next((r for r in (latest, state.previous) if r is not None and r.number == event.round), None)
+    if current is None:
         return state, [
-            Refused(
-                "FAILED_PRECONDITION", f"round {event.round} is over; the current one is {current.number}"
-            )
+            Refused("FAILED_PRECONDITION", f"round {event.round} is over; the current one is {latest.number}")
         ]
     if event.peer_id in current.reports:
         return state, [Refused("ALREADY_EXISTS", f"already reported a payload for round {event.round}")]
@@ -465,8 +483,8 @@ def _report(state: SwarmState, now: float, event: Report, policy: Policy) -> tup
     if any(r.digest == event.digest for r in current.reports.values()):
         return state, [Refused("ALREADY_EXISTS", "another member reported this payload for this round")]
     member = replace(state.members[event.peer_id], last_seen=now, heard=True)
+    state = replace(state, members={**state.members, event.peer_id: member})
     if current.decided_at is not None:  # late: it was struck when the round was decided
-        state = replace(state, members={**state.members, event.peer_id: member})
         return state, [
             Reply({"included": False, "strikes": member.strikes, "compute_scale": member.compute_scale})
         ]
@@ -483,8 +501,8 @@ def _report(state: SwarmState, now: float, event: Report, policy: Policy) -> tup
         synced=event.synced,
         at=now,
     )
-    current = replace(current, reports={**current.reports, event.peer_id: report})
-    state = replace(state, round=current, members={**state.members, event.peer_id: member})
+    state = _put(state, replace(current, reports={**current.reports, event.peer_id: report}))
+    state = replace(state, members={**state.members, event.peer_id: member})
     return state, [
         Reply({"included": True, "strikes": member.strikes, "compute_scale": member.compute_scale})
     ]
@@ -504,25 +522,26 @@ def _advance(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState,
     evicted = {p: until for p, until in state.evicted.items() if until > now}
     if len(evicted) != len(state.evicted):
         state = replace(state, evicted=evicted)
+    for pending in (state.previous, state.round):
+        if pending is not None and pending.decided_at is None:
+            alive = [p for p in pending.expected if p in state.members]
+            if now >= pending.compute_deadline + policy.report_grace_s or all(
+                p in pending.reports for p in alive
+            ):
+                state, decided = _decide(state, pending, now, policy)
+                actions += decided
     current = state.round
-    if current is not None and current.decided_at is None:
-        alive = [p for p in current.expected if p in state.members]
-        if now >= current.compute_deadline + policy.report_grace_s or all(
-            p in current.reports for p in alive
-        ):
-            state, decided = _decide(state, now, policy)
-            actions += decided
-    current = state.round
-    finished = current is None or (
-        current.decided_at is not None
-        and (
-            policy.overlap
-            or now >= current.exchange_deadline
+    if current is None:
+        finished = True
+    elif policy.overlap:  # a member is done computing it: the next may start (two undecided at most)
+        finished = state.previous is None and (current.decided_at is not None or bool(current.reports))
+    else:
+        finished = current.decided_at is not None and (
+            now >= current.exchange_deadline
             or all(
                 state.members[p].round >= current.number for p in current.participants if p in state.members
             )
         )
-    )
     quorum = len(state.members) >= (policy.min_start_members if state.next_round == 0 else 1)
     if finished and quorum and _all_heard(state, now, policy):
         state, announced = _announce(state, now, policy)
@@ -530,9 +549,7 @@ def _advance(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState,
     return state, actions
 
 
-def _decide(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState, list[Action]]:
-    current = state.round
-    assert current is not None
+def _decide(state: SwarmState, current: Round, now: float, policy: Policy) -> tuple[SwarmState, list[Action]]:
     stragglers = tuple(p for p in current.expected if p in state.members and p not in current.reports)
     current = replace(current, decided_at=now, stragglers=stragglers)
     members, evicted, actions = dict(state.members), dict(state.evicted), []
@@ -552,8 +569,7 @@ def _decide(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState, 
         else:
             members[peer_id] = member
     state = replace(
-        state,
-        round=current,
+        _put(state, current),
         members=members,
         evicted=evicted,
         stragglers_total=state.stragglers_total + len(stragglers),
@@ -564,18 +580,38 @@ def _decide(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState, 
 
 def _announce(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState, list[Action]]:
     number = state.next_round
+    current = state.round
+    start = now
+    if (
+        current is not None and current.decided_at is None
+    ):  # overlap: its peers may compute until its deadline
+        start = max(now, current.compute_deadline)
     compute_s = compute_window(state.members, policy)
     announced = Round(
         number=number,
         announced_at=now,
-        compute_deadline=now + compute_s,
-        exchange_deadline=now + compute_s + exchange_window(state.exchange_times, policy),
+        compute_deadline=start + compute_s,
+        exchange_deadline=start + compute_s + exchange_window(state.exchange_times, policy),
         data_seed=data_seed(state.seed, number),
         expected=tuple(sorted(state.members)),
     )
-    history = state.history if state.round is None else _kept(state.history, state.round)
-    state = replace(state, round=announced, next_round=number + 1, history=history)
+    history, previous = state.history, None
+    if current is not None and current.decided_at is None:  # with overlap: it still takes reports
+        previous = current
+    elif current is not None:
+        history = _kept(history, current)
+    state = replace(state, round=announced, previous=previous, next_round=number + 1, history=history)
     return state, [Announced(announced)]
+
+
+def _put(state: SwarmState, updated: Round) -> SwarmState:
+    """The state with `updated` in place of the open round of its number (`round` or `previous`); a
+    decided `previous` joins the history, before `round`."""
+    if state.previous is None or updated.number != state.previous.number:
+        return replace(state, round=updated)
+    if updated.decided_at is None:
+        return replace(state, previous=updated)
+    return replace(state, previous=None, history=_kept(state.history, updated))
 
 
 def _all_heard(state: SwarmState, now: float, policy: Policy) -> bool:

@@ -83,7 +83,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.state, self.policy, self.store, self.tokens = state, policy, store, tokens
         self.metrics, self.clock = metrics, clock
         self._subscribers: set[asyncio.Queue] = set()
-        self._changed = asyncio.Event()  # set (and replaced) whenever a round is decided or abandoned
+        self._changed = (
+            asyncio.Event()
+        )  # set (and replaced) when a round is decided, abandoned or reported to
 
     # --- the state machine ---
 
@@ -185,6 +187,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             request.synced,
         )
         reply = await self._request(context, request.peer_id, event)
+        if reply["included"]:
+            self._wake()  # for RoundResult calls waiting for reports
         return pb.ReportReply(**reply)
 
     async def Rounds(self, request: pb.RoundsRequest, context):
@@ -197,9 +201,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         queue: asyncio.Queue = asyncio.Queue(maxsize=SUBSCRIBER_BACKLOG)
         self._subscribers.add(queue)
         try:
-            current = self.state.round
-            if current is not None and current.decided_at is None:
-                yield announcement(current, self.clock())
+            for pending in (self.state.previous, self.state.round):  # the open rounds, oldest first
+                if pending is not None and pending.decided_at is None:
+                    yield announcement(pending, self.clock())
             while True:
                 yield await queue.get()
         finally:
@@ -209,7 +213,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         await self._request(context, None)
         give_up = time.monotonic() + MAX_WAIT_S
         while True:
-            found = round_result(self.state, request.round)
+            found = round_result(self.state, request.round, request.min_reports)
             if isinstance(found, Refused):
                 await self._abort(context, found)
             if isinstance(found, Round):
@@ -259,8 +263,10 @@ def announcement(announced: Round, now: float) -> pb.RoundAnnouncement:
 
 
 def result_reply(decided: Round, now: float) -> pb.RoundResultReply:
+    """A round's participant set so far (final once the round is decided)."""
     return pb.RoundResultReply(
         round=decided.number,
+        partial=decided.decided_at is None,
         participants=[
             pb.Participant(
                 peer_id=r.peer_id,

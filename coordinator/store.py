@@ -73,11 +73,14 @@ class StateStore:
         rounds = [self._round(row) for row in reversed(rows.fetchall())]
         if meta["current_round"] == "":  # between an abandoned round and the next announcement
             rounds.append(None)
+        # with overlap, the round before the current one may still be undecided (abandoned ones are deleted)
+        older = rounds[-2] if len(rounds) > 1 and rounds[-1] is not None else None
         return SwarmState(
             seed=int(meta["seed"]),
             members=members,
             evicted=evicted,
             round=rounds[-1] if rounds else None,
+            previous=older if older is not None and older.decided_at is None else None,
             next_round=int(meta["next_round"]),
             history=tuple(r for r in rounds[:-1] if r.decided_at is not None)[-KEEP_ROUNDS:],
             exchange_times=tuple(json.loads(meta["exchange_times"])),
@@ -104,10 +107,8 @@ class StateStore:
             if old is None or old.evicted != new.evicted:
                 self._db.execute("DELETE FROM evicted")
                 self._db.executemany("INSERT INTO evicted VALUES (?, ?)", new.evicted.items())
-            old_rounds = (
-                {} if old is None else {r.number: r for r in (*old.history, old.round) if r is not None}
-            )
-            new_rounds = {r.number: r for r in (*new.history, new.round) if r is not None}
+            old_rounds = {} if old is None else {r.number: r for r in _rounds(old)}
+            new_rounds = {r.number: r for r in _rounds(new)}
             for number, saved in new_rounds.items():
                 if old_rounds.get(number) is not saved:
                     self._save_round(saved, old_rounds.get(number))
@@ -178,6 +179,10 @@ class StateStore:
             self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
+
+
+def _rounds(state: SwarmState) -> list[Round]:
+    return [r for r in (*state.history, state.previous, state.round) if r is not None]
 
 
 def _meta(state: SwarmState) -> dict[str, str]:

@@ -221,7 +221,7 @@ def _start_coordinator(
 ) -> tuple[subprocess.Popen, str, str]:
     """A `shoal coordinator` on a free loopback port whose first round waits for every peer; rounds
     compute for half of `round_seconds`, and at most twice that; with `overlap`, the next round is
-    announced as soon as one is decided. Returns it, its address and its metrics endpoint."""
+    announced as soon as a peer reports the last. Returns it, its address and its metrics endpoint."""
     command = [sys.executable, "-m", "shoal.peer.cli", "coordinator", "--listen", "127.0.0.1:0"]
     command += ["--metrics-port", "0"]
     command += ["--state", str(logs / "coordinator.db"), "--log-format", "json", "--min-peers", str(peers)]

@@ -37,7 +37,7 @@ ALGORITHMS = {
 }
 OVERLAPPED = frozenset({"demo-overlap", "diloco-delayed", "diloco-eager"})
 """Algorithms (ALGORITHMS' values) that exchange round r while round r + 1 computes: their coordinator
-runs with --overlap, announcing round r + 1 as soon as round r is decided."""
+runs with --overlap, announcing round r + 1 as soon as a peer reports round r."""
 DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d{1,3})?)$")
 MAX_CONFIG_BYTES = 1 << 20
 

@@ -113,7 +113,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RoundResult(self, request, context):
-        """The exact participant set of a round; waits until it is decided (bounded by the call's deadline).
+        """The exact participant set of a round; waits until it is decided (bounded by the call's deadline),
+        or, with `min_reports`, until it has that many on-time reports.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,6 +1,6 @@
 """Peers following a real coordinator, as separate processes on 127.0.0.1: a peer slowed on purpose is
 left out as a straggler without stalling the rounds (overlapped DeMo: the coordinator announces each
-round as soon as the last is decided, and the rounds in flight still agree), and a coordinator killed
+round as soon as a peer reports the last, and the rounds in flight still agree), and a coordinator killed
 and restarted mid-run
 continues its rounds while the peers train on through the outage."""
 

@@ -152,17 +152,109 @@ def test_next_round_is_announced_at_the_exchange_deadline_at_the_latest():
     assert actions[0].round.announced_at == 17 and actions[0].round.expected == (A, B)
 
 
-def test_with_overlap_the_next_round_is_announced_when_a_round_is_decided():
-    policy = replace(P, overlap=True, min_start_members=2)
-    steps = [(0, Join(A)), (0, Join(B)), (1, report(A, 0)), (2, report(B, 0))]
-    state, actions = run(initial_state(SEED), steps, policy)
-    assert kinds(actions)[-4:] == ["Reply", "Reply", "Decided", "Announced"]
+OVERLAP = replace(P, overlap=True, min_start_members=2)
+
+
+def test_with_overlap_the_next_round_is_announced_at_the_first_report_of_the_last():
+    steps = [(0, Join(A)), (0, Join(B)), (1, report(A, 0))]
+    state, actions = run(initial_state(SEED), steps, OVERLAP)
+    assert kinds(actions)[-2:] == ["Reply", "Announced"]
     following = actions[-1].round
-    assert following.number == 1 and following.announced_at == 2 and following.expected == (A, B)
+    assert following.number == 1 and following.announced_at == 1 and following.expected == (A, B)
+    # its window starts at round 0's compute deadline (10): B may compute round 0 until then
+    assert (following.compute_deadline, following.exchange_deadline) == (20, 25)
+    # round 0 is still open: B, still computing it, reports it on time
+    assert state.previous.number == 0 and state.previous.decided_at is None
+    assert round_result(state, 0) is None and round_result(state, 1) is None
+    state, actions = run(state, [(2, report(B, 0))], OVERLAP)
+    assert kinds(actions) == ["Reply", "Decided"] and actions[0].fields["included"]
+    assert actions[1].round.participants == (A, B) and actions[1].round.decided_at == 2
+    assert state.previous is None and state.history[-1].number == 0 and state.round.number == 1
     # no heartbeat said round 0's exchange is over; its result stays available meanwhile
     assert round_result(state, 0).participants == (A, B)
-    state, actions = run(state, [(3, report(A, 1)), (3, report(B, 1))], policy)
-    assert kinds(actions) == ["Reply", "Reply", "Decided", "Announced"] and state.round.number == 2
+    state, actions = run(state, [(3, report(B, 1))], OVERLAP)
+    assert kinds(actions) == ["Reply", "Announced"] and actions[1].round.number == 2
+    assert actions[1].round.compute_deadline == 30
+    assert state.previous.number == 1 and state.round.number == 2 and state.next_round == 3
+
+
+def test_with_overlap_at_most_two_rounds_are_undecided():
+    state, _ = run(initial_state(SEED), [(0, Join(A)), (0, Join(B)), (1, report(A, 0))], OVERLAP)
+    # A runs a round ahead of B, and is done with round 1 before B is done with round 0
+    state, actions = run(state, [(2, report(A, 1)), (3, Tick())], OVERLAP)
+    assert kinds(actions) == ["Reply"] and state.next_round == 2
+    assert round_result(state, 2).code == "OUT_OF_RANGE"
+    state, actions = run(state, [(4, report(A, 2))], OVERLAP)
+    assert kinds(actions) == ["Refused"] and actions[0].code == "OUT_OF_RANGE"
+    # B's report decides round 0; round 1 already has a report, so round 2 follows at once
+    state, actions = run(state, [(5, report(B, 0))], OVERLAP)
+    assert kinds(actions) == ["Reply", "Decided", "Announced"]
+    assert actions[1].round.number == 0 and actions[2].round.number == 2
+    assert [r.number for r in (state.previous, state.round)] == [1, 2]
+    assert [r.number for r in state.history] == [0]
+
+
+def test_with_overlap_the_later_round_may_be_decided_first():
+    state, _ = run(initial_state(SEED), [(0, Join(A)), (0, Join(B)), (1, report(A, 0))], OVERLAP)
+    # B skipped round 0 (it joined the round in progress late): round 1 is complete first
+    state, actions = run(state, [(2, report(A, 1)), (3, report(B, 1))], OVERLAP)
+    assert kinds(actions) == ["Reply", "Reply", "Decided"] and actions[2].round.number == 1
+    assert state.previous.number == 0 and state.round.decided_at == 3
+    assert round_result(state, 1).participants == (A, B) and round_result(state, 0) is None
+    # round 0 is decided at its deadline: B is its straggler; only then is round 2 announced
+    end = state.previous.compute_deadline + OVERLAP.report_grace_s
+    state, actions = run(state, [(end, Tick())], OVERLAP)
+    assert kinds(actions) == ["Decided", "Struck", "Announced"]
+    assert actions[0].round.stragglers == (B,) and actions[2].round.number == 2
+    assert [r.number for r in state.history] == [0, 1] and state.previous is None
+
+
+def test_with_overlap_a_report_finds_the_open_round_of_its_number():
+    state, _ = run(initial_state(SEED), [(0, Join(A)), (0, Join(B)), (1, report(A, 0))], OVERLAP)
+    state, actions = run(state, [(2, report(A, 0))], OVERLAP)
+    assert actions[0].code == "ALREADY_EXISTS"
+    state, actions = run(state, [(2, report(B, 0, digest=digest(A, 0)))], OVERLAP)
+    assert actions[0].code == "ALREADY_EXISTS"  # A's payload of round 0
+    state, actions = run(state, [(3, report(B, 1, digest=digest(A, 0)))], OVERLAP)
+    assert actions[0].fields["included"]  # the same bytes in another round are another report
+    state, _ = run(state, [(4, report(B, 0))], OVERLAP)
+    assert [r.number for r in (state.previous, state.round)] == [1, 2]
+    state, actions = run(state, [(5, report(A, 0, digest=digest(A, 9)))], OVERLAP)
+    assert actions[0].code == "FAILED_PRECONDITION" and "is over" in actions[0].message
+
+
+def test_with_overlap_a_heartbeat_from_ahead_abandons_both_open_rounds():
+    state, _ = run(initial_state(SEED), [(0, Join(A)), (0, Join(B)), (1, report(A, 0))], OVERLAP)
+    opened = (state.previous, state.round)
+    state, actions = run(state, [(2, Heartbeat(B, 5))], OVERLAP)
+    assert of(Abandoned, actions) == [Abandoned(opened[0]), Abandoned(opened[1])]
+    assert of(Announced, actions)[0].round.number == 6
+    assert state.previous is None and state.history == ()
+
+
+def test_resume_gives_up_the_open_rounds_whose_deadline_passed():
+    state, _ = run(initial_state(SEED), [(0, Join(A)), (0, Join(B)), (1, report(A, 0))], OVERLAP)
+    older, newer = state.previous, state.round
+    assert older.compute_deadline < newer.compute_deadline
+    kept = resume(state, older.compute_deadline - 1)
+    assert (kept.previous, kept.round) == (older, newer)
+    halfway = resume(state, older.compute_deadline)
+    assert halfway.previous is None and halfway.round == newer
+    assert round_result(halfway, 0).code == "NOT_FOUND"
+    # the older round lives on alone (the newer one had a shorter window): it is the round in progress
+    lasting = replace(state, previous=replace(older, compute_deadline=newer.compute_deadline + 5))
+    alone = resume(lasting, newer.compute_deadline)
+    assert alone.round.number == 0 and alone.previous is None and alone.next_round == 2
+
+
+def test_round_result_with_min_reports_gives_the_reports_so_far():
+    state, _ = run(swarm(A, B, C), [(3, report(C, 1))])
+    assert round_result(state, 1) is None and round_result(state, 1, min_reports=2) is None
+    partial = round_result(state, 1, min_reports=1)
+    assert partial.decided_at is None and partial.participants == (C,)
+    state, _ = run(state, [(4, report(A, 1)), (5, report(B, 1))])
+    assert round_result(state, 1, min_reports=9) == round_result(state, 1) == state.round
+    assert round_result(state, 1, min_reports=9).participants == (A, B, C)
 
 
 def test_report_within_the_grace_still_counts():

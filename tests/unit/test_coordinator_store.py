@@ -47,8 +47,8 @@ def reloaded(path):
 class Coordinator:
     """The machine with a store: saves after every transition, as the server does."""
 
-    def __init__(self, path, state=None):
-        self.path, self.store = path, StateStore(path)
+    def __init__(self, path, state=None, policy=P):
+        self.path, self.store, self.policy = path, StateStore(path), policy
         self.state = initial_state(seed=99) if state is None else state
         self.store.save(None, self.state)
         self.actions = []
@@ -56,7 +56,7 @@ class Coordinator:
     def __call__(self, *steps):
         for now, event in steps:
             old = self.state
-            self.state, actions = transition(old, now, event, P)
+            self.state, actions = transition(old, now, event, self.policy)
             self.store.save(old, self.state)
             self.actions += actions
         return self.state
@@ -125,6 +125,34 @@ def test_every_saved_state_loads_back(tmp_path):
         state = coordinator(step)
         assert durable(reloaded(path)) == durable(state)
     assert state.round.decided_at is None and list(state.round.reports) == [A]
+
+
+def test_two_open_rounds_of_an_overlapped_swarm_load_back(tmp_path):
+    path = tmp_path / "coordinator.db"
+    coordinator = Coordinator(path, policy=replace(P, overlap=True, min_start_members=2))
+    steps = [
+        (0, Join(A)),
+        (0, Join(B)),
+        (1, report(A, 0)),  # announces round 1 while round 0 is open
+        (2, report(A, 1)),
+        (3, report(B, 1)),  # round 1 decided before round 0
+        (10.5, Tick()),  # round 0 decided at its deadline, B struck; round 2 announced
+        (11, report(B, 2)),  # round 3 announced while round 2 is open
+        (12, Heartbeat(A, 7)),  # both open rounds abandoned
+        (13, report(A, 8)),
+    ]
+    for step in steps:
+        state = coordinator(step)
+        assert durable(reloaded(path)) == durable(state)
+        if step[0] == 3:
+            assert state.previous.number == 0 and state.round.decided_at == 3
+        if step[0] == 11:
+            assert (state.previous.number, state.round.number) == (2, 3)
+    assert [r.number for r in state.history] == [0, 1] and state.previous.number == 8
+    assert state.round.number == 9 and reloaded(path).previous.reports.keys() == {A}
+    with sqlite3.connect(path) as db:  # the abandoned rounds are gone, with their reports
+        assert [n for (n,) in db.execute("SELECT number FROM rounds")] == [0, 1, 8, 9]
+        assert db.execute("SELECT COUNT(*) FROM reports WHERE round IN (2, 3)").fetchone() == (0,)
 
 
 def test_an_abandoned_round_is_not_resurrected(tmp_path):
