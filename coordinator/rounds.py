@@ -23,7 +23,9 @@ soon as the first member reports r. A peer done with r then starts r + 1 at once
 the slowest peer's report. Round r still takes reports until its own deadline and is decided as above;
 at most two rounds are undecided at a time (`previous` and `round`), so r + 2 waits for r's decision.
 The compute window of a round announced while the last is undecided starts at the last one's compute
-deadline if that is later: a peer may use all of r's window and still have a whole one for r + 1.
+deadline if that is later, so that a peer may use all of r's window (window-filling peers report just
+before it) and still have a whole one for r + 1; but one window from the announcement at the latest,
+so that rounds whose peers finish early do not push the deadlines ever later.
 
 Adaptive windows: the compute window lets at least a fraction `quantile` of the members finish their
 smallest contribution (`min_samples / throughput`, times `headroom`), clamped to
@@ -329,18 +331,15 @@ def transition(
     return state, actions + answer + more
 
 
-def round_result(state: SwarmState, number: int, min_reports: int = 0) -> Round | Refused | None:
-    """The decided round `number`, or, with `min_reports` > 0, the round once it has that many on-time
-    reports, decided or not (its reports are then a part of its participants: they are never
-    withdrawn); None while neither; Refused if it is unknown."""
+def round_result(state: SwarmState, number: int) -> Round | Refused | None:
+    """The decided round `number`; None while it is undecided; Refused if it is unknown."""
     if number >= state.next_round:
         return Refused(
             "OUT_OF_RANGE", f"round {number} has not been announced (the next is {state.next_round})"
         )
     for candidate in (state.round, state.previous, *reversed(state.history)):
         if candidate is not None and candidate.number == number:
-            done = candidate.decided_at is not None or 0 < min_reports <= len(candidate.reports)
-            return candidate if done else None
+            return candidate if candidate.decided_at is not None else None
     return Refused(
         "NOT_FOUND", f"round {number} is unknown, abandoned or too old (the last {KEEP_ROUNDS} are kept)"
     )
@@ -580,13 +579,9 @@ def _decide(state: SwarmState, current: Round, now: float, policy: Policy) -> tu
 
 def _announce(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState, list[Action]]:
     number = state.next_round
-    current = state.round
-    start = now
-    if (
-        current is not None and current.decided_at is None
-    ):  # overlap: its peers may compute until its deadline
-        start = max(now, current.compute_deadline)
-    compute_s = compute_window(state.members, policy)
+    current, compute_s, start = state.round, compute_window(state.members, policy), now
+    if current is not None and current.decided_at is None:  # overlap: its peers may finish it first
+        start = min(max(now, current.compute_deadline), now + compute_s)
     announced = Round(
         number=number,
         announced_at=now,

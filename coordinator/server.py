@@ -83,9 +83,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.state, self.policy, self.store, self.tokens = state, policy, store, tokens
         self.metrics, self.clock = metrics, clock
         self._subscribers: set[asyncio.Queue] = set()
-        self._changed = (
-            asyncio.Event()
-        )  # set (and replaced) when a round is decided, abandoned or reported to
+        self._changed = asyncio.Event()  # set (and replaced) whenever a round is decided or abandoned
 
     # --- the state machine ---
 
@@ -187,8 +185,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             request.synced,
         )
         reply = await self._request(context, request.peer_id, event)
-        if reply["included"]:
-            self._wake()  # for RoundResult calls waiting for reports
         return pb.ReportReply(**reply)
 
     async def Rounds(self, request: pb.RoundsRequest, context):
@@ -213,7 +209,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         await self._request(context, None)
         give_up = time.monotonic() + MAX_WAIT_S
         while True:
-            found = round_result(self.state, request.round, request.min_reports)
+            found = round_result(self.state, request.round)
             if isinstance(found, Refused):
                 await self._abort(context, found)
             if isinstance(found, Round):
@@ -263,10 +259,8 @@ def announcement(announced: Round, now: float) -> pb.RoundAnnouncement:
 
 
 def result_reply(decided: Round, now: float) -> pb.RoundResultReply:
-    """A round's participant set so far (final once the round is decided)."""
     return pb.RoundResultReply(
         round=decided.number,
-        partial=decided.decided_at is None,
         participants=[
             pb.Participant(
                 peer_id=r.peer_id,

@@ -195,15 +195,13 @@ class CoordinatorLink:
         self.compute_scale = reply.compute_scale
         return reply
 
-    async def result(
-        self, round_number: int, deadline: float, min_reports: int = 0
-    ) -> pb.RoundResultReply | grpc.StatusCode:
-        """The participant set of a round, waiting for its decision until `deadline` (local time); with
-        `min_reports`, the reports so far as soon as there are that many (`partial` until decided)."""
+    async def result(self, round_number: int, deadline: float) -> pb.RoundResultReply | grpc.StatusCode:
+        """The participant set of a round, waiting for its decision until `deadline` (local time)."""
         timeout = max(0.5, deadline - time.time())
-        request = pb.RoundResultRequest(round=round_number, min_reports=min_reports)
         try:
-            return await self._call(self._stub.RoundResult, request, timeout)
+            return await self._call(
+                self._stub.RoundResult, pb.RoundResultRequest(round=round_number), timeout
+            )
         except grpc.aio.AioRpcError as error:
             return error.code()
 

@@ -3,12 +3,9 @@ announced it, and a round whose participant set the coordinator decides.
 
 A peer reports its payload (digest, size, samples, state) to the coordinator instead of announcing it
 in the DHT, waits for the round's decision, and pulls exactly the decided participants' payloads, so
-that every participant aggregates the same set. Payloads large enough to take longer to move than a
-call to the coordinator (`EARLY_PULL_BYTES`) are pulled as soon as they are reported, while the slower
-peers still compute: an on-time report is never withdrawn, so each will be a participant. Should the
-coordinator stop answering, the round is announced in the DHT and finishes uncoordinated, and the plans
-fall back to the clock of its last round. Mixed into SwarmExchange, whose state and helpers these
-methods use.
+that every participant aggregates the same set. Should the coordinator stop answering, the round is
+announced in the DHT and finishes uncoordinated, and the plans fall back to the clock of its last
+round. Mixed into SwarmExchange, whose state and helpers these methods use.
 """
 
 import asyncio
@@ -28,10 +25,6 @@ from shoal.protocol import MalformedPayloadError
 from shoal.protocol.coordinator_pb2 import ReportReply, ReportRequest, RoundResultReply
 
 logger = get_logger(__name__)
-
-EARLY_PULL_BYTES = 256 * 1024
-"""From this size of its own payload, a peer pulls the others' as soon as they are reported (a few more
-small calls to the coordinator per round); below it, a round's payloads move in about a round trip."""
 
 
 class CoordinatedRounds:
@@ -97,28 +90,11 @@ class CoordinatedRounds:
         )
         report = await link.report(request)
         unreachable = isinstance(report, grpc.StatusCode) and report in UNREACHABLE
-        me = self.peer_id.encode()
-        announced: dict[bytes, Announcement] = {}
-        seen: set[bytes] = set()
-        fetches: list[asyncio.Task] = []
-        early = int(mine.size >= EARLY_PULL_BYTES)
-        result = report if unreachable else await link.result(number, plan.exchange_deadline, early)
-        while isinstance(result, RoundResultReply):
-            fetches += self._pull_new(number, result, announced, seen, me)
-            if not result.partial:
-                break
-            if time.time() >= plan.exchange_deadline:  # still undecided: as if it did not answer
-                result = grpc.StatusCode.DEADLINE_EXCEEDED
-                break
-            result = await link.result(number, plan.exchange_deadline, len(result.participants) + 1)
-        started = time.time()  # decided: the exchange time the coordinator's windows follow
+        result = report if unreachable else await link.result(number, plan.exchange_deadline)
         if not isinstance(result, RoundResultReply):
             logger.warning(
                 f"round {number}: no answer from the coordinator ({result.name}); going on without it"
             )
-            for task in fetches:
-                task.cancel()
-            await asyncio.gather(*fetches, return_exceptions=True)
             await self._announce(number, mine)
             announced, _ = await self._collect(number, mine, plan.exchange_deadline)
             return await self._settle(number, announced, mine, snapshot)
@@ -128,6 +104,28 @@ class CoordinatedRounds:
             logger.warning(
                 f"round {number}: the coordinator refused the payload ({report.name}); applying only"
             )
+        started = time.time()
+        me = self.peer_id.encode()
+        announced: dict[bytes, Announcement] = {}
+        for participant in result.participants:
+            owner = participant.peer_id.encode()
+            value = {
+                "peer": participant.peer_id,
+                "digest": participant.digest,
+                "size": participant.size,
+                "samples": participant.samples,
+                "state": participant.state,
+                "synced": participant.synced,
+            }
+            try:
+                announced[owner] = Announcement.parse(owner, value, self.max_payload_bytes)
+            except MalformedPayloadError as error:  # every peer drops it alike: the set stays the same
+                self.rejected[error.reason] += 1
+        fetches = [
+            asyncio.create_task(self._fetch(number, a, announced))
+            for a in pull_order(list(announced.values()), me)
+            if (number, a.digest) not in self._held
+        ]
         if fetches:
             _, pending = await asyncio.wait(fetches, timeout=max(0.0, plan.exchange_deadline - time.time()))
             for task in pending:
@@ -142,41 +140,6 @@ class CoordinatedRounds:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await link.heartbeat()  # finished: the coordinator may start the next round
         return contributions
-
-    def _pull_new(
-        self,
-        number: int,
-        result: RoundResultReply,
-        announced: dict[bytes, Announcement],
-        seen: set[bytes],
-        me: bytes,
-    ) -> list[asyncio.Task]:
-        """Takes the participants of `result` not `seen` yet into `announced` (a malformed one is counted
-        and left out), and starts pulling their payloads (those not held already), in `pull_order`."""
-        new: dict[bytes, Announcement] = {}
-        for participant in result.participants:
-            owner = participant.peer_id.encode()
-            if owner in seen:
-                continue
-            seen.add(owner)
-            value = {
-                "peer": participant.peer_id,
-                "digest": participant.digest,
-                "size": participant.size,
-                "samples": participant.samples,
-                "state": participant.state,
-                "synced": participant.synced,
-            }
-            try:
-                new[owner] = Announcement.parse(owner, value, self.max_payload_bytes)
-            except MalformedPayloadError as error:  # every peer drops it alike: the set stays the same
-                self.rejected[error.reason] += 1
-        announced.update(new)
-        return [
-            asyncio.create_task(self._fetch(number, a, announced))
-            for a in pull_order(list(new.values()), me)
-            if (number, a.digest) not in self._held
-        ]
 
 
 def pull_order(participants: list[Announcement], me: bytes) -> list[Announcement]:

@@ -109,12 +109,10 @@ class ReportReply(_message.Message):
     def __init__(self, included: _Optional[bool] = ..., strikes: _Optional[int] = ..., compute_scale: _Optional[float] = ...) -> None: ...
 
 class RoundResultRequest(_message.Message):
-    __slots__ = ("round", "min_reports")
+    __slots__ = ("round",)
     ROUND_FIELD_NUMBER: _ClassVar[int]
-    MIN_REPORTS_FIELD_NUMBER: _ClassVar[int]
     round: int
-    min_reports: int
-    def __init__(self, round: _Optional[int] = ..., min_reports: _Optional[int] = ...) -> None: ...
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
 
 class Participant(_message.Message):
     __slots__ = ("peer_id", "digest", "size", "samples", "state", "synced")
@@ -133,20 +131,18 @@ class Participant(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., digest: _Optional[bytes] = ..., size: _Optional[int] = ..., samples: _Optional[int] = ..., state: _Optional[bytes] = ..., synced: _Optional[bool] = ...) -> None: ...
 
 class RoundResultReply(_message.Message):
-    __slots__ = ("round", "participants", "stragglers", "exchange_deadline", "now", "partial")
+    __slots__ = ("round", "participants", "stragglers", "exchange_deadline", "now")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     NOW_FIELD_NUMBER: _ClassVar[int]
-    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     round: int
     participants: _containers.RepeatedCompositeFieldContainer[Participant]
     stragglers: _containers.RepeatedScalarFieldContainer[str]
     exchange_deadline: float
     now: float
-    partial: bool
-    def __init__(self, round: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., stragglers: _Optional[_Iterable[str]] = ..., exchange_deadline: _Optional[float] = ..., now: _Optional[float] = ..., partial: _Optional[bool] = ...) -> None: ...
+    def __init__(self, round: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., stragglers: _Optional[_Iterable[str]] = ..., exchange_deadline: _Optional[float] = ..., now: _Optional[float] = ...) -> None: ...
 
 class SwarmStatusRequest(_message.Message):
     __slots__ = ()

@@ -113,8 +113,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RoundResult(self, request, context):
-        """The exact participant set of a round; waits until it is decided (bounded by the call's deadline),
-        or, with `min_reports`, until it has that many on-time reports.
+        """The exact participant set of a round; waits until it is decided (bounded by the call's deadline).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

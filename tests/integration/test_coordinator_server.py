@@ -269,28 +269,6 @@ def test_overlap_announces_the_next_round_at_the_first_report(tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_round_result_answers_with_the_reports_so_far_when_asked(tmp_path):
-    with coordinator(tmp_path, "--min-peers", "3") as (_, address), channel(address) as c:
-        s = stub(c)
-        for peer in (A, B, C):
-            s.Join(pb.JoinRequest(peer_id=peer), timeout=CALL_S)
-        s.ReportReady(report(B, 0), timeout=CALL_S)
-        early = s.RoundResult(pb.RoundResultRequest(round=0, min_reports=1), timeout=CALL_S)
-        assert early.partial and [p.peer_id for p in early.participants] == [B] and not early.stragglers
-        assert code(s.RoundResult, pb.RoundResultRequest(round=0, min_reports=2), timeout=0.5) == (
-            Code.DEADLINE_EXCEEDED
-        )
-        waiting = s.RoundResult.future(pb.RoundResultRequest(round=0, min_reports=2), timeout=CALL_S)
-        s.ReportReady(report(A, 0, digest=STATE), timeout=CALL_S)
-        second = waiting.result()  # woken by the report
-        assert second.partial and [p.peer_id for p in second.participants] == [A, B]
-        assert code(s.RoundResult, pb.RoundResultRequest(round=0), timeout=0.5) == Code.DEADLINE_EXCEEDED
-        s.ReportReady(report(C, 0, digest=bytes(32)), timeout=CALL_S)
-        final = s.RoundResult(pb.RoundResultRequest(round=0, min_reports=9), timeout=CALL_S)
-        assert not final.partial and [p.peer_id for p in final.participants] == [A, B, C]
-
-
-@pytest.mark.timeout(30)
 def test_reflection_lists_the_services(tmp_path):
     with coordinator(tmp_path) as (_, address), channel(address) as c:
         services = set(ProtoReflectionDescriptorDatabase(c).get_services())
