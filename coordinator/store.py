@@ -69,7 +69,8 @@ class StateStore:
             for row in self._db.execute("SELECT * FROM members")
         }
         evicted = dict(self._db.execute("SELECT peer_id, until FROM evicted"))
-        rows = self._db.execute("SELECT * FROM rounds ORDER BY number DESC LIMIT ?", (KEEP_ROUNDS + 1,))
+        # the kept history, an undecided previous round (with overlap) and the current one
+        rows = self._db.execute("SELECT * FROM rounds ORDER BY number DESC LIMIT ?", (KEEP_ROUNDS + 2,))
         rounds = [self._round(row) for row in reversed(rows.fetchall())]
         if meta["current_round"] == "":  # between an abandoned round and the next announcement
             rounds.append(None)

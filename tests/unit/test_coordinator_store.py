@@ -153,6 +153,14 @@ def test_two_open_rounds_of_an_overlapped_swarm_load_back(tmp_path):
     with sqlite3.connect(path) as db:  # the abandoned rounds are gone, with their reports
         assert [n for (n,) in db.execute("SELECT number FROM rounds")] == [0, 1, 8, 9]
         assert db.execute("SELECT COUNT(*) FROM reports WHERE round IN (2, 3)").fetchone() == (0,)
+    # more rounds than are kept, each announced while the one before is open
+    t = 14.0
+    while len(state.history) < KEEP_ROUNDS or state.round.number < 20:
+        older, newer = state.previous, state.round
+        state = coordinator((t, report(B, older.number)), (t + 1, report(A, newer.number)))
+        assert durable(reloaded(path)) == durable(state)
+        t += 2
+    assert len(state.history) == KEEP_ROUNDS and state.previous is not None
 
 
 def test_an_abandoned_round_is_not_resurrected(tmp_path):
