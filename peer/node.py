@@ -14,6 +14,7 @@ Data: in round r the peer in slot s of the round's peers trains on its own windo
 (shoal.peer.data.RoundSlices); DiLoCo's inner steps of one round take successive micro-batch slots.
 """
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -251,6 +252,8 @@ def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMe
             encode = reports[-1].phases["encode"] if reports else 0.0
             trainer.set_compute_window(plan.compute_seconds - encode - 0.2)
         report = trainer.run(1, stop)[0]
+        if plan.coordinated:  # the round it computed for (an overlapped exchange's count may lag behind)
+            report = dataclasses.replace(report, round=plan.round)
         wall = time.perf_counter() - started
         reports.append(report)
         samples += report.samples
