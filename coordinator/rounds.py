@@ -578,10 +578,12 @@ def _decide(state: SwarmState, current: Round, now: float, policy: Policy) -> tu
 
 
 def _announce(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState, list[Action]]:
-    number = state.next_round
-    current, compute_s, start = state.round, compute_window(state.members, policy), now
-    if current is not None and current.decided_at is None:  # overlap: its peers may finish it first
-        start = min(max(now, current.compute_deadline), now + compute_s)
+    number, current = state.next_round, state.round
+    # with overlap, the round still undecided: it keeps taking reports, as `previous`
+    undecided = current if current is not None and current.decided_at is None else None
+    compute_s, start = compute_window(state.members, policy), now
+    if undecided is not None:  # its peers may compute until its deadline, but one window at most
+        start = min(max(now, undecided.compute_deadline), now + compute_s)
     announced = Round(
         number=number,
         announced_at=now,
@@ -590,12 +592,8 @@ def _announce(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState
         data_seed=data_seed(state.seed, number),
         expected=tuple(sorted(state.members)),
     )
-    history, previous = state.history, None
-    if current is not None and current.decided_at is None:  # with overlap: it still takes reports
-        previous = current
-    elif current is not None:
-        history = _kept(history, current)
-    state = replace(state, round=announced, previous=previous, next_round=number + 1, history=history)
+    history = state.history if current is None else _kept(state.history, current)
+    state = replace(state, round=announced, previous=undecided, next_round=number + 1, history=history)
     return state, [Announced(announced)]
 
 
