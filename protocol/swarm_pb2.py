@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashoal/protocol/swarm.proto\x12\x08shoal.v1\"/\n\x0ePayloadRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\"\x1c\n\x0cPayloadChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"X\n\rStateManifest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x15\n\rchunk_digests\x18\x04 \x03(\x0c\">\n\x0cStateRequest\x12\r\n\x05state\x18\x01 \x01(\x0c\x12\x10\n\x08manifest\x18\x02 \x01(\x08\x12\r\n\x05\x63hunk\x18\x03 \x01(\r\"\x1c\n\x0cProbeRequest\x12\x0c\n\x04size\x18\x01 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashoal/protocol/swarm.proto\x12\x08shoal.v1\"_\n\x0ePayloadRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\r\n\x05shard\x18\x03 \x01(\r\x12\x0e\n\x06shards\x18\x04 \x01(\r\x12\x0f\n\x07reduced\x18\x05 \x01(\x08\"\x1c\n\x0cPayloadChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"X\n\rStateManifest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x15\n\rchunk_digests\x18\x04 \x03(\x0c\">\n\x0cStateRequest\x12\r\n\x05state\x18\x01 \x01(\x0c\x12\x10\n\x08manifest\x18\x02 \x01(\x08\x12\r\n\x05\x63hunk\x18\x03 \x01(\r\"\x1c\n\x0cProbeRequest\x12\x0c\n\x04size\x18\x01 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shoal.protocol.swarm_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PAYLOADREQUEST']._serialized_start=40
-  _globals['_PAYLOADREQUEST']._serialized_end=87
-  _globals['_PAYLOADCHUNK']._serialized_start=89
-  _globals['_PAYLOADCHUNK']._serialized_end=117
-  _globals['_STATEMANIFEST']._serialized_start=119
-  _globals['_STATEMANIFEST']._serialized_end=207
-  _globals['_STATEREQUEST']._serialized_start=209
-  _globals['_STATEREQUEST']._serialized_end=271
-  _globals['_PROBEREQUEST']._serialized_start=273
-  _globals['_PROBEREQUEST']._serialized_end=301
+  _globals['_PAYLOADREQUEST']._serialized_end=135
+  _globals['_PAYLOADCHUNK']._serialized_start=137
+  _globals['_PAYLOADCHUNK']._serialized_end=165
+  _globals['_STATEMANIFEST']._serialized_start=167
+  _globals['_STATEMANIFEST']._serialized_end=255
+  _globals['_STATEREQUEST']._serialized_start=257
+  _globals['_STATEREQUEST']._serialized_end=319
+  _globals['_PROBEREQUEST']._serialized_start=321
+  _globals['_PROBEREQUEST']._serialized_end=349
 # @@protoc_insertion_point(module_scope)

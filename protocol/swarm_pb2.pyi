@@ -7,12 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PayloadRequest(_message.Message):
-    __slots__ = ("round", "digest")
+    __slots__ = ("round", "digest", "shard", "shards", "reduced")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REDUCED_FIELD_NUMBER: _ClassVar[int]
     round: int
     digest: bytes
-    def __init__(self, round: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    shard: int
+    shards: int
+    reduced: bool
+    def __init__(self, round: _Optional[int] = ..., digest: _Optional[bytes] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., reduced: _Optional[bool] = ...) -> None: ...
 
 class PayloadChunk(_message.Message):
     __slots__ = ("data",)
