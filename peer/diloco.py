@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from shoal.compression import Codec, DecodeLimits, DenseCodec, MalformedPayloadError, decode_tensor
+from shoal.peer.butterfly import Pieces
 from shoal.peer.exchange import Contribution, Exchange
 from shoal.peer.robust import DEFAULT_CLIP_RATIO, clip_scales
 from shoal.protocol import Payload, parse_message
@@ -129,6 +130,10 @@ class DiLoCo:
         max_payload_bytes: contributions larger than this are rejected unread.
         clip_ratio: contributions whose norm exceeds this times the round's median are scaled down
             to it; None turns clipping off.
+        butterfly: let the exchange average pseudo-gradients piece by piece, where it can
+            (shoal.peer.butterfly: the swarm under a coordinator); the codec must be dense and
+            block-aligned (int8, int4, 16 or 32 bits). Each piece's parts are clipped against the
+            median of that piece's.
     """
 
     def __init__(
@@ -145,6 +150,7 @@ class DiLoCo:
         codec: Codec | None = None,
         max_payload_bytes: int = 1 << 31,
         clip_ratio: float | None = DEFAULT_CLIP_RATIO,
+        butterfly: bool = False,
     ):
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -176,6 +182,11 @@ class DiLoCo:
             self.consensus_params = [p.detach().clone() for p in self.params]
             self.consensus_optimizer = torch.optim.SGD(self.consensus_params, **settings)
         self.residuals = [torch.zeros_like(p) for p in self.params] if codec is not None else None
+        self.pieces = None
+        if butterfly:
+            device = self.params[0].device if self.params else "cpu"
+            shapes = [p.shape for p in self.params]
+            self.pieces = Pieces(self.codec, shapes, clip_ratio=clip_ratio, device=device)
         self.stats = OuterStats()
         self._inner_step = 0
         self._samples = 0
@@ -303,10 +314,21 @@ class DiLoCo:
     def _round(self, sent: _Sent, state: list[torch.Tensor]) -> _RoundResult:
         """Gathers every participant's payload and returns the weighted mean (rank order), clipped."""
         start = time.perf_counter()
-        contributions = self.exchange.gather(sent.payload, sent.samples, state=state)
+        if self.pieces is None:
+            contributions = self.exchange.gather(sent.payload, sent.samples, state=state)
+        else:
+            averaged = self.exchange.average(sent.payload, sent.samples, state, self.pieces)
+            contributions = averaged.contributions
         adopted = self.exchange.adopted_state()
         gathered = time.perf_counter()
         self.stats.phase_seconds["exchange"] += gathered - start
+        if contributions is None:  # averaged by the exchange, piece by piece
+            mean = self.pieces.assemble(averaged.pieces)
+            self.stats.clipped += averaged.clipped
+            end = time.perf_counter()
+            self.stats.phase_seconds["decode"] += end - gathered
+            self.stats.exchange_s += end - start
+            return _RoundResult(mean, float(max(averaged.samples, 1)), adopted)
         mean = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         accepted = []
         for contribution in contributions:

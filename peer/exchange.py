@@ -5,7 +5,9 @@ order):
 
 - `gather(payload, samples, state)`: every participant's serialized payload and sample count, in rank
   order (the same order on every participant, so that aggregation is deterministic);
-- `mean(tensor, weight)`: the weighted mean of a dense tensor over the participants.
+- `mean(tensor, weight)`: the weighted mean of a dense tensor over the participants;
+- `average(payload, samples, state, pieces)`: `gather` for dense payloads, which an exchange may
+  average piece by piece instead (the swarm under a coordinator: shoal.peer.butterfly).
 
 Two optional duties, which only the swarm needs (its members are not trusted to agree): `state` is
 this participant's shared state at the start of the round (parameters, outer momentum); an exchange
@@ -25,10 +27,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from shoal.peer.butterfly import Pieces
 
 T = TypeVar("T")
 
@@ -42,6 +47,20 @@ class Contribution:
     samples: int
     sender: bytes = b""
     """Who sent it, for exchanges that tell senders apart (the swarm: its public key)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Averaged:
+    """What `Exchange.average` returns: either the round's contributions, for the caller to average as
+    after `gather`, or the mean itself, averaged by the exchange piece by piece (shoal.peer.butterfly)."""
+
+    contributions: list[Contribution] | None = None
+    pieces: list[list[torch.Tensor]] | None = None
+    """Per piece, in order, its decoded slice of every tensor (`Pieces.assemble` joins them)."""
+    samples: int = 0
+    """With `pieces`: the samples of the participants averaged."""
+    clipped: int = 0
+    """With `pieces`: parts scaled down by their owners (this peer's own piece, and any it averaged)."""
 
 
 class Exchange(ABC):
@@ -66,9 +85,17 @@ class Exchange(ABC):
         `state`: this participant's shared state at the start of the round (see the module docstring);
         exchanges that do not compare states ignore it."""
 
+    def average(
+        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None, pieces: "Pieces"
+    ) -> Averaged:
+        """Like `gather`, for a dense payload that `pieces` (shoal.peer.butterfly) can cut: an exchange
+        that can average it piece by piece returns the mean; others (this default) the contributions."""
+        return Averaged(contributions=self.gather(payload, samples, state))
+
     def adopted_state(self) -> list[torch.Tensor] | None:
-        """After `gather` (same thread): the majority's shared state, when this participant's differed;
-        the caller loads it before applying the round. None when it agreed or nothing was compared."""
+        """After `gather` or `average` (same thread): the majority's shared state, when this
+        participant's differed; the caller loads it before applying the round. None when it agreed or
+        nothing was compared."""
         return None
 
     def reject(self, contribution: Contribution, reason: str) -> None:

@@ -122,6 +122,8 @@ class Trainer:
         outer_lr: DiLoCo's outer learning rate.
         outer_momentum: DiLoCo's outer Nesterov momentum (None: the mode's, shoal.peer.diloco).
         codec: how DiLoCo's pseudo-gradients travel (None: exactly).
+        butterfly: DiLoCo: average pseudo-gradients piece by piece where the exchange can
+            (shoal.peer.butterfly); the codec must be dense and block-aligned.
         checkpoints: where to keep checkpoints (None: nowhere).
         checkpoint_every: rounds between checkpoints (0: only on stop).
         loss_fn: how to compute the loss of a micro-batch.
@@ -146,6 +148,7 @@ class Trainer:
         outer_lr: float = 0.4,
         outer_momentum: float | None = None,
         codec: Codec | None = None,
+        butterfly: bool = False,
         checkpoints: CheckpointStore | None = None,
         checkpoint_every: int = 0,
         loss_fn: LossFn = model_loss,
@@ -202,6 +205,7 @@ class Trainer:
                 outer_lr=outer_lr,
                 outer_momentum=outer_momentum,
                 codec=codec,
+                butterfly=butterfly,
             )
 
     @property

@@ -40,11 +40,25 @@ instead, which decides the round's participants for everyone (shoal.peer.swarm_c
 record is then rewritten only every `RECORD_REFRESH_S`, to stay alive. Should the coordinator stop
 answering, the round is announced in the DHT after all and finishes as above.
 
+Butterfly averaging (`average`, DiLoCo's dense pseudo-gradients, shoal.peer.butterfly): in a
+coordinated round of at least `butterfly.MIN_PARTICIPANTS`, steps 3-4 become a reduce-scatter and an
+all-gather. The participants that count (the agreement above, decided before any byte moves: the
+coordinator's set and the states it announced) each own one piece; an owner pulls its piece of every
+payload from its author (`PayloadRequest.shards`), averages it (clipped, sample-weighted) and serves the
+mean (`reduced`); every participant then pulls the other means. Pieces carry no digest: the puller
+validates shape and values, and a malformed one strikes its sender. A mean that is malformed or not
+there by the deadline is averaged by the puller itself from the pieces of the payloads. An owner that
+serves a well-formed but false mean is not caught (as in any butterfly all-reduce): if it tells every
+peer the same it skews that piece for all, if not the state check of the next round finds the split
+and re-syncs the minority. Runs that cannot trust their peers keep the gather (`--averaging gather`,
+the default), where every peer clips every contribution itself.
+
 The DHT is the caller's (create it before starting threads: hivemind forks a process for it). This
 object runs one event loop on a thread it owns for the handler and the downloads; `close()` stops it.
 """
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import math
@@ -66,8 +80,9 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 
 from shoal.compression import DecodeLimits, DenseCodec, decode_tensor
+from shoal.peer.butterfly import Pieces, cut
 from shoal.peer.coordination import CoordinatorLink
-from shoal.peer.exchange import Contribution, Exchange
+from shoal.peer.exchange import Averaged, Contribution, Exchange
 from shoal.peer.membership import SHOAL_VERSION, PeerRecord, incompatibility, owner_subkey, run_hash
 from shoal.peer.state import (
     StateSnapshot,
@@ -81,7 +96,7 @@ from shoal.peer.swarm_channels import Channels, ChannelServer
 from shoal.peer.swarm_coordinated import CoordinatedRounds
 from shoal.peer.swarm_pull import Puller, chunks
 from shoal.peer.swarm_records import Announcement, RoundPlan, RoundSchedule, peer_records
-from shoal.protocol import EncodedTensor, MalformedPayloadError, parse_message
+from shoal.protocol import EncodedTensor, MalformedPayloadError, Payload, parse_message
 from shoal.protocol.swarm_pb2 import PayloadRequest, ProbeRequest, StateRequest
 
 logger = get_logger(__name__)
@@ -94,6 +109,9 @@ REJOIN_TIMEOUT_S = 5.0  # ... each for at most this long
 # alive, so the record only serves `shoal status` (which shows its age), joining checks and the fallback;
 # a write costs about 18 KB on the wire in a small swarm (BENCHMARKS.md)
 RECORD_REFRESH_S = 120.0
+MAX_PIECES = 4096  # a butterfly round has at most this many pieces (one per participant)
+MAX_CUT_COUNTS = 2  # ways a peer cuts one payload into pieces (honest peers agree on one count)
+MEAN_WAIT_S = 0.25  # a request for a mean its owner has not finished waits at most this long for it
 ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,250}:[0-9]{1,5}")  # a coordinator's HOST:PORT in a record
 
 
@@ -204,6 +222,13 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         """Rounds whose participant set came from the coordinator."""
         self.late = 0
         """Coordinated rounds this peer's payload was left out of as late (it still applied them)."""
+        self.butterfly_rounds = 0
+        """Rounds averaged piece by piece (shoal.peer.butterfly)."""
+        self.pieces_recomputed = 0
+        """Pieces whose owner's mean did not come in time, averaged by this peer from their parts."""
+        self.codec_bytes_sent = 0
+        """Payload bytes this peer was to send by the protocol, pieces and means included (what the codec
+        implies, against which `sent` shows the transport's overhead)."""
         self._plans: deque[RoundPlan] = (
             deque()
         )  # planned, not yet gathered (DiLoCo gathers in the background)
@@ -219,6 +244,10 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self._seen: dict[bytes, int] = {}  # payload digest: the round it was first announced in
         self._adopted: list[torch.Tensor] | None = None
         self._mine: tuple[int, bytes] | None = None  # (round, digest) of this peer's last payload
+        self._cuttable: dict[int, bytes] = {}  # round: digest of its payloads it serves in pieces
+        self._cuts: dict[tuple[int, int], list[bytes]] = {}  # (round, count): the pieces, as served
+        self._means: dict[tuple[int, int], bytes] = {}  # (round, piece): this peer's mean of its piece
+        self._mean_ready: dict[tuple[int, int], asyncio.Event] = {}
         self._pullers: set[str] = set()  # the peers that pulled this peer's last payload
         self._expected_pullers: set[str] = set()  # the other participants of the last round
         self._next_round = 0
@@ -260,6 +289,8 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             "coordinated_rounds": self.coordinated_rounds,
             "dht_stores": self.dht_stores,
             "relayed": self.relayed,
+            "butterfly_rounds": self.butterfly_rounds,
+            "pieces_recomputed": self.pieces_recomputed,
         }
 
     @property
@@ -294,6 +325,23 @@ class SwarmExchange(CoordinatedRounds, Exchange):
     def gather(
         self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None
     ) -> list[Contribution]:
+        return self._gather(payload, samples, state, None)
+
+    def average(
+        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None, pieces: Pieces
+    ) -> Averaged:
+        """A coordinated round of at least `butterfly.MIN_PARTICIPANTS` is averaged piece by piece
+        (shoal.peer.butterfly); any other round is gathered."""
+        result = self._gather(payload, samples, state, pieces)
+        return result if isinstance(result, Averaged) else Averaged(contributions=result)
+
+    def _gather(
+        self,
+        payload: bytes,
+        samples: int,
+        state: Sequence[torch.Tensor] | None,
+        pieces: Pieces | None,
+    ) -> list[Contribution] | Averaged:
         plan = self._plans.popleft() if self._plans else None
         coordinated = plan is not None and plan.coordinated
         round_number = plan.round if coordinated else self.next_round
@@ -303,7 +351,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self._adopted = None
         snapshot = None if state is None else (StateSnapshot.capture(state, round_number), list(state))
         if coordinated:
-            return self._call(self._coordinated_round(plan, bytes(payload), samples, snapshot))
+            return self._call(self._coordinated_round(plan, bytes(payload), samples, snapshot, pieces))
         contributions = self._call(self._round(round_number, bytes(payload), samples, snapshot))
         if self.coordinator is not None:  # once it is back, the coordinator continues after this round
             self.coordinator.progress.round = max(self.coordinator.progress.round, round_number)
@@ -502,9 +550,13 @@ class SwarmExchange(CoordinatedRounds, Exchange):
 
     async def _serve(self, request: PayloadRequest, context):
         key = (request.round, request.digest)
-        if key == self._mine and context.remote_id is not None:
-            self._pullers.add(context.remote_id.to_base58())
-        for chunk in chunks(self._held.get(key, b"")):
+        if request.shards:
+            data = await self._piece(request, context)
+        else:
+            data = self._held.get(key, b"")
+            if key == self._mine and context.remote_id is not None:
+                self._pullers.add(context.remote_id.to_base58())
+        for chunk in chunks(data):
             self.sent["payload"] += len(chunk.data)
             yield chunk
 
@@ -521,6 +573,53 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         held = sum((round_number, a.digest) in self._held for a in announced.values())
         self._count_stragglers(len(compatible | {self.owner}), held)
         return await self._settle(round_number, announced, mine, snapshot)
+
+    async def _piece(self, request: PayloadRequest, context) -> bytes:
+        """In a butterfly round (shoal.peer.butterfly): a piece of this peer's payload, cut on request,
+        or (`reduced`) this peer's mean of the piece it owns, once it has it. Empty if it has neither."""
+        if not request.shard < request.shards <= MAX_PIECES:
+            self.rejected["bad_request"] += 1
+            return b""
+        if request.reduced:
+            key = (request.round, request.shard)
+            if key not in self._means and self._mine is not None and request.round == self._mine[0]:
+                event = self._mean_ready.setdefault(key, asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), MEAN_WAIT_S)
+            data = self._means.get(key, b"")
+            if data and context.remote_id is not None:
+                self._pullers.add(context.remote_id.to_base58())
+            return data
+        if self._cuttable.get(request.round) != request.digest:
+            return b""
+        pieces = self._cut(request.round, request.shards, limited=True)
+        if pieces is None:
+            self.rejected["bad_request"] += 1
+            return b""
+        return pieces[request.shard]
+
+    def _cut(self, round_number: int, count: int, *, limited: bool = False) -> list[bytes] | None:
+        """The `count` pieces of this peer's payload of a butterfly round, cut once. `limited` (another
+        peer asks): None for a count past the first MAX_CUT_COUNTS, as each costs a pass over the
+        payload; the round's own count, which this peer cuts once it is decided, is never refused."""
+        key = (round_number, count)
+        if key not in self._cuts:
+            if limited and sum(r == round_number for r, _ in self._cuts) >= MAX_CUT_COUNTS:
+                return None
+            own = parse_message(
+                Payload,
+                self._held[(round_number, self._cuttable[round_number])],
+                max_bytes=self.max_payload_bytes,
+            )
+            self._cuts[key] = cut(own, count)
+        return self._cuts[key]
+
+    def _cuttable_from(self, round_number: int, digest: bytes) -> None:
+        """This peer's payload of `round_number` may be served in pieces from now; so may the last
+        round's still (a peer averaging a late owner's piece may ask for them), no older one."""
+        self._cuttable = {r: d for r, d in self._cuttable.items() if r == round_number - 1}
+        self._cuttable[round_number] = digest
+        self._cuts = {key: pieces for key, pieces in self._cuts.items() if key[0] in self._cuttable}
 
     def _count_stragglers(self, expected: int, participants: int) -> None:
         self.peers_seen = expected
@@ -627,7 +726,28 @@ class SwarmExchange(CoordinatedRounds, Exchange):
     ) -> list[Contribution]:
         """The round's contributions from the payloads held, in key order: one per distinct payload, only
         those computed on the majority's state (this peer re-syncs to it if its own differs)."""
-        held = sorted(owner for owner, a in announced.items() if (round_number, a.digest) in self._held)
+        held = [owner for owner, a in announced.items() if (round_number, a.digest) in self._held]
+        held = await self._agree({owner: announced[owner] for owner in held}, mine, snapshot)
+        self._expected_pullers = {a.peer for owner, a in announced.items() if owner != mine.owner}
+        return [
+            Contribution(
+                rank,
+                self._held[(round_number, announced[owner].digest)],
+                announced[owner].samples,
+                sender=owner,
+            )
+            for rank, owner in enumerate(held)
+        ]
+
+    async def _agree(
+        self,
+        announced: dict[bytes, Announcement],
+        mine: Announcement,
+        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
+    ) -> list[bytes]:
+        """The owners of `announced` whose contributions count, in key order: one per distinct payload,
+        only those computed on the majority's state (this peer re-syncs to it if its own differs)."""
+        held = sorted(announced)
         # a payload announced by several peers counts once, for the smallest key (no strike: copying an
         # announcement is free, so the copier cannot be told from the author)
         first_owner = {}
@@ -651,16 +771,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             self.synced = agreed == mine.state or self._adopted is not None
             held = [owner for owner in held if owner not in stale]
         self._participants, self._me = held, mine.owner
-        self._expected_pullers = {a.peer for owner, a in announced.items() if owner != mine.owner}
-        return [
-            Contribution(
-                rank,
-                self._held[(round_number, announced[owner].digest)],
-                announced[owner].samples,
-                sender=owner,
-            )
-            for rank, owner in enumerate(held)
-        ]
+        return held
 
     async def _slot(self) -> tuple[int, int]:
         """(this peer's place, count) among the compatible peers, ordered by public key, as last seen:

@@ -17,12 +17,14 @@ import grpc
 import torch
 from hivemind.utils.logging import get_logger
 
+from shoal.peer.butterfly import MIN_PARTICIPANTS, Part, Pieces
 from shoal.peer.coordination import UNREACHABLE
-from shoal.peer.exchange import Contribution
+from shoal.peer.exchange import Averaged, Contribution
 from shoal.peer.state import StateSnapshot
 from shoal.peer.swarm_records import Announcement, RoundPlan, RoundSchedule
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.coordinator_pb2 import ReportReply, ReportRequest, RoundResultReply
+from shoal.protocol.swarm_pb2 import PayloadRequest
 
 logger = get_logger(__name__)
 
@@ -73,13 +75,17 @@ class CoordinatedRounds:
         payload: bytes,
         samples: int,
         snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
-    ) -> list[Contribution]:
+        pieces: Pieces | None = None,
+    ) -> list[Contribution] | Averaged:
         """Reports the payload to the coordinator, then aggregates exactly the participant set it decides,
         pulling each payload from its author or any participant that holds it, until the round's exchange
-        deadline. If the coordinator stops answering, the round finishes uncoordinated (it is announced in
-        the DHT as well)."""
+        deadline; with `pieces` and enough participants, averages it piece by piece instead (`_butterfly`).
+        If the coordinator stops answering, the round finishes uncoordinated (it is announced in the DHT as
+        well)."""
         link, number = self.coordinator, plan.round
         mine = await self._hold(number, payload, samples, snapshot, coordinated=True)
+        if pieces is not None:  # owners may ask for their piece as soon as the round is decided
+            self._cuttable_from(number, mine.digest)
         request = ReportRequest(
             round=number,
             digest=mine.digest,
@@ -121,25 +127,169 @@ class CoordinatedRounds:
                 announced[owner] = Announcement.parse(owner, value, self.max_payload_bytes)
             except MalformedPayloadError as error:  # every peer drops it alike: the set stays the same
                 self.rejected[error.reason] += 1
-        fetches = [
-            asyncio.create_task(self._fetch(number, a, announced))
-            for a in pull_order(list(announced.values()), me)
-            if (number, a.digest) not in self._held
-        ]
-        if fetches:
-            _, pending = await asyncio.wait(fetches, timeout=max(0.0, plan.exchange_deadline - time.time()))
-            for task in pending:
-                task.cancel()
-            self.rejected["missing"] += len(pending)
-            await asyncio.gather(*fetches, return_exceptions=True)
+        mine = Announcement(me, mine.peer, mine.digest, mine.size, mine.samples, mine.state, mine.synced)
+        if pieces is not None and len(announced) >= MIN_PARTICIPANTS:
+            contributions = await self._butterfly(
+                number, plan.exchange_deadline, announced, mine, snapshot, pieces
+            )
+        else:
+            fetches = [
+                asyncio.create_task(self._fetch(number, a, announced))
+                for a in pull_order(list(announced.values()), me)
+                if (number, a.digest) not in self._held
+            ]
+            if fetches:
+                _, pending = await asyncio.wait(
+                    fetches, timeout=max(0.0, plan.exchange_deadline - time.time())
+                )
+                for task in pending:
+                    task.cancel()
+                self.rejected["missing"] += len(pending)
+                await asyncio.gather(*fetches, return_exceptions=True)
+            contributions = await self._settle(number, announced, mine, snapshot)
+            self.codec_bytes_sent += mine.size * (len(announced) - 1) if me in announced else 0
         self.coordinated_rounds += 1
         self._count_stragglers(max(plan.expected, len(result.participants)), len(result.participants))
-        mine = Announcement(me, mine.peer, mine.digest, mine.size, mine.samples, mine.state, mine.synced)
-        contributions = await self._settle(number, announced, mine, snapshot)
         link.progress.round, link.progress.exchange_s = number, time.time() - started
         with contextlib.suppress(grpc.aio.AioRpcError):
             await link.heartbeat()  # finished: the coordinator may start the next round
         return contributions
+
+    async def _butterfly(
+        self,
+        number: int,
+        deadline: float,
+        announced: dict[bytes, Announcement],
+        mine: Announcement,
+        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
+        pieces: Pieces,
+    ) -> Averaged:
+        """Averages the decided round piece by piece (shoal.peer.butterfly): the participants whose
+        contributions count (`_agree`, the same list on every peer) own one piece each, in their order.
+        This peer, if it owns piece i, pulls piece i of every other one's payload from its author and
+        serves their mean; then it pulls every other owner's mean. A mean that has not come by the
+        deadline is averaged here from its parts (`_recompute`), so a lost owner costs time, not the
+        piece."""
+        owners = await self._agree(announced, mine, snapshot)
+        count = len(owners)
+        index = owners.index(mine.owner) if mine.owner in owners else None
+        cuts = self._cut(number, count) or []  # ready before the owners ask
+        for old in [key for key in self._means if key[0] < number - 1]:
+            del self._means[old]
+        for old in [key for key in self._mean_ready if key[0] < number]:
+            del self._mean_ready[old]
+        self._pullers, self._expected_pullers = set(), set()
+        slices: dict[int, list[torch.Tensor]] = {}
+        clipped = 0
+        if index is not None:
+            others = [
+                a for a in pull_order([announced[o] for o in owners], mine.owner) if a.owner != mine.owner
+            ]
+            parts = await self._parts(number, index, count, others, deadline, pieces)
+            self.codec_bytes_sent += sum(len(piece) for k, piece in enumerate(cuts) if k != index)
+            parts.append(Part(mine.owner, mine.samples, cuts[index]))
+            parts.sort(key=lambda part: owners.index(part.sender))
+            mean = await asyncio.to_thread(pieces.mean, index, count, parts, feedback=True)
+            for sender, reason in mean.rejected:
+                self.rejected[reason] += 1
+                self._strike(sender, reason)
+            self._means[(number, index)] = mean.data
+            self._mean_ready.setdefault((number, index), asyncio.Event()).set()
+            self._expected_pullers = {a.peer for o, a in announced.items() if o != mine.owner}
+            self.codec_bytes_sent += len(mean.data) * (len(announced) - 1)
+            slices[index], clipped = mean.tensors, mean.clipped
+        order = [(index + step) % count for step in range(1, count)] if index is not None else range(count)
+        pulls = {
+            k: asyncio.create_task(self._owner_mean(number, k, count, announced[owners[k]], pieces))
+            for k in order
+        }
+        if pulls:
+            await asyncio.wait(pulls.values(), timeout=max(0.0, deadline - time.time()))
+        for k, task in pulls.items():
+            if task.done() and not task.cancelled() and task.exception() is None:
+                slices[k] = task.result()
+            else:
+                task.cancel()
+        await asyncio.gather(*pulls.values(), return_exceptions=True)
+        for k in range(count):
+            if k not in slices:  # its owner's mean did not come: average it here
+                self.pieces_recomputed += 1
+                mean = await self._recompute(number, k, count, owners, announced, mine, pieces)
+                slices[k] = mean.tensors
+        self.butterfly_rounds += 1
+        return Averaged(
+            pieces=[slices[k] for k in range(count)],
+            samples=sum(announced[o].samples for o in owners),
+            clipped=clipped,
+        )
+
+    async def _parts(
+        self,
+        number: int,
+        index: int,
+        count: int,
+        authors: list[Announcement],
+        deadline: float,
+        pieces: Pieces,
+    ) -> list[Part]:
+        """Piece `index` of each author's payload, from the author, until `deadline` (rotation order,
+        as `pull_order`, so that an author serves one owner at a time)."""
+
+        async def pull(author: Announcement) -> Part:
+            request = PayloadRequest(round=number, digest=author.digest, shard=index, shards=count)
+            data = await self._puller.piece(author.peer, request, pieces.max_bytes(index, count))
+            return Part(author.owner, author.samples, data)
+
+        tasks = [asyncio.create_task(pull(a)) for a in authors]
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(0.0, deadline - time.time()))
+        parts = []
+        for author, task in zip(authors, tasks, strict=True):
+            if task.done() and not task.cancelled() and task.exception() is None:
+                parts.append(task.result())
+                continue
+            task.cancel()
+            error = None if not task.done() or task.cancelled() else task.exception()
+            if isinstance(error, MalformedPayloadError):
+                self.rejected[error.reason] += 1
+                self._strike(author.owner, error.reason)
+            else:
+                self.rejected["missing"] += 1
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return parts
+
+    async def _owner_mean(
+        self, number: int, index: int, count: int, owner: Announcement, pieces: Pieces
+    ) -> list[torch.Tensor]:
+        """Owner `index`'s mean of its piece, decoded; a malformed one strikes the owner and is averaged
+        here instead (raises)."""
+        request = PayloadRequest(round=number, digest=owner.digest, shard=index, shards=count, reduced=True)
+        data = await self._puller.piece(owner.peer, request, pieces.max_bytes(index, count), observe=False)
+        try:
+            return await asyncio.to_thread(pieces.decode, index, count, data)
+        except MalformedPayloadError as error:
+            self.rejected[error.reason] += 1
+            self._strike(owner.owner, error.reason)
+            raise
+
+    async def _recompute(
+        self,
+        number: int,
+        index: int,
+        count: int,
+        owners: list[bytes],
+        announced: dict[bytes, Announcement],
+        mine: Announcement,
+        pieces: Pieces,
+    ):
+        """Piece `index`'s mean, averaged here from the parts that come within the fetch timeout (the
+        owner's mean did not come)."""
+        authors = [announced[o] for o in owners if o != mine.owner]
+        parts = await self._parts(number, index, count, authors, time.time() + self.fetch_timeout_s, pieces)
+        if mine.owner in owners and (cuts := self._cut(number, count)) is not None:
+            parts.append(Part(mine.owner, mine.samples, cuts[index]))
+        parts.sort(key=lambda part: owners.index(part.sender))
+        return await asyncio.to_thread(pieces.mean, index, count, parts)
 
 
 def pull_order(participants: list[Announcement], me: bytes) -> list[Announcement]:

@@ -100,6 +100,31 @@ class Puller:
             await asyncio.sleep(min(1.0, 0.1 * 2**cycle))
             cycle += 1
 
+    async def piece(
+        self, peer: str, request: PayloadRequest, max_bytes: int, *, observe: bool = True
+    ) -> bytes:
+        """A piece of a butterfly round (shoal.peer.butterfly) from the one peer that serves it, paced
+        like payloads; tried again with backoff while it answers with nothing or fails in transit, until
+        the caller cancels. Raises MalformedPayloadError (too_large). `observe`: whether the pull's time
+        tells the link's rate (not when the peer may wait before it answers)."""
+        cycle = 0
+        while True:
+            try:
+                async with self._in_flight.hold(max_bytes):
+                    started = time.monotonic()
+                    data = await self.channels.pull(peer, request, max_bytes)
+                    if data and observe:
+                        self._in_flight.observe(len(data), time.monotonic() - started)
+            except TRANSIENT:
+                data = b""
+            if data:
+                self.received["payload"] += len(data)
+                return data
+            # not ready yet, most likely (an owner still averaging): asked again soon, without holding
+            # the byte budget meanwhile, so that the means that are ready come in first
+            await asyncio.sleep(min(0.5, 0.05 * 2**cycle))
+            cycle += 1
+
     async def state_piece(self, source: str, request: StateRequest) -> bytes:
         data = await self.pull(source, self.state_handler, request, MAX_CHUNK_BYTES + CHUNK_BYTES)
         if not data:
