@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--algorithm", choices=list(settings_module.ALGORITHMS), default="demo", help="default: demo"
     )
+    demo.add_argument(
+        "--averaging",
+        choices=["gather", "butterfly"],
+        default="gather",
+        help="DiLoCo: how rounds are averaged (see shoal join --help; default: gather)",
+    )
     demo.add_argument("--round-seconds", type=float, default=3.0, help="length of a round (default: 3)")
     demo.add_argument("--model", choices=["tiny", "small", "base"], default="tiny", help="default: tiny")
     demo.add_argument(
@@ -171,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     wan.add_argument(
         "--methods",
         help="comma-separated subset of compute_only,ddp,demo_compact,demo_overlap,diloco_standard,"
-        "diloco_eager",
+        "diloco_eager,diloco_standard_butterfly,diloco_eager_butterfly (default: all; --quick: all but "
+        "the butterfly ones)",
     )
     wan.add_argument("--plot", metavar="PNG", help="also plot tokens/s against bandwidth (needs matplotlib)")
     wan.add_argument(
@@ -232,6 +239,11 @@ JOIN_FLAGS = {
     "inner_steps": ("H", "DiLoCo: inner steps per round"),
     "outer_lr": ("LR", "DiLoCo: outer learning rate"),
     "outer_momentum": ("M", "DiLoCo: outer Nesterov momentum (default: 0.9 standard, 0 delayed and eager)"),
+    "averaging": (
+        "HOW",
+        "DiLoCo: gather (every peer pulls every payload) or butterfly (with a coordinator and 3+ peers: "
+        "each peer averages one piece; 2 (N-1)/N payloads up and down per round instead of N-1)",
+    ),
     "batch_size": ("B", "samples per micro-batch to start with (halved if the device runs out of memory)"),
     "max_micro_batches": ("N", "most micro-batches accumulated per step"),
     "seed": ("N", "seed of the initial weights and of the data order"),
@@ -285,12 +297,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.slow_peer is not None and not 0 <= args.slow_peer < args.peers:
             print(f"shoal demo: error: --slow-peer must be in [0, {args.peers - 1}]", file=sys.stderr)
             return 2
+        if args.averaging == "butterfly" and args.algorithm.startswith("demo"):
+            print("shoal demo: error: --averaging butterfly: DiLoCo only", file=sys.stderr)
+            return 2
         from shoal.peer import local_swarm
 
         return local_swarm.main(
             peers=args.peers,
             rounds=args.rounds,
             algorithm=args.algorithm,
+            averaging=args.averaging,
             round_seconds=args.round_seconds,
             model=args.model,
             as_json=args.json,

@@ -50,6 +50,7 @@ def main(
     algorithm: str,
     round_seconds: float,
     as_json: bool,
+    averaging: str = "gather",
     model: str = "tiny",
     coordinator: bool = True,
     slow_peer: int | None = None,
@@ -65,6 +66,7 @@ def main(
             peers=peers,
             rounds=rounds,
             algorithm=algorithm,
+            averaging=averaging,
             round_seconds=round_seconds,
             model=model,
             progress=progress,
@@ -103,6 +105,7 @@ def run(
     round_seconds: float,
     model: str,
     progress: Progress,
+    averaging: str = "gather",
     coordinator: bool = True,
     slow_peer: int | None = None,
     metrics_targets: str | None = None,
@@ -114,7 +117,7 @@ def run(
     start_time = time.time() + STARTUP_S + STARTUP_PER_PEER_S * peers
     threads = str(max(1, (os.cpu_count() or 1) // peers))
     common = ["--host", "127.0.0.1", "--run", "demo", "--log-format", "json", "--model", model]
-    common += ["--algorithm", algorithm, "--round-seconds", str(round_seconds)]
+    common += ["--algorithm", algorithm, "--averaging", averaging, "--round-seconds", str(round_seconds)]
     common += ["--until-round", str(rounds - 1), "--metrics-port", "0"]
     targets = TargetsFile(Path(metrics_targets) if metrics_targets else logs / "prometheus-targets.json")
 
@@ -181,6 +184,8 @@ def run(
         "coordinator": coordinator,
         "stragglers_excluded": stragglers,
         "coordinated_rounds": sum(s["coordinated_rounds"] for s in summaries.values()),
+        "butterfly_rounds": sum(s["butterfly_rounds"] for s in summaries.values()),
+        "pieces_recomputed": sum(s["pieces_recomputed"] for s in summaries.values()),
         "dht_stores_per_peer_per_round": fmean(
             s["dht_stores"] / max(s["rounds"], 1) for s in summaries.values()
         ),

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 # swarm's own), exposed at 0 from the start so that a healthy peer has the series too (a test checks
 # that the code raises no other reason)
 REJECTION_REASONS = (
-    "bad_announcement", "bad_block", "bad_chunk", "bad_dtype", "bad_indices", "bad_index_bits",
+    "bad_announcement", "bad_block", "bad_request", "bad_chunk", "bad_dtype", "bad_indices", "bad_index_bits",
     "bad_manifest", "bad_record", "bad_samples", "bad_scale", "bad_shape", "bad_topk", "bad_zstd",
     "banned", "channel_request", "channels", "digest_mismatch",
     "duplicate", "length_mismatch", "missing", "non_finite", "probe_rate", "replayed", "resync_failed",
@@ -155,6 +155,8 @@ SCALARS = (
     ("shoal_late_rounds", "counter", "Coordinated rounds its payload missed as late.", "late"),
     ("shoal_coordinated_rounds", "counter", "Rounds the coordinator decided.", "coordinated_rounds"),
     ("shoal_relayed_payloads", "counter", "Payloads pulled from a peer other than their author.", "relayed"),
+    ("shoal_butterfly_rounds", "counter", "Rounds averaged piece by piece.", "butterfly_rounds"),
+    ("shoal_pieces_recomputed", "counter", "Pieces averaged here, owner late.", "pieces_recomputed"),
 )  # fmt: skip
 
 

@@ -47,7 +47,18 @@ from shoal.peer.swarm import RoundPlan, RoundSchedule, SwarmExchange
 
 DISCOVER_TIMEOUT = timedelta(seconds=60)
 # the run configuration's flags, in the order the join command names them
-RUN_FLAGS = ("run", "model", "algorithm", "lr", "topk", "inner_steps", "outer_lr", "outer_momentum", "seed")
+RUN_FLAGS = (
+    "run",
+    "model",
+    "algorithm",
+    "lr",
+    "topk",
+    "inner_steps",
+    "outer_lr",
+    "outer_momentum",
+    "averaging",
+    "seed",
+)
 DRAIN_MAX_S = 30.0  # the longest a leaving peer serves its last payload to peers that have not pulled it
 
 
@@ -169,6 +180,7 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
             outer_lr=settings.outer_lr,
             outer_momentum=settings.outer_momentum,
             codec=None if settings.algorithm.startswith("demo") else DenseCodec(8),
+            butterfly=settings.averaging == "butterfly",
             checkpoints=CheckpointStore(settings.checkpoint_dir) if settings.checkpoint_dir else None,
             checkpoint_every=settings.checkpoint_every,
             loss_fn=loaded.loss_fn,
@@ -303,6 +315,8 @@ def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMe
         "bytes_received": exchange.bytes_received,
         "resyncs": exchange.resyncs,
         "coordinated_rounds": exchange.coordinated_rounds,
+        "butterfly_rounds": exchange.butterfly_rounds,
+        "pieces_recomputed": exchange.pieces_recomputed,
         "dht_stores": exchange.dht_stores,
         "late_rounds": exchange.late,
         "rejected": dict(exchange.rejected),

@@ -76,6 +76,7 @@ class JoinSettings:
     inner_steps: int = 10
     outer_lr: float = 0.4
     outer_momentum: float | None = None
+    averaging: str = "gather"
     batch_size: int = 8
     max_micro_batches: int = 64
     seed: int = 0
@@ -93,11 +94,13 @@ class JoinSettings:
             from shoal.peer.diloco import OUTER_MOMENTUM  # torch: not before it is needed
 
             momentum = OUTER_MOMENTUM[self.algorithm.removeprefix("diloco-")]
-        return config | {
+        config |= {
             "inner_steps": str(self.inner_steps),
             "outer_lr": repr(self.outer_lr),
             "outer_momentum": repr(momentum),
         }
+        # only where it is not the default, so that the runs from before the setting keep their hash
+        return config | {"averaging": self.averaging} if self.averaging != "gather" else config
 
     @property
     def learning_rate(self) -> float:
@@ -196,6 +199,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "inner_steps": _int(1, 100_000),
     "outer_lr": _float(0.0, 10.0, open_low=True),
     "outer_momentum": _float(0.0, 0.999),
+    "averaging": _choice(("gather", "butterfly")),
     "batch_size": _int(1, 65536),
     "max_micro_batches": _int(1, 4096),
     "seed": _int(0),
@@ -227,7 +231,10 @@ def resolve(
             except ValueError as error:
                 raise SettingsError(f"{where}: {error}") from None
             break
-    return JoinSettings(**values)
+    settings = JoinSettings(**values)
+    if settings.averaging == "butterfly" and settings.algorithm.startswith("demo"):
+        raise SettingsError("--averaging butterfly: DiLoCo only (DeMo's payloads are sparse)")
+    return settings
 
 
 def _read_toml(path: str) -> dict[str, Any]:

@@ -57,6 +57,8 @@ def _counters() -> dict:
         "late": 0,
         "coordinated_rounds": 4,
         "relayed": 1,
+        "butterfly_rounds": 3,
+        "pieces_recomputed": 1,
     }
 
 

@@ -42,6 +42,8 @@ def test_config_file_from_the_environment(tmp_path):
         ({}, {}, "inner_steps = 1.5\n", "inner_steps in"),
         ({}, {}, "modle = 'tiny'\n", "unknown setting 'modle'"),
         ({}, {}, "model = \n", "not valid TOML"),
+        ({"averaging": "allreduce"}, {}, "", "--averaging"),
+        ({"averaging": "butterfly"}, {}, "", "DiLoCo only"),  # DeMo's sparse payloads cannot be cut
     ],
 )
 def test_bad_values_name_the_setting(tmp_path, flags, environ, toml, named):
@@ -61,6 +63,9 @@ def test_run_config_holds_what_peers_must_share():
     assert demo.run_config()["compression_topk"] == "32" and "inner_steps" not in demo.run_config()
     assert diloco.run_config()["inner_steps"] == "20" and diloco.run_config()["lr"] == "0.001"
     assert JoinSettings(port=1234).run_config() == demo.run_config()  # local settings are not shared
+    butterfly = JoinSettings(algorithm="diloco-eager", inner_steps=20, averaging="butterfly")
+    assert "averaging" not in diloco.run_config()  # the runs from before the setting keep their hash
+    assert butterfly.run_config() == diloco.run_config() | {"averaging": "butterfly"}
 
 
 def test_cli_exits_2_with_the_setting_named(capsys, monkeypatch, tmp_path):
