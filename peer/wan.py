@@ -31,7 +31,7 @@ from pathlib import Path
 
 from shoal.peer.netlab import NetLab, NetLabError, available, raise_on_sigterm
 from shoal.peer.settings import OVERLAPPED
-from shoal.peer.wan_worker import METHODS, SWARM_METHODS
+from shoal.peer.wan_worker import BUTTERFLY, METHODS, SWARM_METHODS
 
 __all__ = ["METHODS", "QUICK", "WanConfig", "main", "parse_bandwidths", "run"]
 
@@ -56,7 +56,8 @@ class WanConfig:
     """Per run."""
 
 
-QUICK = WanConfig(peers=2, steps=8, inner_steps=4)
+QUICK = WanConfig(peers=2, steps=8, inner_steps=4, methods=tuple(m for m in METHODS if m not in BUTTERFLY))
+"""Without the butterfly methods: with 2 peers they gather like the others (butterfly.MIN_PARTICIPANTS)."""
 
 
 def parse_bandwidths(text: str) -> list[float]:

@@ -42,7 +42,11 @@ SWARM_METHODS = {
     "demo_overlap": "demo-overlap",
     "diloco_standard": "diloco-standard",
     "diloco_eager": "diloco-eager",
+    "diloco_standard_butterfly": "diloco-standard",
+    "diloco_eager_butterfly": "diloco-eager",
 }
+BUTTERFLY = ("diloco_standard_butterfly", "diloco_eager_butterfly")
+"""Averaged piece by piece (shoal.peer.butterfly) instead of every peer pulling every payload."""
 METHODS = ("compute_only", "ddp", *SWARM_METHODS)
 DDP_PORT = 29517
 
@@ -175,6 +179,7 @@ def _swarm(args, model, batch) -> dict:
         value_bits=1,
         inner_steps=inner,
         codec=DenseCodec(4),
+        butterfly=args.method in BUTTERFLY,
         batch_size=args.batch_size,
     )
     try:
@@ -208,8 +213,11 @@ def _swarm(args, model, batch) -> dict:
             "wall_s": wall,
             "sent_bytes": sent,
             "received_bytes": received,
-            # every other peer pulls each payload once, from its author
-            "predicted_sent_bytes": payloads * (args.peers - 1),
+            # every other peer pulls each payload once, from its author; in a butterfly round each owner
+            # pulls its piece, and every other peer each owner's mean (counted by the exchange)
+            "predicted_sent_bytes": exchange.codec_bytes_sent
+            if args.method in BUTTERFLY
+            else payloads * (args.peers - 1),
             "exchanges": trainer.rounds_done,
             "time_s": _swarm_time(wall, compute, planning, exchanging, finishing, trainer),
         }
