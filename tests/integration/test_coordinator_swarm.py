@@ -65,9 +65,13 @@ def test_slow_peer_is_left_out_and_rounds_keep_their_deadlines():
     for number, _announced, compute_deadline, decided_at, _ in rounds[:8]:
         # never waited past the deadline for the straggler (the ticker's 0.1 s, and slack for a busy CI box)
         assert decided_at <= compute_deadline + GRACE_S + 1.0, f"round {number} stalled"
-    slow_rounds = [json.loads(r[4]) for r in rounds[:8] if json.loads(r[4])]
+    # round 0 holds every peer's first step (allocations, thread pools): on a loaded CI box an honest
+    # peer has missed its 1 s window there too (seen once). From round 1 on, only the slowed peer is
+    # ever left out
+    slow_rounds = [json.loads(r[4]) for r in rounds[1:8] if json.loads(r[4])]
     assert len(slow_rounds) >= 2 and all(len(s) == 1 for s in slow_rounds)  # always the same one peer
     assert len({s[0] for s in slow_rounds}) == 1
+    assert not json.loads(rounds[0][4]) or slow_rounds[0][0] in json.loads(rounds[0][4])
     assert "evicted" in (logs / "coordinator.log").read_text()
 
 
