@@ -23,13 +23,14 @@ This module is the pure part (tensors and messages, no network); SwarmExchange m
 """
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from shoal.compression import Codec, DecodeLimits, DenseCodec, decode_tensor, streams, values
-from shoal.peer.robust import clip_scales
+from shoal.peer.robust import add_clipped_mean
 from shoal.protocol import (
     CodecId,
     EncodedTensor,
@@ -63,9 +64,7 @@ def cut(payload: Payload, count: int) -> list[bytes]:
     tensor's slice, as a flat tensor of the same encoding, uncompressed. Each stream is read once."""
     pieces: list[list[EncodedTensor]] = [[] for _ in range(count)]
     for message in payload.tensors:
-        numel = 1
-        for size in message.shape:
-            numel *= size
+        numel = math.prod(message.shape)
         encoding, block = message.value_encoding, message.block_size
         bits = values.BITS[encoding]
         stream = streams.from_wire(
@@ -190,14 +189,7 @@ class Pieces:
                 rejected.append((part.sender, error.reason))
         spans = self.spans(index, count)
         mean = [torch.zeros(end - start, device=self.device) for start, end in spans]
-        scales = [1.0] * len(accepted)
-        if len(accepted) > 1 and self.clip_ratio is not None:
-            norms = torch.stack([sum(t.square().sum() for t in tensors) for tensors, _ in accepted])
-            scales = clip_scales(norms.sqrt().tolist(), self.clip_ratio)  # one host sync per round
-        total = sum(samples for _, samples in accepted)
-        for (tensors, samples), scale in zip(accepted, scales, strict=True):
-            for m, t in zip(mean, tensors, strict=True):
-                m.add_(t, alpha=samples / total * scale)
+        total, clipped = add_clipped_mean(mean, accepted, self.clip_ratio)
         if feedback and self._residual is not None and self._residual[0] == (index, count):
             for m, r in zip(mean, self._residual[1], strict=True):
                 m.add_(r)
@@ -206,7 +198,7 @@ class Pieces:
         if feedback:
             self._residual = ((index, count), [m - s for m, s in zip(mean, sent, strict=True)])
         data = Payload(tensors=messages).SerializeToString()
-        return PieceMean(data, sent, total, rejected, sum(scale < 1 for scale in scales))
+        return PieceMean(data, sent, int(total), rejected, clipped)
 
     def assemble(self, pieces: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         """Every tensor, whole, from the decoded slices of its `count` pieces in order."""

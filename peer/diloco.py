@@ -52,7 +52,7 @@ from torch import nn
 from shoal.compression import Codec, DecodeLimits, DenseCodec, MalformedPayloadError, decode_tensor
 from shoal.peer.butterfly import Pieces
 from shoal.peer.exchange import Contribution, Exchange
-from shoal.peer.robust import DEFAULT_CLIP_RATIO, clip_scales
+from shoal.peer.robust import DEFAULT_CLIP_RATIO, add_clipped_mean, clip_scales
 from shoal.protocol import Payload, parse_message
 
 MODES = ("standard", "delayed", "eager")
@@ -337,20 +337,8 @@ class DiLoCo:
             except MalformedPayloadError as error:
                 self.stats.rejected += 1
                 self.exchange.reject(contribution, error.reason)
-        if len(accepted) > 1 and self.clip_ratio is not None:
-            norms = torch.stack(
-                [torch.stack([t.square().sum() for t in tensors]).sum() for tensors, _ in accepted]
-            )
-            scales = clip_scales(norms.sqrt().tolist(), self.clip_ratio)  # one host sync per round
-            self.stats.clipped += sum(scale < 1 for scale in scales)
-        else:
-            scales = [1.0] * len(accepted)
-        total = float(sum(samples for _, samples in accepted))
-        for (tensors, samples), scale in zip(
-            accepted, scales, strict=True
-        ):  # rank order: same sums everywhere
-            for m, t in zip(mean, tensors, strict=True):
-                m.add_(t, alpha=samples / total * scale)
+        total, clipped = add_clipped_mean(mean, accepted, self.clip_ratio)  # rank order: same sums everywhere
+        self.stats.clipped += clipped
         end = time.perf_counter()
         self.stats.phase_seconds["decode"] += end - gathered
         self.stats.exchange_s += end - start

@@ -45,7 +45,7 @@ SWARM_METHODS = {
     "diloco_standard_butterfly": "diloco-standard",
     "diloco_eager_butterfly": "diloco-eager",
 }
-BUTTERFLY = ("diloco_standard_butterfly", "diloco_eager_butterfly")
+BUTTERFLY = tuple(method for method in SWARM_METHODS if method.endswith("_butterfly"))
 """Averaged piece by piece (shoal.peer.butterfly) instead of every peer pulling every payload."""
 METHODS = ("compute_only", "ddp", *SWARM_METHODS)
 DDP_PORT = 29517
