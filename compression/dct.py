@@ -181,9 +181,14 @@ def inverse_dense(
 
 
 def inverse_sparse(
-    indices: torch.Tensor, values: torch.Tensor, plan: ChunkPlan, workspace: Workspace
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    plan: ChunkPlan,
+    workspace: Workspace,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The tensor whose only non-zero tile coefficients are `values` at chunk-local `indices`.
+    """The tensor whose only non-zero tile coefficients are `values` at chunk-local `indices`: a new
+    tensor, or `out` (plan.numel elements, not aliasing workspace slot 0) if given.
 
     Each tile is `sum_j v_j outer(C_r[row_j], C_c[col_j])`: one batched product with inner size k,
     2 k r c multiply-adds per tile instead of the dense inverse's 2 r c (r + c). Duplicate indices
@@ -193,9 +198,9 @@ def inverse_sparse(
     r, c = plan.chunk_rows, plan.chunk_cols
     row_basis = dct_basis(r, device, dtype)[indices // c] * values.unsqueeze(-1)  # (chunks, k, r)
     col_basis = dct_basis(c, device, dtype)[indices % c]  # (chunks, k, c)
-    out = workspace.get(0, plan.numel, device, dtype).view(plan.num_chunks, r, c)
-    tiles = torch.bmm(row_basis.transpose(1, 2), col_basis, out=out)
-    return _tiles_to_tensor(tiles, plan)
+    scratch = workspace.get(0, plan.numel, device, dtype).view(plan.num_chunks, r, c)
+    tiles = torch.bmm(row_basis.transpose(1, 2), col_basis, out=scratch)
+    return _tiles_to_tensor(tiles, plan, out)
 
 
 def sparse_is_cheaper(k: int, plan: ChunkPlan) -> bool:

@@ -296,7 +296,7 @@ class DeMo(torch.optim.Optimizer):
         for index, piece in enumerate(slices):
             direction = self._combine([(coeffs[index], weight) for coeffs, weight in received], piece)
             # finite but huge values from a hostile peer can sum to inf and inf - inf to NaN: never apply NaN
-            signs = torch.sign(torch.nan_to_num(direction, nan=0.0))
+            signs = direction.sign_().nan_to_num_(nan=0.0)
             for member in piece.members:
                 member.matrix(member.param).add_(member.tiles(signs), alpha=-settings[member.param][0])
         self.phase_seconds["decode"] += decoded - started
@@ -407,6 +407,9 @@ class DeMo(torch.optim.Optimizer):
         Returns a view into the codec's workspace, valid until its next use."""
         plan, workspace = piece.plan, self.codec.workspace
         device = piece.members[0].param.device
+        sent = sum(coeffs.topk for coeffs, _ in received)
+        if received and dct.sparse_is_cheaper(sent, plan):
+            return self._combine_sparse(received, plan)
         sums = workspace.get(SUM_SLOT, plan.numel, device, torch.float32).view(plan.num_chunks, -1).zero_()
         weights = (
             workspace.get(WEIGHT_SLOT, plan.numel, device, torch.float32).view(plan.num_chunks, -1).zero_()
@@ -416,3 +419,21 @@ class DeMo(torch.optim.Optimizer):
             weights.scatter_add_(1, coeffs.indices, torch.full_like(coeffs.values, weight))
         sums.div_(weights.clamp_(min=1e-30))  # where nobody sent a coefficient: 0 / tiny = 0
         return dct.inverse_dense(sums, plan, workspace, out=sums)  # sums is read before out is written
+
+    def _combine_sparse(
+        self, received: list[tuple[TopKCoefficients, float]], plan: dct.ChunkPlan
+    ) -> torch.Tensor:
+        """`_combine` without a dense pass over the coefficients, for few values per chunk (the usual
+        case: k times the participants): every sent value is divided by the summed weight of those
+        sent at its index, and the sparse inverse adds up the duplicates, so each index gets the
+        weighted mean of its values, as the dense path computes it."""
+        indices = torch.cat([coeffs.indices for coeffs, _ in received], dim=1)
+        values = torch.cat([coeffs.values.float() * weight for coeffs, weight in received], dim=1)
+        weights = torch.cat(
+            [torch.full(c.indices.shape, weight, device=values.device) for c, weight in received], dim=1
+        )
+        same = (indices.unsqueeze(2) == indices.unsqueeze(1)).to(values.dtype)  # (chunks, sent, sent)
+        totals = torch.bmm(same, weights.unsqueeze(2)).squeeze(2)
+        values.div_(totals)
+        out = self.codec.workspace.get(SUM_SLOT, plan.numel, values.device, values.dtype)
+        return dct.inverse_sparse(indices, values, plan, self.codec.workspace, out=out)

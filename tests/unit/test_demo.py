@@ -52,6 +52,19 @@ def test_steps_equal_float64_reference_recomputation(workers):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize(("workers", "topk"), [(3, 4), (4, 8), (3, 11), (5, 32)])
+def test_sparse_and_dense_combination_both_equal_the_reference(workers, topk):
+    """k x workers <= 32 values per 64x64 chunk take the sparse inverse (duplicate indices across
+    workers included), more take the dense one; both must give the reference's parameters."""
+    torch.manual_seed(14)
+    initial = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
+    grads = make_grads(steps=4, workers=workers, seed=2)
+    expected = demo_reference.demo_steps(initial, grads, lr=1e-3, topk=topk)
+    for params, _ in train_workers(initial, grads, lr=1e-3, compression_topk=topk):
+        for got, want in zip(params, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_float32_steps_match_the_reference_up_to_rare_sign_flips():
     torch.manual_seed(11)
     initial = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
