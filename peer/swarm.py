@@ -112,6 +112,7 @@ RECORD_REFRESH_S = 120.0
 MAX_PIECES = 4096  # a butterfly round has at most this many pieces (one per participant)
 MAX_CUT_COUNTS = 2  # ways a peer cuts one payload into pieces (honest peers agree on one count)
 MEAN_WAIT_S = 0.25  # a request for a mean its owner has not finished waits at most this long for it
+PARTS_QUIET_S = 1.0  # a leaving peer drains until this long has passed since it last served a piece
 ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,250}:[0-9]{1,5}")  # a coordinator's HOST:PORT in a record
 
 
@@ -250,6 +251,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self._mean_ready: dict[tuple[int, int], asyncio.Event] = {}
         self._pullers: set[str] = set()  # the peers that pulled this peer's last payload
         self._expected_pullers: set[str] = set()  # the other participants of the last round
+        self._part_served_at = -math.inf  # monotonic time this peer last served a piece of its payload
         self._next_round = 0
         self._participants = [self.owner]
         self._me = self.owner  # this peer's key among the participants (its peer id under a coordinator)
@@ -415,9 +417,10 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         """Removes the handlers, closes this process's P2P replica and stops the loop thread.
 
         With `drain`, first goes on serving, for at most that long, until every other participant of
-        the last round has pulled this peer's payload of it: a peer that leaves right after its last
-        round would otherwise leave a slower one without it (that one's round would miss a payload
-        and its parameters would differ). Returns whether all of them had it (True without drain)."""
+        the last round has pulled this peer's payload of it (a butterfly round: its mean, and pieces
+        until none was asked for in PARTS_QUIET_S): a peer that leaves right after its last round
+        would otherwise leave a slower one without it (that one's round would miss a payload and its
+        parameters would differ). Returns whether all of them had it (True without drain)."""
         if not self._thread.is_alive():
             return True
         drained = drain <= timedelta(0) or self._call(self._drain(time.monotonic() + drain.total_seconds()))
@@ -496,11 +499,20 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         return found
 
     async def _drain(self, until: float) -> bool:
-        while not self._expected_pullers <= self._pullers:
+        """Until every other participant of the last round pulled this peer's payload (a butterfly
+        round: its mean), and, where pieces of its payload were served lately, PARTS_QUIET_S without
+        one: a peer averaging a lost owner's piece from the parts (`_recompute`) asks for them after
+        the means, and one that found this peer gone while another got its part would end the round
+        on other parameters."""
+        while not (
+            self._expected_pullers <= self._pullers
+            and time.monotonic() - self._part_served_at >= PARTS_QUIET_S
+        ):
             if time.monotonic() >= until:
                 missing = len(self._expected_pullers - self._pullers)
-                logger.warning(f"leaving before {missing} peer(s) pulled this peer's last payload")
-                return False
+                if missing:
+                    logger.warning(f"leaving before {missing} peer(s) pulled this peer's last payload")
+                return missing == 0  # pieces may still be asked for (also by a peer that never stops)
             await asyncio.sleep(0.05)
         return True
 
@@ -596,6 +608,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         if pieces is None:
             self.rejected["bad_request"] += 1
             return b""
+        self._part_served_at = time.monotonic()
         return pieces[request.shard]
 
     def _cut(self, round_number: int, count: int, *, limited: bool = False) -> list[bytes] | None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 from shoal.compression import DenseCodec
 from shoal.peer.butterfly import Pieces
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.swarm import MAX_PIECES, SwarmExchange
+from shoal.peer.swarm import MAX_PIECES, PARTS_QUIET_S, SwarmExchange
 from shoal.protocol import Payload
 from shoal.protocol.swarm_pb2 import PayloadRequest
 from tests.integration.test_cli_swarm import ROOT, events, free_port, kill, shoal, start, wait_for
@@ -76,14 +77,14 @@ def test_a_peer_serving_a_garbage_mean_is_struck_and_its_piece_averaged_by_the_o
             )  # fmt: skip
 
     try:
-        # the liar stays two rounds longer: one that left early would take its own part with it, and
-        # the honest peers could then average its piece from different parts in their last round, with
-        # no next round's state check to find it (as in a gather whose author leaves early)
+        # all leave after round 7: in that last round the honest peers average the liar's piece from
+        # the parts, the liar's included, which it serves while it drains (else they could end on
+        # different parameters, with no next round's state check to find it)
         join("honest0", "--until-round", "7")
         first = wait_for(tmp_path / "honest0.jsonl", lambda e: e.get("event") == "started", 60)
         initial = ["--initial-peers", first["initial_peers"][0]]
         join("honest1", "--until-round", "7", *initial)
-        join("liar", "--until-round", "9", *initial, liar=True)
+        join("liar", "--until-round", "7", *initial, liar=True)
         codes = [process.wait(timeout=200) for process in processes[1:]]
         assert codes == [0, 0, 0], [
             (tmp_path / f"{n}.log").read_text()[-2000:] for n in ("honest0", "honest1")
@@ -136,3 +137,7 @@ def test_piece_requests_out_of_bounds_get_nothing_and_are_counted():
         assert ask(shard=0, shards=3, reduced=True) == b""  # it owns no mean of this round
         assert time.monotonic() - started < 5
         assert ask() == payload  # and it still serves the whole payload
+        served = time.monotonic()
+        assert ask(shard=2, shards=3)  # a part, as a peer averaging a lost owner's piece asks for it
+        assert author.close(drain=timedelta(seconds=10)) is True  # everyone pulled its payload ...
+        assert PARTS_QUIET_S <= time.monotonic() - served < 5  # ... and it waited for part requests to stop
