@@ -206,8 +206,11 @@ def _swarm(args, model, batch) -> dict:
         begin = time.perf_counter()
         trainer.finish()
         finishing = time.perf_counter() - begin
-        wall, (sent, received) = time.perf_counter() - started, _since(wire)
+        wall = time.perf_counter() - started
         _linger(Path(args.out), args.peers)
+        # counted once every peer is done: the others pull this peer's last payload (or mean) after its
+        # own finish, and those bytes are in the prediction
+        sent, received = _since(wire)
         return {
             "compute_s": compute,
             "wall_s": wall,
