@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     wan.add_argument("--peers", type=_positive_int, help="peer namespaces (default: 4; --quick: 2)")
     wan.add_argument(
-        "--steps", type=_positive_int, help="optimizer steps per method (default: 16; --quick: 8)"
+        "--steps", type=_positive_int, help="optimizer steps per method (default: 48; --quick: 8)"
     )
     wan.add_argument("--inner-steps", type=_positive_int, help="DiLoCo's H (default: 4; --quick: 4)")
     wan.add_argument(
