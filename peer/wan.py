@@ -46,7 +46,7 @@ class WanConfig:
     steps: int = 48
     """Optimizer steps of every method (DiLoCo: steps / inner_steps outer rounds, 12 here). Over 4
     rounds (16 steps), the last round's exchange, which no inner phase follows to hide it, is a tenth
-    of an eager run; over 12 it is 4%. Eager's update lands a round late, which costs most early in a
+    of an eager run; over 12 it is 4-5%. Eager's update lands a round late, which costs most early in a
     run: over 16 steps eager ended 7% above standard's loss, over 48 below it (BENCHMARKS.md, "48
     steps at 10 Mbit/s")."""
     inner_steps: int = 4
