@@ -4,8 +4,12 @@ hivemind reports an unreachable bootstrap peer as `P2PDaemonError: Daemon failed
 connect to bootstrap peers`. `start_dht` checks each initial peer's address first, and on failure
 probes each one's TCP port so that the error says which address was tried, whether anything answers
 there, and what to try next.
+
+The DHT's process, and the p2pd daemon it starts, die with the process that started them, even on
+kill -9 (shoal.peer.lifeline): `TetheredDHT`.
 """
 
+import multiprocessing
 import socket
 from collections.abc import Sequence
 from datetime import timedelta
@@ -15,9 +19,19 @@ from hivemind.p2p import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 
+from shoal.peer.lifeline import die_with_parent
+
 
 class BootstrapError(RuntimeError):
     """The swarm could not be joined; the message says why and what to try."""
+
+
+class TetheredDHT(hivemind.DHT):
+    """hivemind's DHT whose process (and its p2pd) ends when the process that started it dies."""
+
+    def run(self) -> None:
+        die_with_parent(multiprocessing.parent_process().pid)
+        super().run()
 
 
 def start_dht(
@@ -31,7 +45,7 @@ def start_dht(
     threads: hivemind forks a process for it."""
     addresses = [_parse(peer) for peer in initial_peers]
     try:
-        return hivemind.DHT(
+        return TetheredDHT(
             start=True, initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), **dht_kwargs
         )
     except P2PDaemonError as error:
