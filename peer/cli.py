@@ -417,8 +417,12 @@ def _bench_wan(args: argparse.Namespace) -> int:
 
 
 def _join(args: argparse.Namespace) -> int:
+    """Exit 2 for a setting to fix (checked before anything starts), 1 for another failure."""
+    from shoal.peer import preflight
+
     try:
         chosen = settings_module.resolve(vars(args), os.environ, args.config)
+        preflight.check(chosen)  # before the seconds torch's import takes: a port in use is told at once
     except settings_module.SettingsError as error:
         print(f"shoal join: error: {error}", file=sys.stderr)
         return 2
@@ -426,6 +430,9 @@ def _join(args: argparse.Namespace) -> int:
 
     try:
         join(chosen)
+    except settings_module.SettingsError as error:
+        print(f"shoal join: error: {error}", file=sys.stderr)
+        return 2
     except JoinError as error:
         print(f"shoal join: error: {error}", file=sys.stderr)
         return 1

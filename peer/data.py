@@ -46,7 +46,7 @@ def _split_files(files: list[Path], root: Path, max_bytes: int | None) -> TokenS
         if max_bytes is not None and total >= max_bytes:
             break
     if not train:
-        raise ValueError(f"{root}: no training data (every file hashed into validation)")
+        raise ValueError(f"--data {root}: no training data (no file, or every file went to validation)")
     if not validation:  # few files: hold out the tail of the bytes instead
         joined = b"\n".join(train)
         cut = len(joined) - max(len(joined) // VALIDATION_SHARE, 1)
@@ -138,13 +138,16 @@ def validation_batches(
 
 def load_data(spec: str, max_bytes: int | None = 16 << 20) -> TokenStreams:
     """`stdlib`, a text directory, or a uint16 token file."""
-    if spec == "stdlib":
-        return stdlib_corpus(max_bytes)
     path = Path(spec)
-    if path.is_dir():
-        return text_directory(path, max_bytes)
-    if path.is_file():
-        return token_file(path)
+    try:
+        if spec == "stdlib":
+            return stdlib_corpus(max_bytes)
+        if path.is_dir():
+            return text_directory(path, max_bytes)
+        if path.is_file():
+            return token_file(path)
+    except OSError as error:  # a file that cannot be read: the setting's to fix, like a missing one
+        raise ValueError(f"--data {spec}: cannot read {error.filename or spec}: {error.strerror}") from None
     raise ValueError(f"--data {spec}: neither 'stdlib', a directory of text, nor a uint16 token file")
 
 

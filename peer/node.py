@@ -1,11 +1,14 @@
 """`shoal join`: one volunteer's peer, from settings to rounds in a swarm.
 
-    settings -> identity -> DHT (new swarm: print the join command; else: find the round clock)
-             -> device, model, data -> SwarmExchange -> Trainer -> rounds until stopped
+    settings (ports, folders: shoal.peer.preflight) -> device, model, data -> identity -> coordinator
+             token -> DHT (print this peer's address and the join command; a joiner finds the round
+             clock) -> SwarmExchange -> Trainer -> rounds until stopped
 
-Every failure a volunteer can fix becomes a `JoinError` whose message says what to do (the CLI
-prints it and exits 1): a port in use, an unreachable bootstrap peer, no peer of the run found, a
-swarm whose configuration differs, a model that does not fit the device. Ctrl-C or SIGTERM stop the
+Every setting is checked before the DHT starts: one this machine cannot use (a device it lacks, a model
+or data that cannot be loaded, an unreadable token file) is a `SettingsError` naming the flag
+(the CLI exits 2). Every other failure a volunteer can fix becomes a `JoinError` whose message says
+what to do (the CLI exits 1): an unreachable bootstrap peer, no peer of the run found, a swarm whose
+configuration differs, a model that does not fit the device. Ctrl-C or SIGTERM stop the
 peer at the end of the round in progress, with a checkpoint when `--checkpoint-dir` is set.
 With `--metrics-port` the peer serves Prometheus metrics (shoal.peer.metrics); with `--address-file`
 it writes the address others join through, for scripts and containers.
@@ -15,11 +18,9 @@ Data: in round r the peer in slot s of the round's peers trains on its own windo
 """
 
 import dataclasses
-import errno
 import hashlib
 import json
 import math
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -33,16 +34,16 @@ from shoal.compression import DenseCodec
 from shoal.peer.bootstrap import BootstrapError, start_dht
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.coordination import CoordinatorError, CoordinatorLink
-from shoal.peer.data import RoundSlices, load_data
+from shoal.peer.data import RoundSlices, TokenStreams, load_data
 from shoal.peer.files import replace_text
 from shoal.peer.hardware import DeviceError, autocast_for, choose_device, memory_in_use
 from shoal.peer.identity import IdentityError, keygen, load_identity
 from shoal.peer.membership import SHOAL_VERSION, record_validators
 from shoal.peer.metrics import PeerMetrics, build_info
-from shoal.peer.models import ModelError, load_model
+from shoal.peer.models import LoadedModel, ModelError, load_model
 from shoal.peer.progress import Progress
 from shoal.peer.runtime import OutOfMemory, Trainer, stop_on_signals
-from shoal.peer.settings import PARSERS, JoinSettings
+from shoal.peer.settings import PARSERS, JoinSettings, SettingsError
 from shoal.peer.swarm import RoundPlan, RoundSchedule, SwarmExchange
 
 DISCOVER_TIMEOUT = timedelta(seconds=60)
@@ -66,8 +67,28 @@ class JoinError(RuntimeError):
     """A failure the volunteer can act on; the message says how."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Workload:
+    """What the peer trains on and with, loaded (and so checked) before the DHT starts."""
+
+    device: torch.device
+    model: LoadedModel
+    streams: TokenStreams
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Credentials:
+    """How the peer authenticates to the coordinator and trusts it (CoordinatorLink.credentials)."""
+
+    token: str | None
+    tls_roots: bytes | None
+    tls: bool
+
+
 def join(settings: JoinSettings, *, stream: IO[str] | None = None) -> dict:
-    """Runs the peer until it is stopped or its rounds are done; returns the summary it printed."""
+    """Runs the peer until it is stopped or its rounds are done; returns the summary it printed.
+    `settings` have passed shoal.peer.preflight.check (the CLI runs it before importing torch); raises
+    SettingsError for a setting checked here, JoinError for any other failure the volunteer can fix."""
     progress = Progress(settings.log_format, stream or sys.stdout, title=f"shoal · run {settings.run}")
     try:
         return _join(settings, progress)
@@ -76,10 +97,9 @@ def join(settings: JoinSettings, *, stream: IO[str] | None = None) -> dict:
 
 
 def _join(settings: JoinSettings, progress: Progress) -> dict:
+    workload = _workload(settings)
     identity = _identity(settings.identity, progress)
-    _check_port(settings.host, settings.port)
-    if settings.metrics_port:
-        _check_port(settings.host, settings.metrics_port, "--metrics-port")
+    credentials = _check_coordinator(settings)
     try:
         dht = start_dht(
             settings.initial_peers,
@@ -110,23 +130,30 @@ def _join(settings: JoinSettings, progress: Progress) -> dict:
             progress.event(
                 "started", join_command=command, initial_peers=addresses, peer_id=dht.peer_id.to_base58()
             )
-        return _train(settings, progress, dht, identity, schedule)
+        return _train(settings, progress, dht, identity, schedule, workload, credentials)
     finally:
         dht.shutdown()
 
 
-def _train(settings, progress, dht, identity, schedule) -> dict:
+def _workload(settings: JoinSettings) -> Workload:
+    """The device, model and data the settings name; SettingsError naming the flag if one is unusable.
+    The model is built on the CPU here, and moved to the device once the DHT's process is forked."""
     try:
         device = choose_device(settings.device)
         loaded = load_model(settings.model, seed=settings.seed)
         streams = load_data(settings.data)
     except (DeviceError, ModelError, ValueError) as error:
-        raise JoinError(str(error)) from None
+        raise SettingsError(str(error)) from None
     if loaded.vocab_size is not None and streams.vocab_size > loaded.vocab_size:
-        raise JoinError(
+        raise SettingsError(
             f"--data {settings.data} has token ids up to {streams.vocab_size - 1}, but --model "
             f"{settings.model} reads only {loaded.vocab_size} distinct tokens"
         )
+    return Workload(device, loaded, streams)
+
+
+def _train(settings, progress, dht, identity, schedule, workload: Workload, credentials) -> dict:
+    device, loaded, streams = workload.device, workload.model, workload.streams
     model = loaded.module.to(device)
     numel = loaded.parameters
     if schedule is None:
@@ -136,7 +163,7 @@ def _train(settings, progress, dht, identity, schedule) -> dict:
     _save_clock(settings, schedule)
     exchange = SwarmExchange(
         dht,
-        coordinator=_coordinator_link(settings, dht.peer_id.to_base58()),
+        coordinator=_coordinator_link(settings, credentials, dht.peer_id.to_base58()),
         run=settings.run,
         schedule=schedule,
         identity=identity,
@@ -382,16 +409,30 @@ def _past(exchange: SwarmExchange, until_round: int) -> bool:
     return uncoordinated and exchange.next_round > until_round
 
 
-def _coordinator_link(settings: JoinSettings, peer_id: str) -> CoordinatorLink | None:
+def _check_coordinator(settings: JoinSettings) -> Credentials | None:
+    """With --coordinator: its credentials; SettingsError naming the flag to fix."""
     if settings.coordinator is None:
         return None
     try:
-        token, roots, tls = CoordinatorLink.credentials(
-            settings.coordinator_token_file, settings.coordinator_ca
+        return Credentials(
+            *CoordinatorLink.credentials(settings.coordinator_token_file, settings.coordinator_ca)
         )
     except CoordinatorError as error:
-        raise JoinError(str(error)) from None
-    return CoordinatorLink(settings.coordinator, peer_id, token=token, tls_roots=roots, tls=tls)
+        raise SettingsError(str(error)) from None
+
+
+def _coordinator_link(
+    settings: JoinSettings, credentials: Credentials | None, peer_id: str
+) -> CoordinatorLink | None:
+    if credentials is None:  # no --coordinator
+        return None
+    return CoordinatorLink(
+        settings.coordinator,
+        peer_id,
+        token=credentials.token,
+        tls_roots=credentials.tls_roots,
+        tls=credentials.tls,
+    )
 
 
 def join_command(settings: JoinSettings, address: str) -> str:
@@ -426,22 +467,7 @@ def _identity(path: str | None, progress: Progress) -> RSAPrivateKey:
             return keygen(path)
         return load_identity(path)
     except IdentityError as error:
-        raise JoinError(str(error)) from None
-
-
-def _check_port(host: str, port: int, flag: str = "--port") -> None:
-    if port == 0:
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            if error.errno == errno.EADDRINUSE:
-                raise JoinError(
-                    f"port {port} on {host} is in use (another shoal peer?): choose another {flag}, "
-                    f"or {flag} 0 for any free one"
-                ) from None
-            raise JoinError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+        raise SettingsError(f"--identity {path}: {error}") from None
 
 
 def _check_compatible(exchange: SwarmExchange) -> None:

@@ -110,7 +110,7 @@ def test_join_twice_status_and_sigterm_checkpoint(tmp_path):
         assert f'peer_id="{started["peer_id"]}"' in exposition  # shoal_build_info
         assert "\nshoal_round_participants 2.0\n" in exposition
         in_use = shoal("join", *common, "--metrics-port", metrics.rpartition(":")[2], timeout=60)
-        assert in_use.returncode == 1 and "in use" in in_use.stderr and "--metrics-port" in in_use.stderr
+        assert in_use.returncode == 2 and "in use" in in_use.stderr and "--metrics-port" in in_use.stderr
         status = shoal("status", "--initial-peers", address, "--run", "twice", "--json", timeout=60)
         assert status.returncode == 0, status.stderr[-2000:]
         peers = json.loads(status.stdout)["peers"]
