@@ -8,7 +8,9 @@ throughput and its exchange time, which the coordinator's deadlines follow. When
 because the coordinator is unreachable, `connected` turns False and the task retries with backoff
 (capped at `MAX_BACKOFF_S`) until it answers again; the peer meanwhile trains uncoordinated. An
 eviction (the coordinator refuses the member) is waited out the same way: the link joins again
-once it is allowed to.
+once it is allowed to. A refused token (UNAUTHENTICATED) is not waited out: the link stops, and
+the next round's plan raises `CoordinatorError` naming `--coordinator-token-file`; `check_access`
+asks the same question before the peer starts.
 
 Every call has a timeout. Times from the coordinator are converted to this machine's clock with the
 offset measured on each reply (`now` fields), so a peer with a skewed clock still meets deadlines.
@@ -46,10 +48,71 @@ DEFAULT_HEARTBEAT_S = 1.0  # when the coordinator states no usable heartbeat tim
 CALL_TIMEOUT_S = 5.0
 # codes that mean "not reachable right now", as opposed to a refusal of this request
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+TOKEN_HELP = (
+    "pass the file holding the token the coordinator's operator gave this peer with "
+    "--coordinator-token-file FILE"
+)
 
 
 class CoordinatorError(ValueError):
     """A coordinator setting that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallFailed:
+    """A coordinator call that did not succeed: its status code and the coordinator's own words."""
+
+    code: grpc.StatusCode
+    details: str = ""
+
+
+def token_refusal(address: str, failed: CallFailed, *, has_token: bool) -> str | None:
+    """The message for a call refused for its token (None: refused for another reason)."""
+    if failed.code == grpc.StatusCode.UNAUTHENTICATED:
+        given = "refuses this peer's token" if has_token else "needs a token"
+        return f"the coordinator {address} {given} ({failed.details}): {TOKEN_HELP}"
+    # the coordinator also denies an evicted straggler's join, for a while: only a token's denial is final
+    if failed.code == grpc.StatusCode.PERMISSION_DENIED and "token" in failed.details:
+        return (
+            f"the coordinator {address} refuses this peer's token ({failed.details}): a per-peer token "
+            "is valid only with the --identity it was issued for; or " + TOKEN_HELP
+        )
+    return None
+
+
+def check_access(
+    address: str,
+    peer_id: str,
+    *,
+    token: str | None,
+    tls_roots: bytes | None = None,
+    tls: bool = False,
+    timeout: timedelta = timedelta(seconds=CALL_TIMEOUT_S),
+) -> None:
+    """Raises CoordinatorError if the coordinator at `address` refuses `token` for `peer_id`; returns
+    if it accepts it, or if it cannot be reached now (the link keeps trying once the peer runs).
+
+    Asks with a heartbeat of progress -1 (no progress): the coordinator checks the token before
+    anything else, and a heartbeat changes nothing but the last-seen time of a member."""
+    if tls or tls_roots is not None:
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_roots))
+    else:
+        channel = grpc.insecure_channel(address)
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        try:
+            stub.Heartbeat(
+                pb.HeartbeatRequest(peer_id=peer_id, round=-1),
+                timeout=timeout.total_seconds(),
+                metadata=metadata,
+            )
+        except grpc.RpcError as error:
+            refusal = token_refusal(
+                address, CallFailed(error.code(), error.details() or ""), has_token=token is not None
+            )
+            if refusal is not None:
+                raise CoordinatorError(refusal) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +157,8 @@ class CoordinatorLink:
         self._heard_at = -math.inf  # monotonic time of the last call the coordinator counts as a sign of life
         self.connected = False
         """Whether the last call reached the coordinator."""
+        self.refusal: str | None = None
+        """Why the coordinator refuses this peer's token, once it has (the link then stops)."""
         self.member = False
         """Whether the coordinator counts this peer as a member."""
         self.compute_scale = 1.0
@@ -103,6 +168,7 @@ class CoordinatorLink:
         self.offset = 0.0
         """The coordinator's clock minus this machine's, seconds."""
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._has_token = token is not None
         self._tls, self._tls_roots = tls or tls_roots is not None, tls_roots
         self._announced = asyncio.Condition()
         self._channel: grpc.aio.Channel | None = None
@@ -160,9 +226,9 @@ class CoordinatorLink:
             await self._channel.close()
 
     async def wait_connected(self, timeout: timedelta) -> bool:
-        """Whether the first join succeeds within `timeout`."""
+        """Whether the first join succeeds within `timeout` (False at once on a refused token)."""
         give_up = time.monotonic() + timeout.total_seconds()
-        while not self.member and time.monotonic() < give_up:
+        while not self.member and self.refusal is None and time.monotonic() < give_up:
             await asyncio.sleep(0.05)
         return self.member
 
@@ -240,10 +306,16 @@ class CoordinatorLink:
             except asyncio.CancelledError:
                 raise
             except (grpc.aio.AioRpcError, ConnectionError) as error:
-                code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-                if code is not None and code not in UNREACHABLE:
+                failed = _failed(error) if isinstance(error, grpc.aio.AioRpcError) else None
+                refusal = token_refusal(self.address, failed, has_token=self._has_token) if failed else None
+                if refusal is not None:  # waiting would not help: the peer must be restarted with another
+                    self.member, self.connected, self.refusal = False, False, refusal
+                    async with self._announced:
+                        self._announced.notify_all()
+                    return
+                if failed is not None and failed.code not in UNREACHABLE:
                     self.member = False  # refused: unknown (dropped, evicted) or not allowed; join again
-                    logger.warning(f"coordinator {self.address}: {code.name}: {error.details()}")
+                    logger.warning(f"coordinator {self.address}: {failed.code.name}: {failed.details}")
                 elif self.connected:
                     logger.warning(f"coordinator {self.address} unreachable; training on uncoordinated")
                 self.connected = False
@@ -304,3 +376,7 @@ class CoordinatorLink:
         """The clock offset, from a reply's `now` (good to the call's latency)."""
         if coordinator_now > 0:
             self.offset = coordinator_now - time.time()
+
+
+def _failed(error: grpc.aio.AioRpcError) -> CallFailed:
+    return CallFailed(error.code(), error.details() or "")

@@ -5,7 +5,7 @@
              clock) -> SwarmExchange -> Trainer -> rounds until stopped
 
 Every setting is checked before the DHT starts: one this machine cannot use (a device it lacks, a model
-or data that cannot be loaded, an unreadable token file) is a `SettingsError` naming the flag
+or data that cannot be loaded, a token the coordinator refuses) is a `SettingsError` naming the flag
 (the CLI exits 2). Every other failure a volunteer can fix becomes a `JoinError` whose message says
 what to do (the CLI exits 1): an unreachable bootstrap peer, no peer of the run found, a swarm whose
 configuration differs, a model that does not fit the device. Ctrl-C or SIGTERM stop the
@@ -33,11 +33,11 @@ from hivemind.utils.crypto import RSAPrivateKey
 from shoal.compression import DenseCodec
 from shoal.peer.bootstrap import BootstrapError, start_dht
 from shoal.peer.checkpoint import CheckpointStore
-from shoal.peer.coordination import CoordinatorError, CoordinatorLink
+from shoal.peer.coordination import CoordinatorError, CoordinatorLink, check_access
 from shoal.peer.data import RoundSlices, TokenStreams, load_data
 from shoal.peer.files import replace_text
 from shoal.peer.hardware import DeviceError, autocast_for, choose_device, memory_in_use
-from shoal.peer.identity import IdentityError, keygen, load_identity
+from shoal.peer.identity import IdentityError, keygen, load_identity, peer_id_of
 from shoal.peer.membership import SHOAL_VERSION, record_validators
 from shoal.peer.metrics import PeerMetrics, build_info
 from shoal.peer.models import LoadedModel, ModelError, load_model
@@ -226,6 +226,8 @@ def _train(settings, progress, dht, identity, schedule, workload: Workload, cred
         return _loop(settings, progress, exchange, trainer, model, planned, metrics)
     except OutOfMemory as error:
         raise JoinError(str(error)) from None
+    except CoordinatorError as error:  # the coordinator refused the token it accepted at the start
+        raise SettingsError(str(error)) from None
     finally:
         if metrics is not None:
             metrics.close()
@@ -410,15 +412,26 @@ def _past(exchange: SwarmExchange, until_round: int) -> bool:
 
 
 def _check_coordinator(settings: JoinSettings) -> Credentials | None:
-    """With --coordinator: its credentials; SettingsError naming the flag to fix."""
+    """With --coordinator: its credentials, and that it accepts this peer's token (if it can be reached
+    now: else the peer trains uncoordinated until it can); SettingsError naming the flag to fix."""
     if settings.coordinator is None:
         return None
     try:
-        return Credentials(
+        credentials = Credentials(
             *CoordinatorLink.credentials(settings.coordinator_token_file, settings.coordinator_ca)
+        )
+        # without --identity the peer id is drawn when the DHT starts: no per-peer token can be its own
+        peer_id = peer_id_of(settings.identity) if settings.identity else ""
+        check_access(
+            settings.coordinator,
+            peer_id,
+            token=credentials.token,
+            tls_roots=credentials.tls_roots,
+            tls=credentials.tls,
         )
     except CoordinatorError as error:
         raise SettingsError(str(error)) from None
+    return credentials
 
 
 def _coordinator_link(

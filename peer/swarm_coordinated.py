@@ -18,7 +18,7 @@ import torch
 from hivemind.utils.logging import get_logger
 
 from shoal.peer.butterfly import MIN_PARTICIPANTS, Part, Pieces
-from shoal.peer.coordination import UNREACHABLE
+from shoal.peer.coordination import UNREACHABLE, CoordinatorError
 from shoal.peer.exchange import Averaged, Contribution
 from shoal.peer.state import StateSnapshot
 from shoal.peer.swarm_records import Announcement, RoundPlan, RoundSchedule
@@ -37,8 +37,10 @@ class CoordinatedRounds:
         link = self.coordinator
         if link is not None and not link.started:  # joins when ready to compute: round 0 waits for it
             await link.start()
-            if not await link.wait_connected(timedelta(seconds=10)):
+            if not await link.wait_connected(timedelta(seconds=10)) and link.refusal is None:
                 logger.warning(f"coordinator {link.address} unreachable: training uncoordinated")
+        if link is not None and link.refusal is not None:
+            raise CoordinatorError(link.refusal)
         if link is not None and link.connected:
             announced = await link.next_announcement(max(self._next_round, self._planned), wait)
             if announced is None and link.connected:
