@@ -48,6 +48,20 @@ DEFAULT_HEARTBEAT_S = 1.0  # when the coordinator states no usable heartbeat tim
 CALL_TIMEOUT_S = 5.0
 # codes that mean "not reachable right now", as opposed to a refusal of this request
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+# what the coordinator's status codes mean for a peer (shoal.coordinator.rounds and .auth send them)
+IN_WORDS = {
+    grpc.StatusCode.UNAVAILABLE: "the coordinator cannot be reached",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the coordinator did not answer in time",
+    grpc.StatusCode.CANCELLED: "the call to the coordinator was cancelled",
+    grpc.StatusCode.UNAUTHENTICATED: "the coordinator does not accept this peer's token",
+    grpc.StatusCode.PERMISSION_DENIED: "the coordinator does not let this peer take part",
+    grpc.StatusCode.NOT_FOUND: "the coordinator does not know this peer or round",
+    grpc.StatusCode.FAILED_PRECONDITION: "the round began without this peer (joined mid-round), or is over",
+    grpc.StatusCode.OUT_OF_RANGE: "the coordinator has not announced that round yet",
+    grpc.StatusCode.ALREADY_EXISTS: "that payload was already reported",
+    grpc.StatusCode.INVALID_ARGUMENT: "the coordinator found the request malformed",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the swarm is full",
+}
 TOKEN_HELP = (
     "pass the file holding the token the coordinator's operator gave this peer with "
     "--coordinator-token-file FILE"
@@ -64,6 +78,15 @@ class CallFailed:
 
     code: grpc.StatusCode
     details: str = ""
+
+    @property
+    def unreachable(self) -> bool:
+        """Not reached (as opposed to refused)."""
+        return self.code in UNREACHABLE
+
+    def __str__(self) -> str:
+        words = IN_WORDS.get(self.code, "the call to the coordinator failed")
+        return f"{words}; the coordinator says: {self.details}" if self.details else words
 
 
 def token_refusal(address: str, failed: CallFailed, *, has_token: bool) -> str | None:
@@ -250,18 +273,18 @@ class CoordinatorLink:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._announced.wait(), min(remaining, 1.0))
 
-    async def report(self, request: pb.ReportRequest) -> pb.ReportReply | grpc.StatusCode:
-        """The coordinator's answer to a ready payload, or the status code of the failure."""
+    async def report(self, request: pb.ReportRequest) -> pb.ReportReply | CallFailed:
+        """The coordinator's answer to a ready payload, or why there is none."""
         request.peer_id = self.peer_id
         try:
             reply = await self._call(self._stub.ReportReady, request, CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
-            return error.code()
+            return _failed(error)
         self._heard_at = time.monotonic()
         self.compute_scale = reply.compute_scale
         return reply
 
-    async def result(self, round_number: int, deadline: float) -> pb.RoundResultReply | grpc.StatusCode:
+    async def result(self, round_number: int, deadline: float) -> pb.RoundResultReply | CallFailed:
         """The participant set of a round, waiting for its decision until `deadline` (local time)."""
         timeout = max(0.5, deadline - time.time())
         try:
@@ -269,7 +292,7 @@ class CoordinatorLink:
                 self._stub.RoundResult, pb.RoundResultRequest(round=round_number), timeout
             )
         except grpc.aio.AioRpcError as error:
-            return error.code()
+            return _failed(error)
 
     async def heartbeat(self) -> None:
         """Sends the progress now (after a round, so that the next one can start)."""
@@ -313,9 +336,9 @@ class CoordinatorLink:
                     async with self._announced:
                         self._announced.notify_all()
                     return
-                if failed is not None and failed.code not in UNREACHABLE:
+                if failed is not None and not failed.unreachable:
                     self.member = False  # refused: unknown (dropped, evicted) or not allowed; join again
-                    logger.warning(f"coordinator {self.address}: {failed.code.name}: {failed.details}")
+                    logger.warning(f"coordinator {self.address} refused this peer: {failed}; joining again")
                 elif self.connected:
                     logger.warning(f"coordinator {self.address} unreachable; training on uncoordinated")
                 self.connected = False

@@ -18,7 +18,7 @@ import torch
 from hivemind.utils.logging import get_logger
 
 from shoal.peer.butterfly import MIN_PARTICIPANTS, Part, Pieces
-from shoal.peer.coordination import UNREACHABLE, CoordinatorError
+from shoal.peer.coordination import CallFailed, CoordinatorError
 from shoal.peer.exchange import Averaged, Contribution
 from shoal.peer.state import StateSnapshot
 from shoal.peer.swarm_records import Announcement, RoundPlan, RoundSchedule
@@ -97,11 +97,12 @@ class CoordinatedRounds:
             synced=self.synced,
         )
         report = await link.report(request)
-        unreachable = isinstance(report, grpc.StatusCode) and report in UNREACHABLE
+        unreachable = isinstance(report, CallFailed) and report.unreachable
         result = report if unreachable else await link.result(number, plan.exchange_deadline)
         if not isinstance(result, RoundResultReply):
             logger.warning(
-                f"round {number}: no answer from the coordinator ({result.name}); going on without it"
+                f"round {number}: no participant set from the coordinator ({result}); finishing the round "
+                "with the payloads announced in the DHT"
             )
             await self._announce(number, mine)
             announced, _ = await self._collect(number, mine, plan.exchange_deadline)
@@ -110,7 +111,8 @@ class CoordinatedRounds:
             self.late += 1
         elif not isinstance(report, ReportReply):
             logger.warning(
-                f"round {number}: the coordinator refused the payload ({report.name}); applying only"
+                f"round {number}: the coordinator left this peer's payload out ({report}); applying the "
+                "others' update, and taking part from a later round"
             )
         started = time.time()
         me = self.peer_id.encode()
