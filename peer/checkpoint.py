@@ -4,33 +4,65 @@ A checkpoint is a dict of tensors and plain values (model and optimizer state di
 saved with torch.save to `round-<r>.pt`: first to a temporary file in the same directory, flushed
 and fsynced, then renamed over the final name and the directory fsynced, so a crash leaves either
 the old checkpoint or the new one, never half of one. Loading uses `weights_only=True`: a file that
-would need arbitrary code to unpickle is refused, and a damaged file is skipped for an older one.
+would need arbitrary code to unpickle is refused.
+
+Faults a volunteer meets, and what the store does:
+- a write that fails (folder made read-only, disk full) removes its temporary file and leaves the
+  checkpoints already written as they were. It is a `CheckpointWriteError` naming the folder, or, for a
+  store given `warn`, a warning and a count (`write_failures`): training goes on without that checkpoint,
+  since the swarm holds the model too and a stopped peer would lose its part of every round after;
+- a damaged newest checkpoint (torn, truncated, unsafe, or holding another round) is reported by name and
+  renamed to `round-<r>.pt.damaged`, so that it is never loaded again nor counted among the kept ones,
+  and the next older one is loaded (`loaded_round` says which).
 """
 
+import contextlib
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 NAME = re.compile(r"^round-(\d{1,12})\.pt$")
+DAMAGED_SUFFIX = ".damaged"
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the message names the file, the cause and what is intact."""
 
 
 class CheckpointStore:
-    """Checkpoints of one peer in `directory`; keeps the newest `keep`."""
+    """Checkpoints of one peer in `directory`; keeps the newest `keep`.
 
-    def __init__(self, directory: str | Path, *, keep: int = 3):
+    Args:
+        directory: the folder of the checkpoints (created if missing).
+        keep: how many of the newest checkpoints are kept; older ones are deleted after each save.
+        warn: where the faults training survives are told, one line each: a write that failed (then
+            `save` returns None instead of raising) and a damaged checkpoint set aside. None: a failed
+            write raises CheckpointWriteError.
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, warn: Callable[[str], None] | None = None):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = Path(directory)
         self.keep = keep
+        self.warn = warn
+        self.write_failures = 0
+        """Saves that failed since the store was made (a Prometheus counter)."""
+        self.last_write_failed = False
+        """Whether the latest save failed (a stopping peer's last checkpoint was not written)."""
+        self.loaded_round: int | None = None
+        """The round of the checkpoint `load_latest` returned, None before one is loaded."""
+        self._unreadable: set[int] = set()  # damaged, but could not be renamed: skipped all the same
         self.directory.mkdir(parents=True, exist_ok=True)
 
     def rounds(self) -> list[int]:
-        """Rounds that have a checkpoint, oldest first."""
+        """Rounds that have a checkpoint, oldest first; damaged ones set aside are not counted."""
         found = (NAME.match(p.name) for p in self.directory.iterdir())
-        return sorted(int(m.group(1)) for m in found if m)
+        return sorted(int(m.group(1)) for m in found if m and int(m.group(1)) not in self._unreadable)
 
     def last_saved(self) -> float | None:
         """Unix time the newest checkpoint was written (its file's mtime), None if there is none."""
@@ -40,37 +72,83 @@ class CheckpointStore:
         except OSError:  # pruned or replaced meanwhile
             return None
 
-    def save(self, round_number: int, state: dict) -> Path:
-        """Writes the checkpoint of `round_number` atomically and prunes the oldest beyond `keep`."""
+    def save(self, round_number: int, state: dict) -> Path | None:
+        """Writes the checkpoint of `round_number` atomically and prunes the oldest beyond `keep`.
+        Returns its path; if the write fails: CheckpointWriteError, or with `warn` a warning and None."""
         if round_number < 0:
             raise ValueError(f"round must be >= 0, got {round_number}")
         target = self.directory / f"round-{round_number}.pt"
-        descriptor, temporary = tempfile.mkstemp(dir=self.directory, prefix=".round-", suffix=".tmp")
         try:
-            with os.fdopen(descriptor, "wb") as file:
-                torch.save({"round": round_number, **state}, file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, target)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        self._fsync_directory()
+            self._write(target, {"round": round_number, **state})
+        except OSError as error:
+            self.write_failures += 1
+            self.last_write_failed = True
+            rounds = self.rounds()
+            intact = f"round-{rounds[-1]}.pt is the newest intact one" if rounds else "none written before"
+            failure = CheckpointWriteError(
+                f"could not write the checkpoint {target.name} in {self.directory}: "
+                f"{error.strerror or error} ({intact}): make the folder writable, or choose another "
+                "--checkpoint-dir"
+            )
+            if self.warn is None:
+                raise failure from None
+            self.warn(f"{failure}; training goes on without this checkpoint")
+            return None
+        self.last_write_failed = False
+        self._unreadable.discard(round_number)
         for old in self.rounds()[: -self.keep]:
-            (self.directory / f"round-{old}.pt").unlink(missing_ok=True)
+            # an old checkpoint left over is harmless: the next save deletes it
+            with contextlib.suppress(OSError):
+                (self.directory / f"round-{old}.pt").unlink(missing_ok=True)
         return target
 
     def load_latest(self, map_location: str | torch.device = "cpu") -> dict | None:
-        """The newest checkpoint that loads safely, or None; damaged or unsafe files are skipped."""
+        """The newest checkpoint that loads safely, or None. A damaged or unsafe one on the way is
+        reported and set aside (renamed to `*.damaged`); `loaded_round` is the round returned."""
         for round_number in reversed(self.rounds()):
             path = self.directory / f"round-{round_number}.pt"
             try:
                 state = torch.load(path, map_location=map_location, weights_only=True)
-            except Exception:  # torch raises many types for truncated, corrupt or code-carrying files
+            # torch raises many types for truncated, corrupt or code-carrying files
+            except Exception as error:
+                self._set_aside(round_number, f"{type(error).__name__}: {error}".splitlines()[0])
                 continue
-            if isinstance(state, dict) and state.get("round") == round_number:
-                return state
+            if not isinstance(state, dict) or state.get("round") != round_number:
+                held = state.get("round") if isinstance(state, dict) else type(state).__name__
+                self._set_aside(round_number, f"it holds round {held}")
+                continue
+            self.loaded_round = round_number
+            return state
         return None
+
+    def _write(self, target: Path, state: dict) -> None:
+        """torch.save to a temporary file beside `target`, fsynced, renamed over it, the folder fsynced;
+        a failure removes the temporary file and leaves `target` as it was."""
+        descriptor, temporary = tempfile.mkstemp(dir=self.directory, prefix=".round-", suffix=".tmp")
+        try:
+            with os.fdopen(descriptor, "wb") as file:
+                torch.save(state, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(OSError):  # a folder made read-only keeps it: the cause is the error
+                Path(temporary).unlink(missing_ok=True)
+            raise
+        self._fsync_directory()
+
+    def _set_aside(self, round_number: int, reason: str) -> None:
+        """Renames a damaged checkpoint so that it is neither loaded nor kept, and says so."""
+        path = self.directory / f"round-{round_number}.pt"
+        aside = path.with_name(path.name + DAMAGED_SUFFIX)
+        try:
+            path.replace(aside)
+            what = f"moved aside to {aside.name}"
+        except OSError as error:
+            self._unreadable.add(round_number)
+            what = f"left in place, could not be renamed: {error.strerror or error}"
+        if self.warn is not None:
+            self.warn(f"the checkpoint {path} is damaged ({reason}): {what}; trying the one before it")
 
     def _fsync_directory(self) -> None:
         descriptor = os.open(self.directory, os.O_RDONLY)

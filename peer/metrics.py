@@ -115,8 +115,11 @@ class PeerMetrics:
             registry=self.registry,
         ).set_function(used_bytes)
 
-    def track_checkpoints(self, last_saved: Callable[[], float | None]) -> None:
-        """`last_saved`: unix time of the newest checkpoint, None before the first."""
+    def track_checkpoints(
+        self, last_saved: Callable[[], float | None], write_failures: Callable[[], int]
+    ) -> None:
+        """`last_saved`: unix time of the newest checkpoint, None before the first; `write_failures`:
+        checkpoints that could not be written (the peer trained on)."""
 
         def age() -> float:
             saved = last_saved()
@@ -127,6 +130,7 @@ class PeerMetrics:
             "Seconds since the newest checkpoint was written (NaN before the first).",
             registry=self.registry,
         ).set_function(age)
+        self.registry.register(CheckpointCollector(write_failures))
 
     def track_exchange(self, counters: Callable[[], dict]) -> None:
         self.registry.register(SwarmCollector(counters))
@@ -192,6 +196,20 @@ class SwarmCollector(Collector):
         for name, kind, text, key in SCALARS:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(name, text, value=float(c[key]))
+
+
+class CheckpointCollector(Collector):
+    """Checkpoint writes that failed (CheckpointStore.write_failures), read at scrape time."""
+
+    def __init__(self, write_failures: Callable[[], int]):
+        self.write_failures = write_failures
+
+    def collect(self):
+        yield CounterMetricFamily(
+            "shoal_checkpoint_write_failures",
+            "Checkpoints that could not be written (folder not writable, disk full); training went on.",
+            value=float(self.write_failures()),
+        )
 
 
 def build_info(

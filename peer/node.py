@@ -208,7 +208,12 @@ def _train(settings, progress, dht, identity, schedule, workload: Workload, cred
             outer_momentum=settings.outer_momentum,
             codec=None if settings.algorithm.startswith("demo") else DenseCodec(8),
             butterfly=settings.averaging == "butterfly",
-            checkpoints=CheckpointStore(settings.checkpoint_dir) if settings.checkpoint_dir else None,
+            # a checkpoint that cannot be written is a warning: training goes on (shoal.peer.checkpoint)
+            checkpoints=CheckpointStore(
+                settings.checkpoint_dir, warn=lambda text: progress.message(f"warning: {text}")
+            )
+            if settings.checkpoint_dir
+            else None,
             checkpoint_every=settings.checkpoint_every,
             loss_fn=loaded.loss_fn,
             batch_size=settings.batch_size,
@@ -218,7 +223,7 @@ def _train(settings, progress, dht, identity, schedule, workload: Workload, cred
         )
         metrics = _serve_metrics(settings, progress, exchange, trainer, device, numel)
         if trainer.resume():
-            progress.message(f"resumed from the checkpoint of round {trainer.checkpoints.rounds()[-1]}")
+            progress.message(f"resumed from the checkpoint of round {trainer.checkpoints.loaded_round}")
         progress.message(
             f"training {settings.model} ({numel:,} parameters) with {settings.algorithm} on {device}, "
             f"data {streams.name}; rounds of {schedule.round_seconds:g} s"
@@ -266,13 +271,22 @@ def _saved_clock(settings: JoinSettings, progress: Progress) -> RoundSchedule | 
 
 
 def _save_clock(settings: JoinSettings, schedule: RoundSchedule) -> None:
+    """Keeps the round clock in the checkpoint folder; JoinError if it cannot be written there (it was
+    writable when the peer started: it cannot be now, before any round is lost)."""
     if settings.checkpoint_dir:
         clock = {
             "run": settings.run,
             "start_time": schedule.start_time,
             "round_seconds": schedule.round_seconds,
         }
-        replace_text(Path(settings.checkpoint_dir) / CLOCK_FILE, json.dumps(clock))
+        path = Path(settings.checkpoint_dir) / CLOCK_FILE
+        try:
+            replace_text(path, json.dumps(clock))
+        except OSError as error:
+            raise JoinError(
+                f"cannot write the round clock {path}: {error.strerror or error}: make the folder writable, "
+                "or choose another --checkpoint-dir"
+            ) from None
 
 
 def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMetrics | None) -> dict:
@@ -333,6 +347,7 @@ def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMe
     if not stopped:
         trainer.finish()
     digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))
+    store = trainer.checkpoints
     summary = {
         "rounds": len(reports),
         "first_round": reports[0].round if reports else None,
@@ -350,7 +365,7 @@ def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMe
         "late_rounds": exchange.late,
         "rejected": dict(exchange.rejected),
         "stopped": stopped,
-        "checkpoint": str(trainer.checkpoints.directory) if stopped and trainer.checkpoints else None,
+        "checkpoint": str(store.directory) if stopped and store and not store.last_write_failed else None,
     }
     progress.event("summary", **summary)
     if settings.log_format == "human":
@@ -381,7 +396,7 @@ def _serve_metrics(settings, progress, exchange, trainer, device, numel) -> Peer
     metrics.track_exchange(exchange.counters)
     metrics.track_device_memory(memory_in_use(device))
     if trainer.checkpoints is not None:
-        metrics.track_checkpoints(trainer.checkpoints.last_saved)
+        metrics.track_checkpoints(trainer.checkpoints.last_saved, lambda: trainer.checkpoints.write_failures)
     try:
         port = metrics.serve(settings.host, settings.metrics_port)
     except OSError as error:

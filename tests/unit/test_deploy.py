@@ -66,7 +66,7 @@ def peer_exposition() -> str:
     metrics = PeerMetrics(info={"version": "0", "peer_id": "12D3KooWtest", "device": "cpu"}, dense_bytes=4000)
     metrics.track_exchange(_counters)
     metrics.track_device_memory(lambda: 123.0)
-    metrics.track_checkpoints(lambda: 0.0)
+    metrics.track_checkpoints(lambda: 0.0, lambda: 0)
     phases = dict.fromkeys(("compute", "encode", "exchange", "decode", "apply"), 0.1)
     report = SimpleNamespace(round=3, loss=4.5, tokens=1024, samples=8, participants=2, phases=phases)
     metrics.observe_round(report, wall_s=1.0, payload_bytes=100, peers_seen=3, stragglers=1)
@@ -278,6 +278,7 @@ def test_metric_names_follow_prometheus_conventions():
         "shoal_strikes_total",
         "shoal_state_resyncs_total",
         "shoal_checkpoint_age_seconds",
+        "shoal_checkpoint_write_failures_total",
         "shoal_device_memory_used_bytes",
         "shoal_build_info",
         "shoal_coordinator_round",
