@@ -111,10 +111,11 @@ def _join(settings: JoinSettings, progress: Progress) -> dict:
         raise JoinError(str(error)) from None
     try:
         addresses = [str(a) for a in dht.get_visible_maddrs()]
+        address = _best_address(addresses)
         if settings.address_file:
-            _write_address(settings.address_file, _best_address(addresses))
+            _write_address(settings.address_file, address)
+        _announce_address(settings, progress, address, addresses, dht.peer_id.to_base58())
         if settings.initial_peers:
-            progress.event("started", initial_peers=addresses, peer_id=dht.peer_id.to_base58())
             try:
                 schedule = RoundSchedule.discover(dht, settings.run, DISCOVER_TIMEOUT)
             except TimeoutError:
@@ -125,14 +126,24 @@ def _join(settings: JoinSettings, progress: Progress) -> dict:
                 ) from None
         else:
             schedule = None  # the clock starts once the model is loaded (_train)
-            command = join_command(settings, _best_address(addresses))
-            progress.message(f"Started a new swarm. Others join it with:\n  {command}")
-            progress.event(
-                "started", join_command=command, initial_peers=addresses, peer_id=dht.peer_id.to_base58()
-            )
         return _train(settings, progress, dht, identity, schedule, workload, credentials)
     finally:
         dht.shutdown()
+
+
+def _announce_address(
+    settings: JoinSettings, progress: Progress, address: str, addresses: list[str], peer_id: str
+) -> None:
+    """Every peer, the first or a joiner, says where it can be dialed and how others join through it:
+    once the peers a joiner came through have left, that is what `shoal join` and `shoal check` need."""
+    command = join_command(settings, address)
+    if settings.initial_peers:
+        progress.message(
+            f"Joined the swarm as {address}. Others can join through this peer with:\n  {command}"
+        )
+    else:
+        progress.message(f"Started a new swarm at {address}. Others join it with:\n  {command}")
+    progress.event("started", address=address, join_command=command, initial_peers=addresses, peer_id=peer_id)
 
 
 def _workload(settings: JoinSettings) -> Workload:

@@ -1,0 +1,100 @@
+"""Every peer prints where it can be dialed, a joiner too, in human and JSON logs: once the first peer
+has left, the address a joiner printed is enough for `shoal check`, and the join command it printed
+joins the swarm through it (real `shoal join` processes on 127.0.0.1, OS-chosen ports)."""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SHOAL = [sys.executable, "-m", "shoal.peer.cli"]
+JOINED = re.compile(
+    r"Joined the swarm as (\S+)\. Others can join through this peer with:\n  (shoal join .*)\n"
+)
+
+
+def start(out: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
+    with out.open("w") as stdout, out.with_suffix(".err").open("w") as stderr:
+        return subprocess.Popen(
+            [*SHOAL, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+            text=True,
+        )
+
+
+def stop(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def wait_for(out: Path, find, timeout_s: float):
+    """The first non-None `find(text of out)` within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = find(out.read_text())
+        if found is not None:
+            return found
+        time.sleep(0.5)
+    raise TimeoutError(f"{out}: {out.read_text()[-2000:]}\n{out.with_suffix('.err').read_text()[-2000:]}")
+
+
+def event(name: str, predicate=lambda e: True):
+    def find(text: str) -> dict | None:
+        events = (json.loads(line) for line in text.splitlines() if line.startswith("{"))
+        return next((e for e in events if e.get("event") == name and predicate(e)), None)
+
+    return find
+
+
+@pytest.mark.timeout(240)
+def test_a_joiner_prints_its_address_and_others_join_through_it_once_the_first_has_left(tmp_path):
+    common = ["--host", "127.0.0.1", "--run", "relay", "--round-seconds", "2"]
+    first = start(tmp_path / "first.jsonl", "join", *common, "--log-format", "json")
+    processes = [first]
+    try:
+        started = wait_for(tmp_path / "first.jsonl", event("started"), 90)
+        assert started["address"] == started["join_command"].split()[3]
+        joiner = start(tmp_path / "joiner.txt", "join", *common, "--initial-peers", started["address"])
+        processes.append(joiner)
+        address, command = wait_for(
+            tmp_path / "joiner.txt", lambda text: (m := JOINED.search(text)) and m.groups(), 90
+        )
+        assert address.startswith("/ip4/127.0.0.1/tcp/") and address != started["address"]
+        assert command.startswith(f"shoal join --initial-peers {address} --run relay ")
+
+        stop(first)  # the peer the joiner came through is gone: only the joiner's own address is left
+        check = subprocess.run(
+            [*SHOAL, "check", "--initial-peers", address, "--run", "relay", "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert check.returncode == 0, check.stderr[-2000:]
+        assert json.loads(check.stdout)["network"]["bootstrap"] == "ok"
+
+        # the command the joiner printed, as another volunteer runs it (JSON logs this time)
+        late_out = tmp_path / "late.jsonl"
+        late = start(late_out, *command.split()[1:], "--host", "127.0.0.1", "--log-format", "json")
+        processes.append(late)
+        own = wait_for(late_out, event("started"), 90)
+        assert own["address"].startswith("/ip4/127.0.0.1/tcp/")
+        assert own["join_command"].startswith(f"shoal join --initial-peers {own['address']} --run relay ")
+        wait_for(late_out, event("round", lambda e: e["participants"] == 2), 90)
+    finally:
+        for process in processes:
+            stop(process)
