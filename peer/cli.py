@@ -2,7 +2,7 @@
 
     shoal --help
     shoal join [--initial-peers MADDR ...] [--config FILE] [--model NAME|module:factory|DIR] ...
-    shoal demo [--peers N] [--rounds R] [--algorithm demo|demo-overlap|diloco] [--json] ...
+    shoal demo [--peers N] [--rounds R] [--algorithm demo|demo-overlap|diloco] [--keep-logs DIR] [--json] ...
     shoal status [--initial-peers MADDR ...] [--run NAME] [--json]
     shoal check [--initial-peers MADDR ...] [--json]
     shoal keygen PATH
@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="write the Prometheus file_sd target file of the peers' and coordinator's metrics endpoints "
         "here, e.g. deploy/prometheus/targets/demo.json (default: in the demo's log folder)",
+    )
+    demo.add_argument(
+        "--keep-logs",
+        metavar="DIR",
+        help="keep the peers' and the coordinator's logs, the checkpoints and the coordinator's state in DIR "
+        "(default: a temporary folder, removed at the end unless the demo fails)",
     )
     demo.add_argument(
         "--json",
@@ -276,6 +282,10 @@ def _swarm_settings(args: argparse.Namespace, required: bool = True) -> tuple[li
         raise settings_module.SettingsError(f"--run: {error}") from None
 
 
+def _empty_folder(path: str) -> bool:
+    return os.path.isdir(path) and not os.listdir(path)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -300,6 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.averaging == "butterfly" and args.algorithm.startswith("demo"):
             print("shoal demo: error: --averaging butterfly: DiLoCo only", file=sys.stderr)
             return 2
+        if args.keep_logs and os.path.exists(args.keep_logs) and not _empty_folder(args.keep_logs):
+            # the peers would resume from the checkpoints there, the coordinator from its state
+            print(
+                f"shoal demo: error: --keep-logs {args.keep_logs}: not an empty folder (a previous demo's?): "
+                "choose a new one",
+                file=sys.stderr,
+            )
+            return 2
         from shoal.peer import local_swarm
 
         return local_swarm.main(
@@ -313,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             coordinator=args.coordinator,
             slow_peer=args.slow_peer,
             metrics_targets=args.metrics_targets,
+            keep_logs=args.keep_logs,
         )
     if args.command == "status":
         try:

@@ -13,14 +13,19 @@ own count; DHT traffic is not included: `shoal bench swarm-local` measures the w
 
 Monitoring: every peer and the coordinator serve Prometheus metrics on a free port; their endpoints
 go into a file_sd target file (`--metrics-targets`, e.g. deploy/prometheus/targets/demo.json, which
-deploy/prometheus/prometheus.yml reads), emptied when the demo ends. Peers keep checkpoints in the
-log folder. Ctrl-C or SIGTERM stop every process the demo started.
+deploy/prometheus/prometheus.yml reads), emptied when the demo ends.
+
+Logs: each peer's `peerN.log` holds its JSON lines and then whatever it wrote to stderr; with the
+coordinator's log, the peers' checkpoints and the coordinator's state, they are in a temporary folder
+removed when the demo ends (kept, and named, if it fails), or in `--keep-logs DIR`, kept. Ctrl-C or
+SIGTERM stop every process the demo started.
 """
 
 import contextlib
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,6 +60,7 @@ def main(
     coordinator: bool = True,
     slow_peer: int | None = None,
     metrics_targets: str | None = None,
+    keep_logs: str | None = None,
     stream: IO[str] | None = None,
 ) -> int:
     stream = stream or sys.stdout
@@ -73,6 +79,7 @@ def main(
             coordinator=coordinator,
             slow_peer=slow_peer,
             metrics_targets=metrics_targets,
+            keep_logs=keep_logs,
         )
     except DemoError as error:
         progress.close()
@@ -109,11 +116,14 @@ def run(
     coordinator: bool = True,
     slow_peer: int | None = None,
     metrics_targets: str | None = None,
+    keep_logs: str | None = None,
 ) -> dict:
+    """Runs the demo; returns its summary. The log folder is `keep_logs` (kept), else a temporary one,
+    removed at the end unless the demo fails (DemoError, whose message names it)."""
     started = time.perf_counter()
     events: queue.Queue = queue.Queue()
     processes: list[subprocess.Popen] = []
-    logs = Path(tempfile.mkdtemp(prefix="shoal-demo-"))
+    logs = _log_folder(keep_logs)
     start_time = time.time() + STARTUP_S + STARTUP_PER_PEER_S * peers
     threads = str(max(1, (os.cpu_count() or 1) // peers))
     common = ["--host", "127.0.0.1", "--run", "demo", "--log-format", "json", "--model", model]
@@ -127,17 +137,21 @@ def run(
         command = [sys.executable, "-m", "shoal.peer.cli", "join", *common, *flags]
         command += ["--checkpoint-dir", str(logs / f"peer{index}-checkpoints")]
         env = {**os.environ, "OMP_NUM_THREADS": threads}
-        log = (logs / f"peer{index}.log").open("w")
+        # appending, the peer's stderr and the JSON lines copied by _read share the file without
+        # overwriting each other
+        log = (logs / f"peer{index}.log").open("a")
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True
         )
         processes.append(process)
-        threading.Thread(target=_read, args=(index, process.stdout, events), daemon=True).start()
+        threading.Thread(target=_read, args=(index, process.stdout, events, log), daemon=True).start()
 
     server = None
+    failed = False
     try:
+        kept = "" if keep_logs else " (removed at the end; shoal demo --keep-logs DIR keeps them)"
         progress.message(
-            f"starting {peers} peers ({algorithm}, rounds of {round_seconds:g} s); logs in {logs}"
+            f"starting {peers} peers ({algorithm}, rounds of {round_seconds:g} s); logs in {logs}{kept}"
         )
         if coordinator:
             server, coordinator_address, coordinator_metrics = _start_coordinator(
@@ -159,12 +173,17 @@ def run(
     except KeyboardInterrupt:
         progress.message("interrupted: stopping the peers")
         raise
+    except DemoError as error:
+        failed = True  # keep the logs, to be read
+        raise DemoError(f"{error}\nlogs kept in {logs}") from None
     finally:
         targets.clear()  # the swarm is gone: Prometheus stops scraping it
         for process in processes:
             _stop(process)
         if server is not None:
             _stop(server)
+        if not keep_logs and not failed:
+            shutil.rmtree(logs, ignore_errors=True)
     losses = summaries.pop("losses")
     honest = {i: s for i, s in summaries.items() if i != slow_peer}
     hashes = {s["param_hash"] for s in honest.values()}
@@ -254,12 +273,28 @@ def _stragglers(address: str) -> int:
         return stub.SwarmStatus(coordinator_pb2.SwarmStatusRequest(), timeout=10).stragglers_total
 
 
-def _read(index: int, lines: IO[str], events: queue.Queue) -> None:
-    for line in lines:
-        with contextlib.suppress(json.JSONDecodeError):
-            event = json.loads(line)
-            if isinstance(event, dict):
-                events.put((index, event))
+def _log_folder(keep_logs: str | None) -> Path:
+    """`--keep-logs DIR` (created if missing; DemoError if it cannot be), else a new temporary folder."""
+    if not keep_logs:
+        return Path(tempfile.mkdtemp(prefix="shoal-demo-"))
+    folder = Path(keep_logs)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise DemoError(f"--keep-logs {keep_logs}: {error.strerror}") from None
+    return folder
+
+
+def _read(index: int, lines: IO[str], events: queue.Queue, log: IO[str]) -> None:
+    """Passes a peer's JSON lines on as events, and copies every line to its log (which it closes)."""
+    with log:
+        for line in lines:
+            log.write(line)
+            log.flush()
+            with contextlib.suppress(json.JSONDecodeError):
+                event = json.loads(line)
+                if isinstance(event, dict):
+                    events.put((index, event))
     events.put((index, {"event": "exit"}))
 
 
@@ -290,7 +325,7 @@ def _follow(events, processes, rounds, round_seconds, progress, logs, targets: T
     deadline = time.monotonic() + STARTUP_S * 4 + len(processes) * 10 + rounds * round_seconds * 3
     while len(exited) < len(processes):
         if time.monotonic() > deadline:
-            raise DemoError(f"the swarm did not finish in time; logs in {logs}")
+            raise DemoError("the swarm did not finish in time")
         try:
             index, event = events.get(timeout=1)
         except queue.Empty:
@@ -318,7 +353,7 @@ def _follow(events, processes, rounds, round_seconds, progress, logs, targets: T
             progress.round(_row(number, by_round[number]))
     missing = set(range(len(processes))) - summaries.keys()
     if missing:
-        raise DemoError(f"peers {sorted(missing)} left no summary; logs in {logs}")
+        raise DemoError(f"peers {sorted(missing)} left no summary")
     summaries["losses"] = {n: [e["loss"] for e in peers.values()] for n, peers in by_round.items()}
     return summaries
 
