@@ -105,18 +105,18 @@ def token_refusal(address: str, failed: CallFailed, *, has_token: bool) -> str |
 
 def check_access(
     address: str,
-    peer_id: str,
     *,
     token: str | None,
     tls_roots: bytes | None = None,
     tls: bool = False,
     timeout: timedelta = timedelta(seconds=CALL_TIMEOUT_S),
 ) -> None:
-    """Raises CoordinatorError if the coordinator at `address` refuses `token` for `peer_id`; returns
-    if it accepts it, or if it cannot be reached now (the link keeps trying once the peer runs).
+    """Raises CoordinatorError if the coordinator at `address` refuses `token`; returns if it accepts it,
+    or if it cannot be reached now (the link keeps trying once the peer runs).
 
-    Asks with a heartbeat of progress -1 (no progress): the coordinator checks the token before
-    anything else, and a heartbeat changes nothing but the last-seen time of a member."""
+    Asks for the swarm's status, which changes nothing and which any known token may ask for; whether
+    a per-peer token is this peer's is known only once the DHT has drawn its id (without --identity),
+    so the link's first join tells that."""
     if tls or tls_roots is not None:
         channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_roots))
     else:
@@ -125,11 +125,7 @@ def check_access(
     with channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         try:
-            stub.Heartbeat(
-                pb.HeartbeatRequest(peer_id=peer_id, round=-1),
-                timeout=timeout.total_seconds(),
-                metadata=metadata,
-            )
+            stub.SwarmStatus(pb.SwarmStatusRequest(), timeout=timeout.total_seconds(), metadata=metadata)
         except grpc.RpcError as error:
             refusal = token_refusal(
                 address, CallFailed(error.code(), error.details() or ""), has_token=token is not None

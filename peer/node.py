@@ -1,8 +1,8 @@
 """`shoal join`: one volunteer's peer, from settings to rounds in a swarm.
 
-    settings (ports, folders: shoal.peer.preflight) -> device, model, data -> identity -> coordinator
-             token -> DHT (print this peer's address and the join command; a joiner finds the round
-             clock) -> SwarmExchange -> Trainer -> rounds until stopped
+    settings (ports, folders: shoal.peer.preflight) -> device, model, data -> coordinator token
+             -> identity -> DHT (print this peer's address and the join command; a joiner finds the
+             round clock) -> SwarmExchange -> Trainer -> rounds until stopped
 
 Every setting is checked before the DHT starts: one this machine cannot use (a device it lacks, a model
 or data that cannot be loaded, a token the coordinator refuses) is a `SettingsError` naming the flag
@@ -37,7 +37,7 @@ from shoal.peer.coordination import CoordinatorError, CoordinatorLink, check_acc
 from shoal.peer.data import RoundSlices, TokenStreams, load_data
 from shoal.peer.files import replace_text
 from shoal.peer.hardware import DeviceError, autocast_for, choose_device, memory_in_use
-from shoal.peer.identity import IdentityError, keygen, load_identity, peer_id_of
+from shoal.peer.identity import IdentityError, keygen, load_identity
 from shoal.peer.membership import SHOAL_VERSION, record_validators
 from shoal.peer.metrics import PeerMetrics, build_info
 from shoal.peer.models import LoadedModel, ModelError, load_model
@@ -98,8 +98,8 @@ def join(settings: JoinSettings, *, stream: IO[str] | None = None) -> dict:
 
 def _join(settings: JoinSettings, progress: Progress) -> dict:
     workload = _workload(settings)
-    identity = _identity(settings.identity, progress)
     credentials = _check_coordinator(settings)
+    identity = _identity(settings.identity, progress)
     try:
         dht = start_dht(
             settings.initial_peers,
@@ -446,11 +446,8 @@ def _check_coordinator(settings: JoinSettings) -> Credentials | None:
         credentials = Credentials(
             *CoordinatorLink.credentials(settings.coordinator_token_file, settings.coordinator_ca)
         )
-        # without --identity the peer id is drawn when the DHT starts: no per-peer token can be its own
-        peer_id = peer_id_of(settings.identity) if settings.identity else ""
         check_access(
             settings.coordinator,
-            peer_id,
             token=credentials.token,
             tls_roots=credentials.tls_roots,
             tls=credentials.tls,

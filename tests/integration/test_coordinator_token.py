@@ -24,7 +24,7 @@ from shoal.peer.coordination import CoordinatorError, CoordinatorLink, check_acc
 
 ROOT = Path(__file__).resolve().parents[2]
 SWARM_TOKEN, A_TOKEN = "swarm-token-0123456789", "peer-a-token-0123456789"
-PEER_A, PEER_B = (f"12D3KooW{c * 44}" for c in "AB")
+PEER_A = f"12D3KooW{'A' * 44}"
 TIMEOUT_S = 90
 
 
@@ -67,7 +67,6 @@ def join(address: str, *flags: str) -> subprocess.CompletedProcess:
     [
         ("wrong-token-0123456789", "refuses this peer's token (unknown token)"),
         (None, "needs a token (missing 'authorization: Bearer <token>' metadata)"),
-        (A_TOKEN, "a per-peer token is valid only with the --identity it was issued for"),
     ],
 )
 def test_a_refused_token_exits_2_before_the_dht_starts(tmp_path, token, said):
@@ -114,14 +113,26 @@ def test_a_token_refused_once_the_coordinator_comes_up_stops_the_peer(tmp_path):
         peer.wait()
 
 
-@pytest.mark.timeout(60)
-def test_the_swarm_token_is_accepted_for_any_peer(tmp_path):
+@pytest.mark.timeout(TIMEOUT_S + 20)
+def test_another_peers_token_exits_2_at_the_first_join(tmp_path):
+    """A per-peer token under another identity (here: none, so a peer id drawn at random) is accepted
+    for asking about the swarm, and refused at the link's first join: exit 2 with the fix."""
+    (tmp_path / "token").write_text(A_TOKEN + "\n")
     with coordinator(tmp_path) as address:
-        check_access(address, PEER_B, token=SWARM_TOKEN)
-        check_access(address, PEER_A, token=A_TOKEN)
-        check_access("127.0.0.1:9", PEER_A, token=None)  # unreachable: the link keeps trying later
-        with pytest.raises(CoordinatorError, match="issued for"):
-            check_access(address, PEER_B, token=A_TOKEN)
+        result = join(address, "--coordinator-token-file", str(tmp_path / "token"), "--round-seconds", "2")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "this token belongs to another peer" in result.stderr
+    assert "valid only with the --identity it was issued for" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_known_tokens_pass_the_check_before_the_start(tmp_path):
+    with coordinator(tmp_path) as address:
+        check_access(address, token=SWARM_TOKEN)
+        check_access(address, token=A_TOKEN)  # whose peer id it is, the first join tells
+        check_access("127.0.0.1:9", token=None)  # unreachable: the link keeps trying later
+        with pytest.raises(CoordinatorError, match="refuses this peer's token"):
+            check_access(address, token="wrong-token-0123456789")
 
 
 @pytest.mark.timeout(30)

@@ -82,8 +82,8 @@ def test_a_port_in_use_is_reported_before_anything_starts(capsys):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert cli.main(["join", "--host", "127.0.0.1", "--port", str(port)]) == 1
-    assert f"port {port} on 127.0.0.1 is in use" in capsys.readouterr().err
+        assert cli.main(["join", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    assert f"--port {port}: the port is in use on 127.0.0.1" in capsys.readouterr().err
 
 
 def test_keygen_writes_an_identity_once(tmp_path, capsys):
