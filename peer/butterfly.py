@@ -3,8 +3,9 @@
 In a round whose participants are decided (by a coordinator) and ordered, say n of them, every
 tensor's blocks are cut into n contiguous pieces; participant i *owns* piece i:
 1. it pulls piece i of every other participant's payload, straight from its author;
-2. it averages them with its own (sample-weighted, each part clipped to `clip_ratio` times the
-   median norm of that piece's parts), encodes the mean with the run's codec and serves it;
+2. it averages them with its own (sample-weighted, each part screened as shoal.peer.robust says:
+   weights capped, norms bounded, opposed parts left out), encodes the mean with the run's codec
+   and serves it;
 3. every participant pulls the other n - 1 means and puts the pieces together.
 
 Each peer then sends and receives 2 (n - 1) / n payloads per round, against n - 1 when every peer
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.compression import Codec, DecodeLimits, DenseCodec, decode_tensor, streams, values
-from shoal.peer.robust import add_clipped_mean
+from shoal.peer.robust import Robustness, add_screened_mean
 from shoal.protocol import (
     CodecId,
     EncodedTensor,
@@ -121,7 +122,8 @@ class Pieces:
     Args:
         codec: the run's codec (`shardable`); means are encoded with it too.
         shapes: the shapes of the tensors of a payload, in order.
-        clip_ratio: each part is scaled down to this times the median norm of the piece's parts.
+        robust: how the owner screens the piece's parts (shoal.peer.robust): weights capped, norms
+            bounded by the median part's, parts opposed to the others left out as `opposed`.
         device: where decoded tensors go.
     """
 
@@ -130,12 +132,12 @@ class Pieces:
         codec: Codec,
         shapes: Sequence[torch.Size],
         *,
-        clip_ratio: float | None,
+        robust: Robustness,
         device: torch.device | str = "cpu",
     ):
         if not shardable(codec):
             raise ValueError(f"{type(codec).__name__} payloads cannot be cut into pieces")
-        self.codec, self.shapes, self.clip_ratio = codec, [torch.Size(s) for s in shapes], clip_ratio
+        self.codec, self.shapes, self.robust = codec, [torch.Size(s) for s in shapes], robust
         self.device = torch.device(device)
         self.block = codec.block
         self.bits = values.BITS[codec.encoding]
@@ -174,22 +176,24 @@ class Pieces:
 
     def mean(self, index: int, count: int, parts: Sequence[Part], *, feedback: bool = False) -> PieceMean:
         """The owner's mean of piece `index` from the participants' `parts` (in the round's order):
-        malformed ones are left out, each is clipped, then weighted by its samples.
+        malformed ones are left out, the rest screened (shoal.peer.robust) and weighted by their samples.
 
         With `feedback` (the piece this peer owns), what encoding the mean dropped is added to its next
         mean of the same piece, as the authors do with their own payloads: error feedback on both
         sides, as in DoubleSqueeze (Tang et al., arXiv 1905.05957)."""
-        accepted, rejected = [], []
+        accepted, senders, rejected = [], [], []
         for part in parts:
             try:
                 if part.samples <= 0:
                     raise MalformedPayloadError("bad_samples", f"sample count {part.samples}")
                 accepted.append((self.decode(index, count, part.data), part.samples))
+                senders.append(part.sender)
             except MalformedPayloadError as error:
                 rejected.append((part.sender, error.reason))
         spans = self.spans(index, count)
         mean = [torch.zeros(end - start, device=self.device) for start, end in spans]
-        total, clipped = add_clipped_mean(mean, accepted, self.clip_ratio)
+        total, verdict = add_screened_mean(mean, accepted, self.robust)
+        rejected += [(sender, why) for sender, why in zip(senders, verdict.reasons, strict=True) if why]
         if feedback and self._residual is not None and self._residual[0] == (index, count):
             for m, r in zip(mean, self._residual[1], strict=True):
                 m.add_(r)
@@ -198,7 +202,7 @@ class Pieces:
         if feedback:
             self._residual = ((index, count), [m - s for m, s in zip(mean, sent, strict=True)])
         data = Payload(tensors=messages).SerializeToString()
-        return PieceMean(data, sent, int(total), rejected, clipped)
+        return PieceMean(data, sent, round(total), rejected, verdict.clipped)
 
     def assemble(self, pieces: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         """Every tensor, whole, from the decoded slices of its `count` pieces in order."""

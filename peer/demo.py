@@ -17,8 +17,11 @@ this reproduces. Parameters of one chunk shape are transformed together as one b
 with one message header per slice instead of per tensor.
 Every participant decodes the same gathered bytes in rank order, its own included, so replicas stay
 bit-identical even with quantized values. A malformed contribution is dropped and counted by reason
-(and reported to the exchange, which may strike its sender); one whose norm exceeds `clip_ratio`
-times the round's median is scaled down to it (shoal.peer.robust) and counted as `clipped`. The
+(and reported to the exchange, which may strike its sender). The rest are screened
+(shoal.peer.robust, in the DCT domain where they travel): one whose norm exceeds the round's median is
+scaled down to it (`clipped`), and one pointing away from the sum of the others is left out and
+reported as `opposed`. The message's top-k, value encoding and chunk plan must be the run's
+(`config_mismatch`): a peer that sends more coefficients than the run's k would get more say. The
 shared state is the parameters: the exchange may replace them with the swarm's before the update.
 
 `overlap=True` hides the exchange behind computation (DESIGN.md: "the exchange must not block
@@ -51,9 +54,18 @@ import torch
 from shoal.compression import DCTTopKCodec, DecodeLimits, MalformedPayloadError, dct
 from shoal.compression.dct_topk import TopKCoefficients, unpack
 from shoal.peer.exchange import Contribution, Exchange
-from shoal.peer.robust import DEFAULT_CLIP_RATIO, clip_scales
+from shoal.peer.robust import (
+    DEMO,
+    Robustness,
+    Screened,
+    Suspicion,
+    capped_weights,
+    judged,
+    report,
+    sender_keys,
+)
 from shoal.peer.tile_groups import Slice, slice_parameters
-from shoal.protocol import Payload, parse_message
+from shoal.protocol import Payload, ValueEncoding, parse_message
 
 # workspace slots beyond the codec's 0 and 1 (transform scratch, magnitudes)
 GRADIENT_SLOT, SUM_SLOT, WEIGHT_SLOT = 2, 2, 3
@@ -87,8 +99,8 @@ class DeMo(torch.optim.Optimizer):
         max_payload_bytes: contributions larger than this are rejected unread.
         max_slice_numel: parameters of one chunk shape are transformed together in slices of at most
             this many elements (a larger parameter alone); bounds the codec's scratch memory.
-        clip_ratio: contributions whose norm exceeds this times the round's median are scaled down
-            to it; None turns clipping off.
+        robust: how each round screens its contributions (shoal.peer.robust); `robust.NONE` gives
+            the reference semantics (trusted participants).
         overlap: exchange in the background and apply each round's aggregate one step late.
         lookahead: with overlap, compute each gradient at the parameters shifted by this
             participant's own sign-of-momentum guess of the update in flight (one more
@@ -110,7 +122,7 @@ class DeMo(torch.optim.Optimizer):
         weight_by_samples: bool = False,
         max_payload_bytes: int = 1 << 30,
         max_slice_numel: int = 1 << 24,
-        clip_ratio: float | None = DEFAULT_CLIP_RATIO,
+        robust: Robustness = DEMO,
         overlap: bool = False,
         lookahead: bool = False,
     ):
@@ -132,11 +144,12 @@ class DeMo(torch.optim.Optimizer):
         self.weight_by_samples = weight_by_samples
         self.max_payload_bytes = max_payload_bytes
         self.max_slice_numel = max_slice_numel
-        self.clip_ratio = clip_ratio
-        clip_scales([1.0], clip_ratio)  # validates it
+        self.robust = robust
+        self.suspicion = Suspicion(robust)
         self._slice_cache: list[Slice] | None = None
         self.rejected: Counter[str] = Counter()
-        """Contributions dropped, by MalformedPayloadError reason."""
+        """Contributions dropped, by MalformedPayloadError reason, or screened out (`opposed`) or
+        reported (`outlier`: still applied) by shoal.peer.robust."""
         self.clipped = 0
         """Contributions scaled down to the round's norm bound."""
         self.resyncs = 0
@@ -356,30 +369,61 @@ class DeMo(torch.optim.Optimizer):
         self, contributions: list[Contribution], slices: list[Slice]
     ) -> list[tuple[list[TopKCoefficients], float]]:
         """Decodes and validates every contribution (rank order); drops and counts the malformed,
-        clips the outsized."""
+        then screens the rest (shoal.peer.robust)."""
         limits = DecodeLimits(max_numel=max(piece.plan.numel for piece in slices))
-        accepted = []
+        decoded, senders = [], []
         for contribution in contributions:
             try:
-                coeffs = self._decode(contribution, slices, limits)
+                decoded.append(self._decode(contribution, slices, limits))
+                senders.append(contribution)
             except MalformedPayloadError as error:
                 self.rejected[error.reason] += 1
                 self.exchange.reject(contribution, error.reason)
-                continue
-            weight = float(contribution.samples) if self.weight_by_samples else 1.0
-            if weight > 0:
-                accepted.append((coeffs, weight))
-        if len(accepted) < 2 or self.clip_ratio is None:
-            return accepted
-        norms = torch.stack(
-            [torch.stack([c.values.float().square().sum() for c in coeffs]).sum() for coeffs, _ in accepted]
+        samples = [float(c.samples) if self.weight_by_samples else 1.0 for c in senders]
+        verdict = self._screen(
+            decoded, capped_weights(samples, self.robust.sample_ratio), slices, sender_keys(senders)
         )
-        scales = clip_scales(norms.sqrt().tolist(), self.clip_ratio)  # one host sync per step
-        self.clipped += sum(scale < 1 for scale in scales)
-        return [
-            (coeffs if scale == 1 else [replace(c, values=c.values * scale) for c in coeffs], weight)
-            for (coeffs, weight), scale in zip(accepted, scales, strict=True)
-        ]
+        self.clipped += verdict.clipped
+        report(self.exchange, senders, verdict, self.rejected)
+        accepted = []
+        for coeffs, factor, weight in zip(decoded, verdict.factors, verdict.weights, strict=True):
+            if weight > 0:
+                scale = factor / weight  # the norm bound's; the weight applies in _combine
+                accepted.append(
+                    (coeffs if scale == 1 else [replace(c, values=c.values * scale) for c in coeffs], weight)
+                )
+        return accepted
+
+    def _screen(
+        self,
+        decoded: list[list[TopKCoefficients]],
+        weights: list[float],
+        slices: list[Slice],
+        senders: list[bytes],
+    ) -> Screened:
+        """shoal.peer.robust's screening of sparse contributions, from their Gram matrix: per slice,
+        each contribution scattered densely once and read at every contribution's indices."""
+        count, policy = len(decoded), self.robust
+        if count < 2 or (policy.norm_ratio is None and not policy.judges):
+            return Screened.of(weights, [1.0] * count, [None] * count, policy)
+        device = decoded[0][0].values.device
+        if not policy.judges or count < policy.min_screened:
+            squared = [
+                torch.stack([c.values.float().square().sum() for c in coeffs]).sum() for coeffs in decoded
+            ]
+            return judged(torch.diag(torch.stack(squared)).tolist(), weights, policy, self.suspicion, senders)
+        gram = torch.zeros(count, count, device=device)
+        for index, piece in enumerate(slices):
+            plan = piece.plan
+            dense = self.codec.workspace.get(SUM_SLOT, plan.numel, device, torch.float32)
+            dense = dense.view(plan.num_chunks, -1)
+            for j, other in enumerate(decoded):
+                dense.zero_().scatter_(1, other[index].indices, other[index].values.float())
+                for i, coeffs in enumerate(decoded):
+                    gram[i, j] += (
+                        dense.gather(1, coeffs[index].indices) * coeffs[index].values.float()
+                    ).sum()
+        return judged(gram.tolist(), weights, policy, self.suspicion, senders)  # one host sync
 
     def _decode(
         self, contribution: Contribution, slices: list[Slice], limits: DecodeLimits
@@ -397,6 +441,13 @@ class DeMo(torch.optim.Optimizer):
             if coeffs.plan != piece.plan:
                 raise MalformedPayloadError(
                     "wrong_structure", f"plan {coeffs.plan} where {piece.plan} was expected"
+                )
+            expected = (min(self.codec.topk, piece.plan.chunk_numel), self.codec.encoding)
+            if (coeffs.topk, message.value_encoding) != expected:
+                raise MalformedPayloadError(
+                    "config_mismatch",
+                    f"top-{coeffs.topk} with {ValueEncoding.Name(message.value_encoding)} values where "
+                    f"the run sends top-{expected[0]} with {ValueEncoding.Name(expected[1])}",
                 )
             decoded.append(coeffs)
         return decoded

@@ -24,8 +24,9 @@ correction; a joiner starts with no correction. `finish()` applies the last mean
 ends every eager participant there, on bit-identical parameters (the sequence delta(0..T) applied in
 order, as standard mode would).
 
-Each round's contributions are clipped to `clip_ratio` times the round's median norm
-(shoal.peer.robust); malformed ones are dropped and reported to the exchange.
+Each round's contributions are screened (shoal.peer.robust: sample weights capped, norms bounded by the
+median's, directions opposed to the others dropped); malformed and opposed ones are left out and
+reported to the exchange, which strikes their senders.
 
 In delayed and eager mode the exchange runs on a background thread owned by this object while the
 next inner phase computes; `stats` records how long it took and how long the caller waited for it.
@@ -52,7 +53,7 @@ from torch import nn
 from shoal.compression import Codec, DecodeLimits, DenseCodec, MalformedPayloadError, decode_tensor
 from shoal.peer.butterfly import Pieces
 from shoal.peer.exchange import Contribution, Exchange
-from shoal.peer.robust import DEFAULT_CLIP_RATIO, add_clipped_mean, clip_scales
+from shoal.peer.robust import DILOCO, Robustness, Suspicion, add_screened_mean, report, sender_keys
 from shoal.protocol import Payload, parse_message
 
 MODES = ("standard", "delayed", "eager")
@@ -80,6 +81,9 @@ class OuterStats:
     """Contributions dropped as malformed."""
     clipped: int = 0
     """Contributions scaled down to the round's norm bound."""
+    screened: Counter = field(default_factory=Counter)
+    """Contributions left out as `opposed` to the others, or as persistent `outlier`s
+    (shoal.peer.robust), by reason."""
     resyncs: int = 0
     """Times the exchange replaced the shared state with the swarm's."""
     phase_seconds: Counter = field(default_factory=Counter)
@@ -128,8 +132,8 @@ class DiLoCo:
         codec: how pseudo-gradients travel; None sends them exactly (float32). A lossy codec gets
             error feedback: what it dropped joins the next round's pseudo-gradient.
         max_payload_bytes: contributions larger than this are rejected unread.
-        clip_ratio: contributions whose norm exceeds this times the round's median are scaled down
-            to it; None turns clipping off.
+        robust: how each round screens its contributions (shoal.peer.robust); `robust.NONE` for
+            trusted participants (plain weighted means).
         butterfly: let the exchange average pseudo-gradients piece by piece, where it can
             (shoal.peer.butterfly: the swarm under a coordinator); the codec must be dense and
             block-aligned (int8, int4, 16 or 32 bits). Each piece's parts are clipped against the
@@ -149,7 +153,7 @@ class DiLoCo:
         mode: str = "standard",
         codec: Codec | None = None,
         max_payload_bytes: int = 1 << 31,
-        clip_ratio: float | None = DEFAULT_CLIP_RATIO,
+        robust: Robustness = DILOCO,
         butterfly: bool = False,
     ):
         if inner_steps < 1:
@@ -169,8 +173,8 @@ class DiLoCo:
         self.mode = mode
         self.codec = codec if codec is not None else DenseCodec(value_bits=32, zstd=False)
         self.max_payload_bytes = max_payload_bytes
-        self.clip_ratio = clip_ratio
-        clip_scales([1.0], clip_ratio)  # validates it
+        self.robust = robust
+        self.suspicion = Suspicion(robust)
         settings = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov and outer_momentum > 0}
         # theta: the global parameters every inner phase starts from, stepped by torch's own SGD
         self.global_params = [p.detach().clone() for p in self.params]
@@ -186,7 +190,7 @@ class DiLoCo:
         if butterfly:
             device = self.params[0].device if self.params else "cpu"
             shapes = [p.shape for p in self.params]
-            self.pieces = Pieces(self.codec, shapes, clip_ratio=clip_ratio, device=device)
+            self.pieces = Pieces(self.codec, shapes, robust=robust, device=device)
         self.stats = OuterStats()
         self._inner_step = 0
         self._samples = 0
@@ -312,7 +316,7 @@ class DiLoCo:
         return _Sent(data, decoded, samples)
 
     def _round(self, sent: _Sent, state: list[torch.Tensor]) -> _RoundResult:
-        """Gathers every participant's payload and returns the weighted mean (rank order), clipped."""
+        """Gathers every participant's payload and returns the weighted mean (rank order), screened."""
         start = time.perf_counter()
         if self.pieces is None:
             contributions = self.exchange.gather(sent.payload, sent.samples, state=state)
@@ -330,15 +334,18 @@ class DiLoCo:
             self.stats.exchange_s += end - start
             return _RoundResult(mean, float(max(averaged.samples, 1)), adopted)
         mean = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        accepted = []
+        accepted, senders = [], []
         for contribution in contributions:
             try:
                 accepted.append((self._decode(contribution), contribution.samples))
+                senders.append(contribution)
             except MalformedPayloadError as error:
                 self.stats.rejected += 1
                 self.exchange.reject(contribution, error.reason)
-        total, clipped = add_clipped_mean(mean, accepted, self.clip_ratio)  # rank order: same sums everywhere
-        self.stats.clipped += clipped
+        # rank order: the same sums everywhere
+        total, verdict = add_screened_mean(mean, accepted, self.robust, self.suspicion, sender_keys(senders))
+        self.stats.clipped += verdict.clipped
+        report(self.exchange, senders, verdict, self.stats.screened)
         end = time.perf_counter()
         self.stats.phase_seconds["decode"] += end - gathered
         self.stats.exchange_s += end - start

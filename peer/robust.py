@@ -1,17 +1,97 @@
-"""Bounding what one participant can do to a round: each contribution's norm is clipped against the
-round's median.
+"""Bounding what one participant can do to a round (docs/ROBUSTNESS.md has the threat model).
 
-Every participant computes the same factors from the same decoded contributions, so clipping keeps
-replicas identical; honest rounds, where no norm exceeds `ratio` times the median, get exactly 1.0
-everywhere and are untouched. A hostile contribution can then move the aggregate no more than an
-honest one `ratio` times larger would; one that does not decode at all is dropped by the caller.
+Three rules, applied in this order to a round's decoded contributions, all pure functions of numbers
+that every participant computes alike from the same contributions in the same order (so replicas
+stay identical):
+
+1. **Weights are capped**: a contribution's weight is its claimed sample count, at most
+   `sample_ratio` times the round's lower-median count. A peer cannot buy the round by lying.
+2. **Norms are bounded**: a contribution whose norm exceeds `norm_ratio` times the round's lower
+   median norm is scaled down to it. At the default ratio 1, no contribution is larger than the
+   median one: an attacker has at most one honest peer's weight and length.
+3. **Opposed directions are dropped**: each contribution's agreement is the median of its cosines
+   with each other contribution (`agreements`); one below `min_agreement` (default 0: pointing away
+   from most of the round) is left out of the round and reported as `opposed`, which strikes its
+   sender in the swarm. Judged only with at least `min_screened` contributions.
+4. **Persistent outliers are left out**: `Suspicion` keeps each sender's recent agreements; a sender
+   whose mean over the last `suspect_window` rounds is below `suspect_below` is left out and reported
+   as an `outlier` every round until it is not, so the swarm strikes and then bans it.
+
+Rule 3 suits DiLoCo, whose honest pseudo-gradients agree strongly. DeMo's top-k momenta overlap
+little, so their cosines are small and a single round cannot tell a sign-flipper from an honest
+peer: DeMo drops nothing per round by default, and rule 4 tells them apart over a few rounds
+(docs/ROBUSTNESS.md has the figures).
+
+The cosines come from the round's Gram matrix (every pair's dot product: N^2 / 2 of them, sparse ones
+for DeMo), read with one host sync per round.
 """
 
+import math
+from collections import Counter, deque
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-DEFAULT_CLIP_RATIO = 4.0
+if TYPE_CHECKING:
+    from shoal.peer.exchange import Contribution, Exchange
+
+DEFAULT_CLIP_RATIO = 1.0
+DEFAULT_SAMPLE_RATIO = 2.0
+DEFAULT_MIN_AGREEMENT = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Robustness:
+    """How a round bounds each contribution; `Robustness()` is the swarm's default."""
+
+    norm_ratio: float | None = DEFAULT_CLIP_RATIO
+    """Norms above this times the round's median are scaled down to it (>= 1); None: unbounded."""
+    sample_ratio: float | None = DEFAULT_SAMPLE_RATIO
+    """Sample weights above this times the round's median are capped to it (>= 1); None: uncapped."""
+    min_agreement: float | None = DEFAULT_MIN_AGREEMENT
+    """Contributions whose leave-one-out cosine is below this (in [-1, 1)) are dropped; None: never."""
+    min_screened: int = 3
+    """Fewest contributions in a round for agreement to be judged (with two, each opposes the other)."""
+    suspect_below: float | None = 0.0
+    """A sender whose mean cosine over its last `suspect_window` rounds is below this is reported as
+    an `outlier`; None: never."""
+    suspect_window: int = 8
+    """Rounds of a sender's cosines that `suspect_below` averages."""
+    suspect_after: int = 3
+    """Fewest rounds of a sender seen before it can be reported."""
+
+    def __post_init__(self) -> None:
+        if self.norm_ratio is not None and not self.norm_ratio >= 1:
+            raise ValueError(f"norm ratio must be >= 1, got {self.norm_ratio}")
+        if self.sample_ratio is not None and not self.sample_ratio >= 1:
+            raise ValueError(f"sample ratio must be >= 1, got {self.sample_ratio}")
+        if self.min_agreement is not None and not -1 <= self.min_agreement < 1:
+            raise ValueError(f"minimum agreement must be in [-1, 1), got {self.min_agreement}")
+        if self.min_screened < 3:
+            raise ValueError(f"agreement needs at least 3 contributions, got {self.min_screened}")
+        if not 1 <= self.suspect_after <= self.suspect_window:
+            raise ValueError(
+                f"suspect_after ({self.suspect_after}) must be in [1, suspect_window ({self.suspect_window})]"
+            )
+
+    @property
+    def judges(self) -> bool:
+        """Whether contributions' directions are computed at all."""
+        return self.min_agreement is not None or self.suspect_below is not None
+
+
+DILOCO = Robustness()
+"""DiLoCo's default: untrusted participants."""
+DEMO = Robustness(min_agreement=None)
+"""DeMo's default: untrusted participants, no per-round drop (see the module docstring)."""
+NONE = Robustness(suspect_below=None, norm_ratio=None, sample_ratio=None, min_agreement=None)
+"""No screening: the reference semantics (trusted participants: loopback, torch.distributed)."""
+
+
+def lower_median(values: Sequence[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def clip_scales(norms: Sequence[float], ratio: float | None = DEFAULT_CLIP_RATIO) -> list[float]:
@@ -21,27 +101,174 @@ def clip_scales(norms: Sequence[float], ratio: float | None = DEFAULT_CLIP_RATIO
         return [1.0] * len(norms)
     if not ratio >= 1:
         raise ValueError(f"clip ratio must be >= 1, got {ratio}")
-    median = sorted(norms)[(len(norms) - 1) // 2]
-    bound = ratio * median
+    bound = ratio * lower_median(norms)
     return [bound / norm if norm > bound else 1.0 for norm in norms]
 
 
-def add_clipped_mean(
+def capped_weights(samples: Sequence[float], ratio: float | None = DEFAULT_SAMPLE_RATIO) -> list[float]:
+    """Sample weights, each at most `ratio` times the round's lower median (unchanged when None)."""
+    if ratio is None or not samples:
+        return [float(s) for s in samples]
+    bound = ratio * lower_median(samples)
+    return [float(min(s, bound)) for s in samples]
+
+
+def agreements(gram: Sequence[Sequence[float]]) -> list[float | None]:
+    """Per contribution, the lower median of its cosines with each of the others, from the round's
+    Gram matrix (gram[i][j] = <c_i, c_j>). A median, not the cosine with the others' sum: attackers,
+    fewer than half of the others, cannot drag an honest contribution's figure below zero, however
+    large or many their votes. None for a contribution with no direction, or no other to judge by."""
+    count = len(gram)
+    cosines: list[float | None] = []
+    for i in range(count):
+        pairs = [
+            gram[i][j] / math.sqrt(gram[i][i] * gram[j][j])
+            for j in range(count)
+            if j != i and gram[i][i] > 0 and gram[j][j] > 0
+        ]
+        cosines.append(lower_median(pairs) if pairs else None)
+    return cosines
+
+
+class Suspicion:
+    """Per sender, the cosines of its last `policy.suspect_window` rounds (see rule 4); local to a
+    participant, like the swarm's strikes."""
+
+    def __init__(self, policy: Robustness, max_senders: int = 4096):
+        self.policy, self.max_senders = policy, max_senders
+        self._recent: dict[bytes, deque[float]] = {}
+
+    def outliers(self, senders: Sequence[bytes], cosines: Sequence[float | None]) -> list[bool]:
+        """Records a round's cosines; returns which senders are outliers now."""
+        policy = self.policy
+        if policy.suspect_below is None:
+            return [False] * len(senders)
+        verdicts = []
+        for sender, cosine in zip(senders, cosines, strict=True):
+            recent = self._recent.get(sender)
+            if recent is None:
+                if len(self._recent) >= self.max_senders:  # bounded: the oldest sender is forgotten
+                    del self._recent[next(iter(self._recent))]
+                recent = self._recent[sender] = deque(maxlen=policy.suspect_window)
+            if cosine is not None:
+                recent.append(cosine)
+            verdicts.append(
+                len(recent) >= policy.suspect_after and sum(recent) / len(recent) < policy.suspect_below
+            )
+        return verdicts
+
+
+@dataclass(frozen=True, slots=True)
+class Screened:
+    """A round's verdict, per contribution in round order."""
+
+    factors: list[float]
+    """What multiplies each contribution in the round's weighted sum: capped weight times norm scale,
+    0 for a left-out one."""
+    weights: list[float]
+    """Capped sample weights, 0 for a left-out one (a mean divides by their sum)."""
+    clipped: int
+    """How many of those kept were scaled down."""
+    reasons: list[str | None]
+    """Why each was left out: `opposed` (this round), `outlier` (its recent rounds), or None (kept)."""
+    cosines: list[float | None]
+    """Each one's agreement with the others (None: not judged)."""
+
+    @property
+    def dropped(self) -> list[bool]:
+        return [reason is not None for reason in self.reasons]
+
+    @staticmethod
+    def of(
+        weights: list[float],
+        scales: list[float],
+        cosines: list[float | None],
+        policy: Robustness,
+        outliers: Sequence[bool] | None = None,
+    ) -> "Screened":
+        bound = policy.min_agreement
+        reasons = [
+            "opposed" if bound is not None and c is not None and c < bound else "outlier" if out else None
+            for c, out in zip(cosines, outliers or [False] * len(cosines), strict=True)
+        ]
+        kept = [reason is None for reason in reasons]
+        return Screened(
+            [w * s if k else 0.0 for w, s, k in zip(weights, scales, kept, strict=True)],
+            [w if k else 0.0 for w, k in zip(weights, kept, strict=True)],
+            sum(s < 1 for s, k in zip(scales, kept, strict=True) if k),
+            reasons,
+            cosines,
+        )
+
+
+def screen(
+    contributions: Sequence[Sequence[torch.Tensor]],
+    samples: Sequence[float],
+    policy: Robustness,
+    suspicion: "Suspicion | None" = None,
+    senders: Sequence[bytes] = (),
+) -> Screened:
+    """Applies `policy` to dense contributions (each a list of tensors, same shapes in every one);
+    with `suspicion`, the persistent outliers among `senders` are left out too."""
+    weights = capped_weights(samples, policy.sample_ratio)
+    count = len(contributions)
+    if count < 2:
+        return Screened.of(weights, [1.0] * count, [None] * count, policy)
+    flat = [torch.cat([t.float().reshape(-1) for t in c]) for c in contributions]
+    if policy.judges and count >= policy.min_screened:
+        gram = torch.stack(flat) @ torch.stack(flat).T if flat[0].numel() else torch.zeros(count, count)
+    else:
+        gram = torch.diag(torch.stack([f.square().sum() for f in flat]))
+    return judged(gram.tolist(), weights, policy, suspicion, senders)  # one host sync
+
+
+def judged(
+    gram: list[list[float]],
+    weights: list[float],
+    policy: Robustness,
+    suspicion: "Suspicion | None" = None,
+    senders: Sequence[bytes] = (),
+) -> Screened:
+    """The verdict from a round's Gram matrix (only its diagonal, the squared norms, when directions
+    are not judged) and capped weights; `suspicion` records the cosines of `senders`."""
+    count = len(gram)
+    scales = clip_scales([math.sqrt(gram[i][i]) for i in range(count)], policy.norm_ratio)
+    cosines = agreements(gram) if policy.judges and count >= policy.min_screened else [None] * count
+    outliers = suspicion.outliers(senders, cosines) if suspicion is not None else None
+    return Screened.of(weights, scales, cosines, policy, outliers)
+
+
+def add_screened_mean(
     into: Sequence[torch.Tensor],
     contributions: Sequence[tuple[Sequence[torch.Tensor], int]],
-    ratio: float | None,
-) -> tuple[float, int]:
-    """Adds to `into` the sample-weighted mean of `contributions`, (tensors, samples) pairs in the
-    round's order (the same sums on every participant), each clipped by `clip_scales` when there are
-    several. Returns (the samples behind it, how many were scaled down)."""
-    scales = [1.0] * len(contributions)
-    if len(contributions) > 1 and ratio is not None:
-        norms = torch.stack(
-            [torch.stack([t.square().sum() for t in tensors]).sum() for tensors, _ in contributions]
-        )
-        scales = clip_scales(norms.sqrt().tolist(), ratio)  # one host sync per round
-    total = float(sum(samples for _, samples in contributions))
-    for (tensors, samples), scale in zip(contributions, scales, strict=True):
-        for m, t in zip(into, tensors, strict=True):
-            m.add_(t, alpha=samples / total * scale)
-    return total, sum(scale < 1 for scale in scales)
+    policy: Robustness,
+    suspicion: "Suspicion | None" = None,
+    senders: Sequence[bytes] = (),
+) -> tuple[float, Screened]:
+    """Adds to `into` the screened, sample-weighted mean of `contributions`, (tensors, samples) pairs
+    in the round's order (the same sums on every participant). Returns (the weight behind it, the
+    verdict)."""
+    tensors, samples = [t for t, _ in contributions], [s for _, s in contributions]
+    verdict = screen(tensors, samples, policy, suspicion, senders)
+    total = sum(verdict.weights)
+    if total > 0:
+        for (tensors, _), factor in zip(contributions, verdict.factors, strict=True):
+            if factor:
+                for m, t in zip(into, tensors, strict=True):
+                    m.add_(t, alpha=factor / total)
+    return total, verdict
+
+
+def sender_keys(contributions: Sequence["Contribution"]) -> list[bytes]:
+    """Who sent each contribution, as `Suspicion` keys them (an exchange's rank when it has no keys)."""
+    return [c.sender or c.rank.to_bytes(4, "big") for c in contributions]
+
+
+def report(
+    exchange: "Exchange", contributions: Sequence["Contribution"], verdict: Screened, counts: Counter[str]
+) -> None:
+    """Tells the exchange (which strikes senders) of the contributions left out, and counts them."""
+    for contribution, reason in zip(contributions, verdict.reasons, strict=True):
+        if reason is not None:
+            counts[reason] += 1
+            exchange.reject(contribution, reason)

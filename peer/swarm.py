@@ -381,7 +381,13 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         return adopted
 
     def reject(self, contribution: Contribution, reason: str) -> None:
-        self._loop.call_soon_threadsafe(self._strike, contribution.sender, reason)
+        """Counts and strikes what the optimizer left out: malformed, `config_mismatch`, or screened
+        (`opposed`, `outlier`: shoal.peer.robust)."""
+        self._loop.call_soon_threadsafe(self._count_and_strike, contribution.sender, reason)
+
+    def _count_and_strike(self, owner: bytes, reason: str) -> None:
+        self.rejected[reason] += 1
+        self._strike(owner, reason)
 
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         message = DenseCodec(32, zstd=False).encode(tensor.detach().float().cpu()).SerializeToString()

@@ -17,6 +17,7 @@ import torch
 from shoal.compression import DenseCodec
 from shoal.peer.butterfly import Pieces
 from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.robust import NONE
 from shoal.peer.swarm import MAX_PIECES, PARTS_QUIET_S, SwarmExchange
 from shoal.protocol import Payload
 from shoal.protocol.swarm_pb2 import PayloadRequest
@@ -127,7 +128,7 @@ def test_piece_requests_out_of_bounds_get_nothing_and_are_counted():
         author._cuttable_from(number, digest)  # as a coordinated round with butterfly averaging does
         assert ask(shard=3, shards=3) == b"" and ask(shard=0, shards=MAX_PIECES + 1) == b""
         assert author.rejected["bad_request"] == 2
-        pieces = Pieces(codec, shapes, clip_ratio=None)
+        pieces = Pieces(codec, shapes, robust=NONE)
         decoded = [pieces.decode(k, 3, ask(shard=k, shards=3)) for k in range(3)]
         whole = [codec.decode(m) for m in Payload.FromString(payload).tensors]
         assert all(torch.equal(a, b) for a, b in zip(pieces.assemble(decoded), whole, strict=True))

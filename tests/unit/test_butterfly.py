@@ -8,9 +8,12 @@ import torch
 
 from shoal.compression import DCTTopKCodec, DenseCodec
 from shoal.peer.butterfly import Part, Pieces, cut, ranges, shardable
+from shoal.peer.robust import NONE, Robustness
 from shoal.protocol import EncodedTensor, MalformedPayloadError, Payload
 
 SHAPES = [torch.Size([37, 11]), torch.Size([5]), torch.Size([0]), torch.Size([130])]
+
+CLIP_2X = Robustness(norm_ratio=2.0, sample_ratio=None, min_agreement=None)
 
 
 def tensors(seed: int, scale: float = 1.0) -> list[torch.Tensor]:
@@ -51,7 +54,7 @@ def test_shardable_codecs(codec, expected):
 
 def test_an_unshardable_codec_is_refused():
     with pytest.raises(ValueError, match="cannot be cut"):
-        Pieces(DenseCodec(1), SHAPES, clip_ratio=None)
+        Pieces(DenseCodec(1), SHAPES, robust=NONE)
 
 
 @pytest.mark.parametrize("bits,zstd", [(8, False), (8, True), (4, True), (16, False), (32, False)])
@@ -60,7 +63,7 @@ def test_cut_pieces_decode_to_exactly_the_whole_payloads_slices(bits, zstd, coun
     codec = DenseCodec(bits, block=8, zstd=zstd)
     values = tensors(1)
     whole = [codec.decode(m).reshape(-1) for m in payload(codec, values).tensors]
-    pieces = Pieces(codec, SHAPES, clip_ratio=None)
+    pieces = Pieces(codec, SHAPES, robust=NONE)
     decoded = []
     for index in range(count):
         data = cut(payload(codec, values), count)[index]
@@ -75,7 +78,7 @@ def test_the_mean_of_pieces_is_the_sample_weighted_mean_within_quantization():
     codec, count = DenseCodec(8, block=8), 3
     contributions = [tensors(seed) for seed in range(count)]
     samples = [1, 2, 5]
-    pieces = Pieces(codec, SHAPES, clip_ratio=None)
+    pieces = Pieces(codec, SHAPES, robust=NONE)
     means = []
     for index in range(count):
         parts = [
@@ -98,7 +101,7 @@ def test_error_feedback_carries_what_the_owners_encoding_dropped_into_its_next_m
     codec, count, index = DenseCodec(4, block=8), 3, 1
     contributions = [tensors(seed) for seed in range(count)]
     parts = [Part(bytes([k]), 1, cut(payload(codec, c), count)[index]) for k, c in enumerate(contributions)]
-    plain, fed = Pieces(codec, SHAPES, clip_ratio=None), Pieces(codec, SHAPES, clip_ratio=None)
+    plain, fed = Pieces(codec, SHAPES, robust=NONE), Pieces(codec, SHAPES, robust=NONE)
     rounds = 8
     sum_plain = [torch.zeros(end - start) for start, end in plain.spans(index, count)]
     sum_fed = [torch.zeros_like(t) for t in sum_plain]
@@ -118,8 +121,8 @@ def test_a_huge_part_is_clipped_to_the_median_norm_of_the_piece():
     codec, count, index = DenseCodec(8, block=8), 3, 0
     contributions = [tensors(0), tensors(1), tensors(2, scale=1e4)]
     parts = [Part(bytes([k]), 1, cut(payload(codec, c), count)[index]) for k, c in enumerate(contributions)]
-    clipped = Pieces(codec, SHAPES, clip_ratio=2.0).mean(index, count, parts)
-    unclipped = Pieces(codec, SHAPES, clip_ratio=None).mean(index, count, parts)
+    clipped = Pieces(codec, SHAPES, robust=CLIP_2X).mean(index, count, parts)
+    unclipped = Pieces(codec, SHAPES, robust=NONE).mean(index, count, parts)
     assert clipped.clipped == 1 and unclipped.clipped == 0
     norm = sum(t.square().sum() for t in clipped.tensors).sqrt()
     assert norm < 3 * max(sum(t.square().sum() for t in c).sqrt() for c in contributions[:2])
@@ -176,7 +179,7 @@ HOSTILE = [
 @pytest.mark.parametrize("name", HOSTILE)
 def test_a_hostile_part_is_left_out_with_its_reason_and_the_rest_averaged(name):
     codec, count, index = DenseCodec(8, block=8, zstd=False), 3, 1
-    pieces = Pieces(codec, SHAPES, clip_ratio=2.0)
+    pieces = Pieces(codec, SHAPES, robust=CLIP_2X)
     honest = [cut(payload(codec, tensors(k)), count)[index] for k in range(2)]
     bad = hostile_parts(codec, honest[0], index, count)[name]
     with pytest.raises(MalformedPayloadError):
@@ -192,13 +195,17 @@ def test_a_hostile_part_is_left_out_with_its_reason_and_the_rest_averaged(name):
 @pytest.mark.parametrize("samples", [0, -3])
 def test_a_part_claiming_no_samples_is_left_out(samples):
     codec, count = DenseCodec(8, block=8), 3
-    pieces = Pieces(codec, SHAPES, clip_ratio=None)
+    pieces = Pieces(codec, SHAPES, robust=NONE)
     good = cut(payload(codec, tensors(0)), count)[0]
     mean = pieces.mean(0, count, [Part(b"a", 1, good), Part(b"x", samples, good)])
     assert mean.rejected == [(b"x", "bad_samples")] and mean.samples == 1
 
 
 def test_a_piece_of_no_parts_is_zero():
-    pieces = Pieces(DenseCodec(8, block=8), SHAPES, clip_ratio=2.0)
+    pieces = Pieces(
+        DenseCodec(8, block=8),
+        SHAPES,
+        robust=CLIP_2X,
+    )
     mean = pieces.mean(2, 3, [])
     assert mean.samples == 0 and all(not t.any() for t in mean.tensors)

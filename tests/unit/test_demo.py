@@ -12,6 +12,7 @@ from shoal.compression import DCTTopKCodec
 from shoal.peer.demo import DeMo
 from shoal.peer.exchange import Contribution, Exchange, LoopbackExchange
 from shoal.peer.exchange import run_loopback as run_workers
+from shoal.peer.robust import NONE, Robustness
 from shoal.protocol import Payload
 from tests import demo_reference
 
@@ -27,7 +28,9 @@ def make_grads(steps: int, workers: int, seed: int = 0) -> list[list[list[torch.
 
 
 def train_workers(initial, grads, dtype=torch.float64, **demo_kwargs):
-    """Every worker's final params and optimizer, each worker a loopback thread."""
+    """Every worker's final params and optimizer, each worker a loopback thread; unscreened
+    (the reference semantics) unless `robust` says otherwise."""
+    demo_kwargs.setdefault("robust", NONE)
 
     def work(rank, exchange):
         params = [torch.nn.Parameter(p.clone().to(dtype)) for p in initial]
@@ -285,17 +288,18 @@ def test_an_outsized_contribution_is_clipped_to_the_rounds_median_norm():
     mine, honest, attack = torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 64)
     others = [Contribution(1, _payload_of(honest), 1), Contribution(2, _payload_of(attack * 1000), 1)]
 
-    def update(clip_ratio):
+    def update(norm_ratio):
         p = torch.nn.Parameter(torch.zeros(64, 64))
         p.grad = mine.clone()
-        opt = DeMo([p], lr=1.0, exchange=_FixedExchange(others), compression_topk=32, clip_ratio=clip_ratio)
+        robust = Robustness(norm_ratio=norm_ratio, min_agreement=None)
+        opt = DeMo([p], lr=1.0, exchange=_FixedExchange(others), compression_topk=32, robust=robust)
         opt.step()
         return p.detach(), opt.clipped
 
     unclipped, count = update(None)
     assert count == 0
-    assert update(4.0)[1] == 1  # the default bound
-    clipped, count = update(1.0)
+    assert update(4.0)[1] == 1
+    clipped, count = update(1.0)  # the default bound
     assert count == 1
     attack_sign = -torch.sign(DeMo_direction(attack))
     # unbounded, the attacker decides every coefficient it sends; clipped, it is one voice among three
@@ -352,7 +356,7 @@ def test_overlap_applies_every_aggregate_one_step_late_and_finish_lands_everyone
     torch.manual_seed(20)
     initial = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
     grads = make_grads(steps=8, workers=3, seed=4)
-    settings = {"lr": 1e-3, "weight_decay": 0.1, "compression_topk": 4, "value_bits": 1}
+    settings = {"lr": 1e-3, "weight_decay": 0.1, "compression_topk": 4, "value_bits": 1, "robust": NONE}
 
     def work(rank, exchange, overlap):
         params = [torch.nn.Parameter(p.clone()) for p in initial]

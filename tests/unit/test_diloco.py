@@ -10,6 +10,7 @@ from shoal.peer.diloco import DiLoCo
 from shoal.peer.exchange import LoopbackExchange
 from shoal.peer.exchange import run_loopback as run_workers
 from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.robust import NONE
 
 CONFIG = GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16)
 
@@ -69,7 +70,9 @@ def test_one_worker_outer_lr_1_no_momentum_equals_plain_adamw():
 def test_standard_mode_workers_hold_identical_params_after_each_outer_step(codec):
     def work(rank, exchange):
         model = make_model()
-        with DiLoCo(model, adamw(model), exchange=exchange, inner_steps=5, codec=codec) as diloco:
+        with DiLoCo(
+            model, adamw(model), exchange=exchange, robust=NONE, inner_steps=5, codec=codec
+        ) as diloco:
             return train(model, diloco, batches(rank, 15)), diloco.stats
 
     results = run_workers(3, work)
@@ -88,7 +91,14 @@ def test_eager_with_one_worker_and_instant_exchange_equals_standard(codec):
         model = make_model()
         exchange = LoopbackExchange.group(1)[0]
         with DiLoCo(
-            model, adamw(model), exchange=exchange, inner_steps=3, mode=mode, codec=codec, outer_momentum=0.9
+            model,
+            adamw(model),
+            exchange=exchange,
+            robust=NONE,
+            inner_steps=3,
+            mode=mode,
+            codec=codec,
+            outer_momentum=0.9,
         ) as diloco:
             runs[mode] = train(model, diloco, batches(0, 12))
     for a, b in zip(runs["standard"], runs["eager"], strict=True):
@@ -171,6 +181,7 @@ def test_eager_direction_replaces_the_stale_own_share_by_the_fresh_one():
             model,
             adamw(model),
             exchange=exchange,
+            robust=NONE,
             inner_steps=2,
             mode="eager",
             outer_lr=1.0,
@@ -211,7 +222,7 @@ def test_every_mode_shares_one_state_and_ends_bit_identical(mode):
         model = make_model()
         states = []
         with DiLoCo(
-            model, adamw(model), exchange=exchange, inner_steps=3, mode=mode, outer_momentum=0.9
+            model, adamw(model), exchange=exchange, robust=NONE, inner_steps=3, mode=mode, outer_momentum=0.9
         ) as diloco:
             for step, tokens in enumerate(batches(rank, 12)):
                 model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
@@ -252,7 +263,9 @@ def test_background_exchange_hides_a_slow_link_behind_the_inner_phase(mode):
     for run_mode in ("standard", mode):
         model = make_model()
         exchange = LoopbackExchange.group(1, latency=timedelta(seconds=LATENCY_S))[0]
-        with DiLoCo(model, adamw(model), exchange=exchange, inner_steps=60, mode=run_mode) as diloco:
+        with DiLoCo(
+            model, adamw(model), exchange=exchange, robust=NONE, inner_steps=60, mode=run_mode
+        ) as diloco:
             train(model, diloco, batches(0, 240))
         waited[run_mode] = diloco.stats
     assert waited["standard"].waited_s > 4 * LATENCY_S

@@ -1,0 +1,246 @@
+"""`shoal bench hostile`: how far attackers that send well-formed payloads move training.
+
+    shoal bench hostile                    # 2 attackers among 8 workers, every attack, DeMo and DiLoCo
+    shoal bench hostile --json --workers 4 --attackers 1 --attacks sign_flip --methods demo_compact
+
+The `shoal bench converge --quick` setting (tiny GPT, standard-library corpus, 300 steps of 16
+sequences per worker, loopback threads), with the last `attackers` workers hostile. An attacker trains
+like everyone else and changes only the bytes and the sample count it sends (`Poisoned`):
+
+- sign_flip: its own update negated and scaled to `SCALE` times its norm;
+- sample_lie: sign_flip, and a claim of 2^40 samples (what DiLoCo's mean is weighted by);
+- random: random directions (DeMo: random indices, gaussian values) at `SCALE` times its norm.
+
+Reported per (method, attack): the honest worker 0's final validation loss, its change against the
+clean run of the same seed, and what the honest workers' screening (shoal.peer.robust) said of the
+attackers' contributions (`opposed`: left out of a round; `outlier`: reported as persistently
+opposed) and of honest ones (false reports). The loopback has no bans: this measures screening
+alone, attackers stay in every round. In a swarm the reports strike their senders, and three strikes
+ban them (tests/integration/test_hostile.py).
+"""
+
+import json
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from shoal.compression import DCTTopKCodec, DecodeLimits, decode_tensor
+from shoal.compression.dct_topk import unpack
+from shoal.peer import convergence
+from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
+from shoal.peer.demo import DeMo
+from shoal.peer.diloco import DiLoCo
+from shoal.peer.exchange import Averaged, Contribution, Exchange, run_loopback
+from shoal.peer.model import TinyGPT
+from shoal.protocol import Payload
+
+ATTACKS = ("none", "sign_flip", "sample_lie", "random")
+METHODS = ("demo_compact", "diloco_eager")
+SCALE = 3.9
+"""The attacks' scale: just under the 4x-median clip that was shoal's bound before screening."""
+LIED_SAMPLES = 1 << 40
+
+
+class Poisoned(Exchange):
+    """An attacker's exchange: `inner`, with the payload it sends rewritten by `attack`."""
+
+    def __init__(self, inner: Exchange, attack: str, codec, seed: int):
+        self.inner, self.attack, self.codec = inner, attack, codec
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
+        samples = LIED_SAMPLES if self.attack == "sample_lie" else samples
+        return self.inner.gather(self._rewrite(payload), samples, state=state)
+
+    def average(self, payload, samples, state, pieces) -> Averaged:
+        return Averaged(contributions=self.gather(payload, samples, state))
+
+    def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        return self.inner.mean(tensor, weight)
+
+    def _rewrite(self, payload: bytes) -> bytes:
+        message = Payload.FromString(payload)
+        tensors = [self._tensor(t) for t in message.tensors]
+        return Payload(tensors=tensors).SerializeToString()
+
+    def _tensor(self, message):
+        limits = DecodeLimits(max_numel=1 << 30)
+        if isinstance(self.codec, DCTTopKCodec):
+            coeffs = unpack(message, torch.device("cpu"), limits)
+            values = coeffs.values.float()
+            if self.attack == "random":
+                scores = torch.rand(
+                    coeffs.indices.shape[0], coeffs.plan.chunk_numel, generator=self.generator
+                )
+                indices = scores.topk(coeffs.topk, dim=1).indices.sort(dim=1).values
+                noise = torch.randn(values.shape, generator=self.generator)
+                noise *= values.norm() / noise.norm().clamp(min=1e-30)
+                coeffs = replace(coeffs, indices=indices)
+                values = noise
+            else:
+                values = -values
+            return self.codec.pack(replace(coeffs, values=values * SCALE), torch.float32)
+        tensor = decode_tensor(message, device="cpu", limits=limits).float()
+        if self.attack == "random":
+            noise = torch.randn(tensor.shape, generator=self.generator)
+            tensor = noise * (tensor.norm() / noise.norm().clamp(min=1e-30))
+        else:
+            tensor = -tensor
+        return self.codec.encode(tensor * SCALE)
+
+
+@dataclass(slots=True)
+class HostileResult:
+    method: str
+    attack: str
+    workers: int
+    attackers: int
+    final_val_loss: float
+    vs_clean: float | None
+    """Relative change of the honest worker's loss against the clean run (0.01: 1% worse)."""
+    reports_on_attackers: dict[str, int]
+    """Per reason, the honest workers' reports on attackers' contributions (summed over workers)."""
+    reports_on_honest: dict[str, int]
+    """The same for honest contributions: false reports."""
+    rounds: int
+    wall_s: float
+
+
+class _Recorder(Exchange):
+    """An honest worker's exchange that counts, per reason, whom its optimizer reported."""
+
+    def __init__(self, inner: Exchange, attackers: set[int]):
+        self.inner, self.attackers = inner, attackers
+        self.on_attackers: Counter[str] = Counter()
+        self.on_honest: Counter[str] = Counter()
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
+        return self.inner.gather(payload, samples, state=state)
+
+    def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        return self.inner.mean(tensor, weight)
+
+    def reject(self, contribution: Contribution, reason: str) -> None:
+        (self.on_attackers if contribution.rank in self.attackers else self.on_honest)[reason] += 1
+
+
+def run(
+    method: str, attack: str, workers: int, attackers: int, streams: TokenStreams, clean: float | None
+) -> HostileResult:
+    config = replace(convergence.QUICK, workers=workers)
+    torch.manual_seed(config.seed)
+    initial = TinyGPT(config.gpt).state_dict()
+    plan = BatchPlan(
+        seq_len=config.gpt.seq_len, batch_size=config.batch_size, workers=workers, seed=config.seed
+    )
+    hostile = set(range(workers - attackers, workers)) if attack != "none" else set()
+
+    def work(rank: int, loopback: Exchange):
+        model = TinyGPT(config.gpt)
+        model.load_state_dict(initial)
+        batches = [plan.batch(streams.train, step, rank) for step in range(config.steps)]
+        recorder = _Recorder(loopback, hostile)
+        optimizer = _optimizer(method, model, config, recorder)
+        if rank in hostile:
+            optimizer.exchange = Poisoned(loopback, attack, optimizer.codec, seed=rank)
+        _train(optimizer, model, batches)
+        return model, recorder
+
+    start = time.perf_counter()
+    outcomes = run_loopback(workers, work)
+    wall = time.perf_counter() - start
+    loss = convergence.validation_loss(outcomes[0][0], streams, config)
+    honest = [recorder for rank, (_, recorder) in enumerate(outcomes) if rank not in hostile]
+    rounds = config.steps if method.startswith("demo") else config.steps // config.inner_steps
+    return HostileResult(
+        method,
+        attack,
+        workers,
+        len(hostile),
+        loss,
+        None if clean is None else loss / clean - 1,
+        dict(sum((r.on_attackers for r in honest), Counter())),
+        dict(sum((r.on_honest for r in honest), Counter())),
+        rounds,
+        wall,
+    )
+
+
+def _optimizer(method: str, model: TinyGPT, config: convergence.ConvergeConfig, exchange: Exchange):
+    if method == "demo_compact":
+        return DeMo(
+            model.parameters(),
+            lr=config.demo_lr,
+            exchange=exchange,
+            weight_decay=0.1,
+            compression_topk=4,
+            value_bits=1,
+            compression_decay=0.99,
+        )
+    if method == "diloco_eager":
+        lr, momentum = convergence.OUTER["eager"]
+        return DiLoCo(
+            model,
+            convergence._adamw(model, config),
+            exchange=exchange,
+            inner_steps=config.inner_steps,
+            mode="eager",
+            outer_lr=lr,
+            outer_momentum=momentum,
+        )
+    raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+
+
+def _train(optimizer, model: TinyGPT, batches) -> None:
+    for inputs, targets in batches:
+        model(inputs, targets=targets).backward()
+        optimizer.step(samples=inputs.shape[0])
+        if isinstance(optimizer, DeMo):
+            optimizer.zero_grad(set_to_none=True)
+    optimizer.finish()
+    optimizer.close()
+
+
+def main(
+    *, as_json: bool, workers: int, attackers: int, methods: Sequence[str], attacks: Sequence[str]
+) -> int:
+    if not 0 < attackers < workers / 2:
+        raise ValueError(f"--attackers must be at least 1 and fewer than half of --workers ({workers})")
+    streams = stdlib_corpus()
+    results = []
+    for method in methods:
+        clean = None
+        for attack in ("none", *[a for a in attacks if a != "none"]):
+            result = run(method, attack, workers, attackers, streams, clean)
+            clean = clean or result.final_val_loss
+            results.append(result)
+            if not as_json:
+                change = "" if result.vs_clean is None else f"{result.vs_clean:+7.1%}"
+                print(
+                    f"{method:<14} {attack:<11} val loss {result.final_val_loss:.4f} {change:>8}  "
+                    f"on attackers {result.reports_on_attackers}  on honest {result.reports_on_honest}  "
+                    f"{result.wall_s:5.0f} s",
+                    flush=True,
+                )
+    if as_json:
+        print(json.dumps({"results": [asdict(r) for r in results]}))
+    return 0
