@@ -64,13 +64,13 @@ class Robustness:
 
     def __post_init__(self) -> None:
         if self.norm_ratio is not None and not self.norm_ratio >= 1:
-            raise ValueError(f"norm ratio must be >= 1, got {self.norm_ratio}")
+            raise ValueError(f"norm_ratio must be >= 1, got {self.norm_ratio}")
         if self.sample_ratio is not None and not self.sample_ratio >= 1:
-            raise ValueError(f"sample ratio must be >= 1, got {self.sample_ratio}")
+            raise ValueError(f"sample_ratio must be >= 1, got {self.sample_ratio}")
         if self.min_agreement is not None and not -1 <= self.min_agreement < 1:
-            raise ValueError(f"minimum agreement must be in [-1, 1), got {self.min_agreement}")
+            raise ValueError(f"min_agreement must be in [-1, 1), got {self.min_agreement}")
         if self.min_screened < 3:
-            raise ValueError(f"agreement needs at least 3 contributions, got {self.min_screened}")
+            raise ValueError(f"min_screened must be >= 3 (with two, each opposes the other), got {self.min_screened}")
         if not 1 <= self.suspect_after <= self.suspect_window:
             raise ValueError(
                 f"suspect_after ({self.suspect_after}) must be in [1, suspect_window ({self.suspect_window})]"

@@ -1,0 +1,123 @@
+"""shoal.peer.robust: the screening rules against hand-computed cases and against attackers that send
+well-formed contributions; DeMo's config_mismatch."""
+
+import math
+
+import pytest
+import torch
+
+from shoal.compression import DCTTopKCodec
+from shoal.peer.demo import DeMo
+from shoal.peer.exchange import Contribution, Exchange
+from shoal.peer.robust import (
+    DILOCO,
+    NONE,
+    Robustness,
+    Suspicion,
+    add_screened_mean,
+    agreements,
+    capped_weights,
+    screen,
+)
+from shoal.protocol import Payload
+
+
+def honest_and_attackers(honest: int, attackers: int, seed: int = 0, scale: float = 3.9):
+    """Honest contributions share a direction plus noise; attackers send the negated mean, scaled."""
+    generator = torch.Generator().manual_seed(seed)
+    common = torch.randn(256, generator=generator)
+    good = [[common + torch.randn(256, generator=generator)] for _ in range(honest)]
+    bad = [[-scale * common] for _ in range(attackers)]
+    return good, bad, common
+
+
+def test_weights_are_capped_at_the_ratio_times_the_lower_median():
+    assert capped_weights([16, 16, 16, 2**40], 2.0) == [16, 16, 16, 32]
+    assert capped_weights([1, 100], 2.0) == [1, 2]  # lower median of two: the smaller
+    assert capped_weights([5, 2**40], None) == [5, float(2**40)]
+
+
+def test_agreement_is_the_median_pairwise_cosine():
+    gram = [[1.0, 1.0, -1.0], [1.0, 1.0, -1.0], [-1.0, -1.0, 1.0]]
+    assert agreements(gram) == [-1.0, -1.0, -1.0]  # lower median of (1, -1) each, (-1, -1)
+    gram = [[4.0, 2.0, 0.0, 2.0], [2.0, 4.0, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0], [2.0, 2.0, 0.0, 4.0]]
+    cosines = agreements(gram)
+    assert cosines[2] is None and all(math.isclose(c, 0.5) for c in cosines if c is not None)
+
+
+@pytest.mark.parametrize(("honest", "attackers"), [(3, 1), (6, 2)])
+def test_attackers_that_negate_the_mean_are_dropped_and_honest_ones_kept(honest, attackers):
+    good, bad, common = honest_and_attackers(honest, attackers)
+    samples = [16] * honest + [2**40] * attackers  # lying about samples buys nothing
+    mean = [torch.zeros(256)]
+    _, verdict = add_screened_mean(mean, list(zip(good + bad, samples, strict=True)), DILOCO)
+    assert verdict.reasons == [None] * honest + ["opposed"] * attackers
+    assert torch.cosine_similarity(mean[0], common, dim=0) > 0.8
+    unscreened = [torch.zeros(256)]
+    add_screened_mean(unscreened, list(zip(good + bad, samples, strict=True)), NONE)
+    assert torch.cosine_similarity(unscreened[0], common, dim=0) < -0.99  # what screening prevents
+
+
+def test_an_outsized_contribution_is_bounded_by_the_median_norm():
+    good, _, _ = honest_and_attackers(3, 0)
+    huge = [good[0][0] * 1000]
+    verdict = screen([*good, huge], [1, 1, 1, 1], Robustness(min_agreement=None, suspect_below=None))
+    norms = sorted(t[0].norm().item() for t in [*good, huge])
+    assert verdict.clipped == 2  # at ratio 1, whatever is above the lower median, the largest honest too
+    assert math.isclose(verdict.factors[3] * huge[0].norm().item(), norms[1], rel_tol=1e-5)
+
+
+def test_suspicion_reports_a_sender_whose_recent_agreement_is_negative_and_forgets_the_oldest():
+    suspicion = Suspicion(Robustness(suspect_window=4, suspect_after=2), max_senders=2)
+    assert suspicion.outliers([b"a", b"b"], [-0.05, 0.04]) == [False, False]  # too few rounds yet
+    assert suspicion.outliers([b"a", b"b"], [-0.02, -0.01]) == [True, False]
+    assert suspicion.outliers([b"a", b"b"], [0.3, None]) == [False, False]  # mean recovers
+    suspicion.outliers([b"c"], [0.1])  # a third sender pushes out the oldest
+    assert set(suspicion._recent) == {b"b", b"c"}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"norm_ratio": 0.5},
+        {"sample_ratio": 0.9},
+        {"min_agreement": 1.0},
+        {"min_screened": 2},
+        {"suspect_after": 9},
+    ],
+)
+def test_bad_settings_name_the_setting(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        Robustness(**kwargs)
+
+
+class _Fixed(Exchange):
+    """This participant plus fixed contributions from others; records what the optimizer rejects."""
+
+    def __init__(self, others: list[Contribution]):
+        self.others, self.rejected = others, []
+
+    rank = property(lambda self: 0)
+    world_size = property(lambda self: 1 + len(self.others))
+
+    def gather(self, payload, samples, state=None):
+        return [Contribution(0, payload, samples, b"me"), *self.others]
+
+    def mean(self, tensor, weight=1.0):
+        raise NotImplementedError
+
+    def reject(self, contribution, reason):
+        self.rejected.append((contribution.sender, reason))
+
+
+@pytest.mark.parametrize(("topk", "bits"), [(8, 32), (4, 8)])
+def test_demo_rejects_a_payload_sent_with_other_topk_or_value_bits(topk, bits):
+    codec = DCTTopKCodec(chunk=64, topk=topk, value_bits=bits)
+    foreign = Payload(tensors=[codec.pack(codec.select(torch.randn(64, 64)), torch.float32)])
+    exchange = _Fixed([Contribution(1, foreign.SerializeToString(), 1, b"other")])
+    p = torch.nn.Parameter(torch.zeros(64, 64))
+    p.grad = torch.randn(64, 64)
+    opt = DeMo([p], lr=1e-3, exchange=exchange, compression_topk=4, value_bits=32)
+    opt.step()
+    assert exchange.rejected == [(b"other", "config_mismatch")]
+    assert opt.rejected["config_mismatch"] == 1
