@@ -9,6 +9,7 @@
     shoal coordinator [--listen ADDR] [--state PATH] [--round-quantile Q] [--token-file F] ...
     shoal bench codec [--json] [--repeat N]
     shoal bench converge [--json] [--quick] [--methods M,...]
+    shoal bench hostile [--json] [--workers N] [--attackers A] [--methods M,...] [--attacks A,...]
     shoal bench swarm-local [--json] [--peers N ...] [--model tiny|10m] [--rounds R] [--round-seconds S]
 
 Subcommands appear here as they are built; there are no placeholders.
@@ -145,6 +146,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     codec.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
     codec.add_argument("--repeat", type=_positive_int, default=5, help="timed runs per measurement (median)")
+    hostile = benchmarks.add_parser(
+        "hostile",
+        help="how far workers sending poisoned, well-formed payloads move DeMo and DiLoCo (screening alone)",
+    )
+    hostile.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
+    hostile.add_argument("--workers", type=_positive_int, default=8, help="workers in all (default 8)")
+    hostile.add_argument(
+        "--attackers", type=_positive_int, default=2, help="hostile ones among them (default 2)"
+    )
+    hostile.add_argument(
+        "--methods", default="demo_compact,diloco_eager", help="comma-separated, of demo_compact,diloco_eager"
+    )
+    hostile.add_argument(
+        "--attacks",
+        default="sign_flip,sample_lie,random",
+        help="comma-separated, of sign_flip,sample_lie,random (a clean run always comes first)",
+    )
     converge = benchmarks.add_parser(
         "converge",
         help="DeMo, DiLoCo and data-parallel AdamW on one model, data and token budget",
@@ -387,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         return convergence.main(as_json=args.json, quick=args.quick, methods=methods)
+    if args.command == "bench" and args.benchmark == "hostile":
+        return _bench_hostile(args)
     if args.command == "bench" and args.benchmark == "swarm-local":
         from shoal.peer import swarm_bench
 
@@ -403,6 +423,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.benchmark == "wan":
         return _bench_wan(args)
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _bench_hostile(args: argparse.Namespace) -> int:
+    from shoal.peer import hostile
+
+    methods, attacks = args.methods.split(","), args.attacks.split(",")
+    for flag, given, known in (
+        ("--methods", methods, hostile.METHODS),
+        ("--attacks", attacks, hostile.ATTACKS),
+    ):
+        unknown = set(given) - set(known)
+        if unknown:
+            print(
+                f"shoal bench hostile: error: {flag}: unknown {', '.join(sorted(unknown))}", file=sys.stderr
+            )
+            return 2
+    if not args.attackers < args.workers / 2:
+        print("shoal bench hostile: error: --attackers must be fewer than half of --workers", file=sys.stderr)
+        return 2
+    return hostile.main(
+        as_json=args.json, workers=args.workers, attackers=args.attackers, methods=methods, attacks=attacks
+    )
 
 
 def _bench_wan(args: argparse.Namespace) -> int:
