@@ -75,10 +75,14 @@ def test_an_unusable_model_or_data_exits_2_before_the_dht_starts(flags, named):
 
 
 @pytest.mark.timeout(TIMEOUT_S + 10)
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
 def test_a_device_this_machine_lacks_exits_2():
-    result, _ = join("--device", "cuda")
-    assert_refused_before_start(result, "--device cuda: this torch build sees no CUDA GPU")
+    if torch.cuda.is_available():  # one past the GPUs it has
+        lacking = f"cuda:{torch.cuda.device_count()}"
+        said = f"--device {lacking}: only {torch.cuda.device_count()} CUDA GPUs here"
+    else:
+        lacking, said = "cuda", "--device cuda: this torch build sees no CUDA GPU"
+    result, _ = join("--device", lacking)
+    assert_refused_before_start(result, said)
 
 
 @pytest.mark.timeout(TIMEOUT_S + 10)
