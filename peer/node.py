@@ -318,8 +318,8 @@ def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMe
             encode = reports[-1].phases["encode"] if reports else 0.0
             trainer.set_compute_window(plan.compute_seconds - encode - 0.2)
         report = trainer.run(1, stop)[0]
-        if plan.coordinated:  # the round it computed for (an overlapped exchange's count may lag behind)
-            report = dataclasses.replace(report, round=plan.round)
+        # the round it computed for: an overlapped optimizer's gather may not have started yet
+        report = dataclasses.replace(report, round=plan.round)
         wall = time.perf_counter() - started
         reports.append(report)
         samples += report.samples

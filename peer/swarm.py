@@ -252,7 +252,8 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self._pullers: set[str] = set()  # the peers that pulled this peer's last payload
         self._expected_pullers: set[str] = set()  # the other participants of the last round
         self._part_served_at = -math.inf  # monotonic time this peer last served a piece of its payload
-        self._next_round = 0
+        self._next_round = 0  # rounds before it are taken by a plan or a gather (`_take_round`)
+        self._rounds_lock = threading.Lock()
         self._participants = [self.owner]
         self._me = self.owner  # this peer's key among the participants (its peer id under a coordinator)
         self._members: list[bytes] = []  # compatible peers seen in the last round, by public key
@@ -310,14 +311,28 @@ class SwarmExchange(CoordinatedRounds, Exchange):
 
     @property
     def next_round(self) -> int:
-        """The round the next `gather` would join if called now."""
+        """The round the next plan, or a `gather` without one, would take if called now."""
         return max(self._next_round, self.schedule.round_at(time.time()))
+
+    def _take_round(self, planned: int | None, *, coordinated: bool = False) -> int:
+        """Takes a round for a computation: the coordinator's `planned` one; uncoordinated, `planned` (None:
+        the next round not taken) or, if the clock is past it, the round in progress (a late peer joins
+        it). No later plan or gather takes it or an earlier one. The training thread plans while an
+        overlapped optimizer gathers on its own thread: the lock keeps either from undoing the other's
+        step, which would plan one round twice."""
+        with self._rounds_lock:
+            round_number = self._next_round if planned is None else planned
+            if not coordinated:
+                round_number = max(round_number, self.schedule.round_at(time.time()))
+            self._next_round = max(self._next_round, round_number + 1)
+            return round_number
 
     def plan_round(self) -> RoundPlan:
         """The round the next computation is for. With a reachable coordinator: the next round it
         announces (waiting for it), with its compute budget, data seed and this peer's slot; the next
         `gather` then aggregates exactly the participant set the coordinator decides. Otherwise: the
-        round in progress on the clock, uncoordinated."""
+        round in progress on the clock, uncoordinated, or the next one while an overlapped optimizer still
+        gathers that one; the next `gather` joins it (or, late, the round in progress then)."""
         while True:  # in slices, so that a stop (Ctrl-C) is noticed by the caller's signal handler
             plan = self._call(self._plan(wait=1.0))
             if plan is not None:
@@ -346,8 +361,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
     ) -> list[Contribution] | Averaged:
         plan = self._plans.popleft() if self._plans else None
         coordinated = plan is not None and plan.coordinated
-        round_number = plan.round if coordinated else self.next_round
-        self._next_round = max(self._next_round, round_number + 1)
+        round_number = self._take_round(None if plan is None else plan.round, coordinated=coordinated)
         self.last_round = round_number
         self.last_payload_bytes = len(payload)
         self._adopted = None

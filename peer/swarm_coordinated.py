@@ -64,7 +64,7 @@ class CoordinatedRounds:
                     exchange_deadline=announced.exchange_deadline,
                     expected=len(announced.peers),
                 )
-        number = self.next_round
+        number = self._take_round(None)  # the gather joins it, unless the computation runs past its deadline
         if link is not None:  # busy with it uncoordinated: the coordinator, once back, continues after it
             link.progress.round = max(link.progress.round, number)
         return RoundPlan(

@@ -1,0 +1,86 @@
+"""An uncoordinated swarm that ends with `--until-round` ends on one model (issue 25).
+
+Four `shoal join` processes on 127.0.0.1, no coordinator, DiLoCo with eager outer updates: the
+optimizer gathers each round on its own thread while the next round computes, and the training loop
+plans the next round meanwhile. Every peer must compute each round once, report rounds 0..R in order,
+apply the same means and stop after round R, so that all of them end on the same parameter hash.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PEERS = 4
+UNTIL_ROUND = 4
+ROUND_SECONDS = 3.0
+STARTUP_S = 30.0  # the joiners import torch and start a DHT on a busy 2-core machine before round 0
+
+
+def events(path: Path) -> list[dict]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def wait_for_address(path: Path, process: subprocess.Popen, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        for event in events(path):
+            if event.get("event") == "started":
+                return event["initial_peers"][0]
+        time.sleep(0.3)
+    log = path.read_text()[-2000:] if path.exists() else ""
+    raise TimeoutError(f"the first peer printed no address: {log}")
+
+
+def kill(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+@pytest.mark.timeout(150)
+def test_uncoordinated_eager_diloco_ends_on_one_model_after_the_same_rounds(tmp_path):
+    common = ["--host", "127.0.0.1", "--run", "ends", "--log-format", "json", "--algorithm", "diloco"]
+    common += ["--round-seconds", str(ROUND_SECONDS), "--until-round", str(UNTIL_ROUND), "--inner-steps", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes: list[subprocess.Popen] = []
+
+    def launch(index: int, *flags: str) -> None:
+        out = (tmp_path / f"peer{index}.jsonl").open("w")
+        err = (tmp_path / f"peer{index}.err").open("w")
+        command = [sys.executable, "-m", "shoal.peer.cli", "join", *common, *flags]
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+        processes.append(process)
+
+    try:
+        launch(0, "--start-time", repr(time.time() + STARTUP_S))
+        address = wait_for_address(tmp_path / "peer0.jsonl", processes[0], STARTUP_S / 2)
+        for index in range(1, PEERS):
+            launch(index, "--initial-peers", address)
+        for index, process in enumerate(processes):
+            code = process.wait(timeout=STARTUP_S + (UNTIL_ROUND + 1) * ROUND_SECONDS + 60)
+            assert code == 0, (tmp_path / f"peer{index}.err").read_text()[-3000:]
+    finally:
+        for process in processes:
+            kill(process)
+
+    expected = list(range(UNTIL_ROUND + 1))
+    hashes = set()
+    for index in range(PEERS):
+        logged = events(tmp_path / f"peer{index}.jsonl")
+        rounds = [e["round"] for e in logged if e.get("event") == "round"]
+        # each round computed once, none skipped, none past the last: the progress a user reads
+        assert rounds == expected, f"peer {index} reported rounds {rounds}"
+        summary = next(e for e in logged if e.get("event") == "summary")
+        assert summary["rounds"] == UNTIL_ROUND + 1 and summary["last_round"] == UNTIL_ROUND
+        assert summary["stopped"] is False
+        hashes.add(summary["param_hash"])
+    assert len(hashes) == 1, f"the peers ended on {len(hashes)} models"
