@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from shoal.compression import DCTTopKCodec, DecodeLimits, decode_tensor
+from shoal.compression import DCTTopKCodec, DecodeLimits, DenseCodec, EncodedTensor, decode_tensor, values
 from shoal.compression.dct_topk import unpack
 from shoal.peer import convergence
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
@@ -35,7 +35,7 @@ from shoal.peer.demo import DeMo
 from shoal.peer.diloco import DiLoCo
 from shoal.peer.exchange import Averaged, Contribution, Exchange, run_loopback
 from shoal.peer.model import TinyGPT
-from shoal.protocol import Payload
+from shoal.protocol import CodecId, Payload, ValueEncoding
 
 ATTACKS = ("none", "sign_flip", "sample_lie", "random")
 METHODS = ("demo_compact", "diloco_eager")
@@ -44,11 +44,46 @@ SCALE = 3.9
 LIED_SAMPLES = 1 << 40
 
 
-class Poisoned(Exchange):
-    """An attacker's exchange: `inner`, with the payload it sends rewritten by `attack`."""
+def poison(payload: bytes, attack: str, generator: torch.Generator) -> bytes:
+    """An honest payload rewritten by `attack`, in the payload's own codec and settings (read from
+    each message), so that it is as well-formed as the honest one."""
+    message = Payload.FromString(payload)
+    return Payload(
+        tensors=[_poison_tensor(t, attack, generator) for t in message.tensors]
+    ).SerializeToString()
 
-    def __init__(self, inner: Exchange, attack: str, codec, seed: int):
-        self.inner, self.attack, self.codec = inner, attack, codec
+
+def _poison_tensor(message: EncodedTensor, attack: str, generator: torch.Generator) -> EncodedTensor:
+    limits = DecodeLimits(max_numel=1 << 30)
+    bits = values.BITS[message.value_encoding]
+    if message.codec == CodecId.CODEC_ID_DCT_TOPK:
+        codec = DCTTopKCodec(chunk=max(message.chunk_shape), topk=message.topk, value_bits=bits)
+        coeffs = unpack(message, torch.device("cpu"), limits)
+        sent = coeffs.values.float()
+        if attack == "random":
+            scores = torch.rand(coeffs.indices.shape[0], coeffs.plan.chunk_numel, generator=generator)
+            coeffs = replace(coeffs, indices=scores.topk(coeffs.topk, dim=1).indices.sort(dim=1).values)
+            noise = torch.randn(sent.shape, generator=generator)
+            sent = noise * (sent.norm() / noise.norm().clamp(min=1e-30))
+        else:
+            sent = -sent
+        return codec.pack(replace(coeffs, values=sent * SCALE), torch.float32)
+    half = "fp16" if message.value_encoding == ValueEncoding.VALUE_ENCODING_FLOAT16 else "bf16"
+    codec = DenseCodec(value_bits=bits, block=max(message.block_size, 1), half=half)
+    tensor = decode_tensor(message, device="cpu", limits=limits).float()
+    if attack == "random":
+        noise = torch.randn(tensor.shape, generator=generator)
+        tensor = noise * (tensor.norm() / noise.norm().clamp(min=1e-30))
+    else:
+        tensor = -tensor
+    return codec.encode(tensor * SCALE)
+
+
+class Poisoned(Exchange):
+    """An attacker's exchange: `inner`, with the payloads and sample counts it sends rewritten."""
+
+    def __init__(self, inner: Exchange, attack: str, seed: int):
+        self.inner, self.attack = inner, attack
         self.generator = torch.Generator().manual_seed(seed)
 
     @property
@@ -61,43 +96,13 @@ class Poisoned(Exchange):
 
     def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
         samples = LIED_SAMPLES if self.attack == "sample_lie" else samples
-        return self.inner.gather(self._rewrite(payload), samples, state=state)
+        return self.inner.gather(poison(payload, self.attack, self.generator), samples, state=state)
 
     def average(self, payload, samples, state, pieces) -> Averaged:
         return Averaged(contributions=self.gather(payload, samples, state))
 
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         return self.inner.mean(tensor, weight)
-
-    def _rewrite(self, payload: bytes) -> bytes:
-        message = Payload.FromString(payload)
-        tensors = [self._tensor(t) for t in message.tensors]
-        return Payload(tensors=tensors).SerializeToString()
-
-    def _tensor(self, message):
-        limits = DecodeLimits(max_numel=1 << 30)
-        if isinstance(self.codec, DCTTopKCodec):
-            coeffs = unpack(message, torch.device("cpu"), limits)
-            values = coeffs.values.float()
-            if self.attack == "random":
-                scores = torch.rand(
-                    coeffs.indices.shape[0], coeffs.plan.chunk_numel, generator=self.generator
-                )
-                indices = scores.topk(coeffs.topk, dim=1).indices.sort(dim=1).values
-                noise = torch.randn(values.shape, generator=self.generator)
-                noise *= values.norm() / noise.norm().clamp(min=1e-30)
-                coeffs = replace(coeffs, indices=indices)
-                values = noise
-            else:
-                values = -values
-            return self.codec.pack(replace(coeffs, values=values * SCALE), torch.float32)
-        tensor = decode_tensor(message, device="cpu", limits=limits).float()
-        if self.attack == "random":
-            noise = torch.randn(tensor.shape, generator=self.generator)
-            tensor = noise * (tensor.norm() / noise.norm().clamp(min=1e-30))
-        else:
-            tensor = -tensor
-        return self.codec.encode(tensor * SCALE)
 
 
 @dataclass(slots=True)
@@ -161,7 +166,7 @@ def run(
         recorder = _Recorder(loopback, hostile)
         optimizer = _optimizer(method, model, config, recorder)
         if rank in hostile:
-            optimizer.exchange = Poisoned(loopback, attack, optimizer.codec, seed=rank)
+            optimizer.exchange = Poisoned(loopback, attack, seed=rank)
         _train(optimizer, model, batches)
         return model, recorder
 

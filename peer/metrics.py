@@ -30,6 +30,7 @@ REJECTION_REASONS = (
     "banned", "channel_request", "channels", "config_mismatch", "digest_mismatch",
     "duplicate", "length_mismatch", "missing", "non_finite", "opposed", "outlier", "probe_rate", "replayed",
     "resync_failed", "stale_state", "too_large", "unknown_codec", "unknown_value_encoding", "unparsable",
+    "unserved",
     "value_out_of_range", "wrong_structure",
 )  # fmt: skip
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

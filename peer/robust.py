@@ -70,7 +70,9 @@ class Robustness:
         if self.min_agreement is not None and not -1 <= self.min_agreement < 1:
             raise ValueError(f"min_agreement must be in [-1, 1), got {self.min_agreement}")
         if self.min_screened < 3:
-            raise ValueError(f"min_screened must be >= 3 (with two, each opposes the other), got {self.min_screened}")
+            raise ValueError(
+                f"min_screened must be >= 3 (with two, each opposes the other), got {self.min_screened}"
+            )
         if not 1 <= self.suspect_after <= self.suspect_window:
             raise ValueError(
                 f"suspect_after ({self.suspect_after}) must be in [1, suspect_window ({self.suspect_window})]"

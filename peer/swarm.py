@@ -72,6 +72,7 @@ from datetime import timedelta
 
 import hivemind
 import torch
+from google.protobuf.message import DecodeError
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.utils.crypto import RSAPrivateKey
@@ -243,6 +244,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self._held: dict[tuple[int, bytes], bytes] = {}
         self._states: dict[bytes, StateSnapshot] = {}
         self._seen: dict[bytes, int] = {}  # payload digest: the round it was first announced in
+        self._seen_content: dict[bytes, int] = {}  # content_digest of a payload: the round it came in
         self._adopted: list[torch.Tensor] | None = None
         self._mine: tuple[int, bytes] | None = None  # (round, digest) of this peer's last payload
         self._cuttable: dict[int, bytes] = {}  # round: digest of its payloads it serves in pieces
@@ -683,8 +685,12 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self._mine, self._pullers, self._expected_pullers = (round_number, digest), set(), set()
         for key in [k for k in self._held if k[0] < round_number - 1]:  # keep the last round for late pullers
             del self._held[key]
-        for key in [k for k, first_round in self._seen.items() if first_round < round_number - 16]:
-            del self._seen[key]
+        for seen in (self._seen, self._seen_content):
+            for key in [k for k, first_round in seen.items() if first_round < round_number - 16]:
+                del seen[key]
+        self._puller.refused_by_author = {
+            k for k in self._puller.refused_by_author if k[0] >= round_number - 1
+        }
         self.banned = {owner: until for owner, until in self.banned.items() if until > round_number}
         await self._store_record(round_number, refresh_s=RECORD_REFRESH_S if coordinated else 0.0)
         if self._rejoin and self.peers_seen <= 1 and time.monotonic() - self._rejoined_at >= REJOIN_EVERY_S:
@@ -708,6 +714,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         payloads. Returns (the announcements taken, the compatible peers)."""
         key = f"{self.run}.round.{round_number}"
         announced = {self.owner: mine}
+        announced_at: dict[bytes, float] = {}
         ignored: set[bytes] = set()
         fetches: dict[bytes, asyncio.Task] = {}
         compatible: set[bytes] = set()
@@ -739,16 +746,30 @@ class SwarmExchange(CoordinatedRounds, Exchange):
                         self._strike(owner, reason)
                     continue
                 announced[owner] = announcement
+                announced_at[owner] = time.time()
                 if (round_number, announcement.digest) not in self._held:
                     fetches[owner] = asyncio.create_task(self._fetch(round_number, announcement, announced))
             remaining = deadline - time.time()
             if remaining <= 0:
                 break
             await asyncio.sleep(min(self.poll_interval_s, remaining))
-        for task in fetches.values():
+        for owner, task in fetches.items():
+            if not task.done():
+                self._unserved(round_number, announced[owner], since=announced_at[owner], deadline=deadline)
             task.cancel()
         await asyncio.gather(*fetches.values(), return_exceptions=True)
         return announced, compatible
+
+    def _unserved(
+        self, round_number: int, announcement: Announcement, *, since: float, deadline: float
+    ) -> None:
+        """A payload nobody could pull by the deadline strikes its author if the author said it held
+        nothing, or if it was announced a whole `fetch_timeout` before the deadline: announcing without
+        serving would otherwise cost nothing, and every peer would wait on it, round after round."""
+        refused = (round_number, announcement.digest) in self._puller.refused_by_author
+        if refused or deadline - since >= self.fetch_timeout_s:
+            self.rejected["unserved"] += 1
+            self._strike(announcement.owner, "unserved")
 
     async def _settle(
         self,
@@ -881,7 +902,29 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         """Pulls one payload into `_held` (shoal.peer.swarm_pull), until it is had or the round's task
         is cancelled."""
         data = await self._puller.payload(round_number, announcement, holders)
+        content = content_digest(data)
+        if content is not None and self._seen_content.setdefault(content, round_number) < round_number:
+            # an earlier round's payload, re-encoded (an unknown field appended, fields reordered):
+            # its digest is new, its content is not
+            self.rejected["replayed"] += 1
+            self._strike(announcement.owner, "replayed")
+            return
         self._held[(round_number, announcement.digest)] = data
+
+
+def content_digest(data: bytes) -> bytes | None:
+    """SHA-256 of a payload's canonical form (unknown fields dropped, deterministic serialization):
+    the same for every encoding of the same tensors. None when `data` is no Payload of tensors (a
+    `mean`'s part): nothing to compare."""
+    message = Payload()
+    try:
+        message.ParseFromString(data)
+    except DecodeError:
+        return None
+    message.DiscardUnknownFields()
+    if not message.tensors:
+        return None
+    return hashlib.sha256(message.SerializeToString(deterministic=True)).digest()
 
 
 async def _ping_again(maddrs: tuple[str, ...], _dht: hivemind.DHT, node: DHTNode) -> int:

@@ -44,6 +44,11 @@ TRANSIENT = (TimeoutError, P2PDaemonError, P2PHandlerError, OSError, asyncio.Inc
 """Failures that say nothing about the source's honesty: try another, or again later."""
 
 
+class NotHeld(TimeoutError):
+    """A source answered that it holds nothing for the request (yet): transient from a relay, a
+    refusal from the author of an announcement, which holds its payload before it announces it."""
+
+
 class Puller:
     """See the module docstring. Create on the loop it will run on."""
 
@@ -66,6 +71,9 @@ class Puller:
         self.strike, self.received, self.rejected = strike, received, rejected
         self.relayed = 0
         """Payloads pulled from a peer other than their author."""
+        self.refused_by_author: set[tuple[int, bytes]] = set()
+        """(round, digest) of payloads whose author answered that it holds nothing: announced but not
+        served (the exchange strikes the author if nobody got the payload by the deadline)."""
         self._in_flight = InFlight(max_concurrent, max_bytes_in_flight)
 
     async def payload(
@@ -91,6 +99,10 @@ class Puller:
                     self.rejected[error.reason] += 1
                     self.strike(source.owner, error.reason)
                     refused.add(source.owner)
+                    continue
+                except NotHeld:
+                    if source is announcement:
+                        self.refused_by_author.add((round_number, announcement.digest))
                     continue
                 except TRANSIENT:
                     continue
@@ -149,7 +161,7 @@ class Puller:
     async def _checked(self, source: str, announcement: Announcement, request: PayloadRequest) -> bytes:
         data = await self.channels.pull(source, request, announcement.size)
         if not data:
-            raise TimeoutError(f"{source} does not hold the payload (yet)")
+            raise NotHeld(f"{source} does not hold the payload (yet)")
         if len(data) != announcement.size or hashlib.sha256(data).digest() != announcement.digest:
             raise MalformedPayloadError(
                 "digest_mismatch", f"{source}: payload does not match its announcement"

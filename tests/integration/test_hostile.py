@@ -1,0 +1,111 @@
+"""One attacker among four real `shoal join` processes on 127.0.0.1 (tests/integration/poisoner.py: the
+real peer, changing only what it sends): the honest peers end on one model, as good as a clean run of
+the same seed, and strike and then ban the attacker, counted by reason."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HONEST = [sys.executable, "-m", "shoal.peer.cli"]
+ATTACKER = [sys.executable, "-m", "tests.integration.poisoner"]
+STARTUP_S = 25.0  # four processes importing torch and hivemind on two cores
+
+
+def events(path: Path) -> list[dict]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def swarm(tmp_path: Path, name: str, args: list[str], attack: str | None, rounds: int) -> list[dict]:
+    """Runs 4 peers until round `rounds`: the first starts the run, the last attacks (if `attack`).
+    Returns every peer's summary event, the attacker's last."""
+    common = ["join", "--host", "127.0.0.1", "--run", name, "--log-format", "json", "--seed", "3"]
+    common += ["--until-round", str(rounds), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHOAL_ATTACK": attack or ""}
+    logs = [tmp_path / f"{name}-{i}.jsonl" for i in range(4)]
+    processes: list[subprocess.Popen] = []
+
+    def start(i: int, extra: list[str]) -> None:
+        command = ATTACKER if attack and i == 3 else HONEST
+        with logs[i].open("w") as out, (tmp_path / f"{name}-{i}.err").open("w") as err:
+            processes.append(
+                subprocess.Popen(
+                    [*command, *common, *extra],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                )
+            )
+
+    try:
+        start(0, ["--start-time", str(time.time() + STARTUP_S)])
+        deadline = time.time() + 60
+        while not any(e.get("event") == "started" for e in events(logs[0])):
+            assert time.time() < deadline and processes[0].poll() is None, (
+                tmp_path / f"{name}-0.err"
+            ).read_text()
+            time.sleep(0.5)
+        address = next(e for e in events(logs[0]) if e.get("event") == "started")["address"]
+        for i in (1, 2, 3):
+            start(i, ["--initial-peers", address])
+        for i, process in enumerate(processes):
+            code = process.wait(timeout=STARTUP_S + rounds * 4 + 90)
+            assert code == 0, (tmp_path / f"{name}-{i}.err").read_text()[-3000:]
+        return [next(e for e in events(log) if e.get("event") == "summary") for log in logs]
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def final_loss(summaries: list[dict]) -> float:
+    return sum(s["final_loss"] for s in summaries) / len(summaries)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(
+    ("algorithm", "attack", "screened"),
+    [
+        (["--algorithm", "demo", "--round-seconds", "2"], "sign_flip", "outlier"),
+        (
+            ["--algorithm", "diloco", "--round-seconds", "3", "--inner-steps", "4"],
+            "sample_lie",
+            "opposed",
+        ),
+    ],
+    ids=["demo-sign_flip", "diloco-sample_lie"],
+)
+def test_one_poisoner_in_four_is_banned_and_moves_nothing(tmp_path, algorithm, attack, screened):
+    rounds = 14
+    clean = swarm(tmp_path, "clean", algorithm, None, rounds)
+    attacked = swarm(tmp_path, "attacked", algorithm, attack, rounds)
+    honest = attacked[:3]
+    assert len({s["param_hash"] for s in honest}) == 1, "honest peers ended on different models"
+    assert len({s["param_hash"] for s in clean}) == 1
+    for summary in honest:
+        assert summary["rejected"].get(screened, 0) >= 1, summary["rejected"]
+        assert summary["rejected"].get("banned", 0) >= 1, summary["rejected"]  # three strikes, then ignored
+    assert final_loss(honest) <= 1.03 * final_loss(clean[:3]), (final_loss(honest), final_loss(clean[:3]))
+
+
+@pytest.mark.timeout(300)
+def test_announcing_without_serving_and_modified_replays_are_struck(tmp_path):
+    honest = swarm(
+        tmp_path, "replay", ["--algorithm", "demo", "--round-seconds", "2"], "unserved_then_replay", 14
+    )[:3]
+    assert len({s["param_hash"] for s in honest}) == 1
+    for summary in honest:
+        rejected = summary["rejected"]
+        assert rejected.get("unserved", 0) >= 1 and rejected.get("replayed", 0) >= 1, rejected
+        assert rejected.get("banned", 0) >= 1, rejected
