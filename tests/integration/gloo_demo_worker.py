@@ -19,10 +19,15 @@ from shoal.peer.demo import DeMo
 from shoal.peer.diloco import DiLoCo
 from shoal.peer.exchange import TorchDistributedExchange
 from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.robust import NONE
 from tests.unit.test_demo import SHAPES, make_grads
 
 SETTINGS = {
-    "reference": {"steps": 4, "dtype": torch.float64, "demo": {"lr": 1e-3, "weight_decay": 0.1}},
+    "reference": {
+        "steps": 4,
+        "dtype": torch.float64,
+        "demo": {"lr": 1e-3, "weight_decay": 0.1, "robust": NONE},  # the reference: no screening
+    },
     "determinism": {
         "steps": 50,
         "dtype": torch.float32,
