@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,14 +25,27 @@ def events(path: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
-def swarm(tmp_path: Path, name: str, args: list[str], attack: str | None, rounds: int) -> list[dict]:
-    """Runs 4 peers until round `rounds`: the first starts the run, the last attacks (if `attack`).
-    Returns every peer's summary event, the attacker's last."""
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def swarm(
+    tmp_path: Path, name: str, args: list[str], attack: str | None, rounds: int, coordinated: bool = False
+) -> list[dict]:
+    """Runs 4 peers until round `rounds`: the first starts the run, the last attacks (if `attack`);
+    `coordinated`: under a `shoal coordinator` whose first round waits for all four. Returns every
+    peer's summary event, the attacker's last."""
     common = ["join", "--host", "127.0.0.1", "--run", name, "--log-format", "json", "--seed", "3"]
     common += ["--until-round", str(rounds), *args]
+    if coordinated:
+        address = f"127.0.0.1:{free_port()}"
+        common += ["--coordinator", address]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHOAL_ATTACK": attack or ""}
     logs = [tmp_path / f"{name}-{i}.jsonl" for i in range(4)]
     processes: list[subprocess.Popen] = []
+    coordinator: subprocess.Popen | None = None
 
     def start(i: int, extra: list[str]) -> None:
         command = ATTACKER if attack and i == 3 else HONEST
@@ -48,6 +62,12 @@ def swarm(tmp_path: Path, name: str, args: list[str], attack: str | None, rounds
             )
 
     try:
+        if coordinated:
+            server = [*HONEST, "coordinator", "--listen", address, "--state", str(tmp_path / f"{name}.db")]
+            with (tmp_path / f"{name}-coordinator.log").open("w") as log:
+                coordinator = subprocess.Popen(
+                    [*server, "--min-peers", "4"], cwd=ROOT, stdout=log, stderr=log, start_new_session=True
+                )
         start(0, ["--start-time", str(time.time() + STARTUP_S)])
         deadline = time.time() + 60
         while not any(e.get("event") == "started" for e in events(logs[0])):
@@ -63,7 +83,7 @@ def swarm(tmp_path: Path, name: str, args: list[str], attack: str | None, rounds
             assert code == 0, (tmp_path / f"{name}-{i}.err").read_text()[-3000:]
         return [next(e for e in events(log) if e.get("event") == "summary") for log in logs]
     finally:
-        for process in processes:
+        for process in processes + ([coordinator] if coordinator else []):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
@@ -97,6 +117,18 @@ def test_one_poisoner_in_four_is_banned_and_moves_nothing(tmp_path, algorithm, a
         assert summary["rejected"].get(screened, 0) >= 1, summary["rejected"]
         assert summary["rejected"].get("banned", 0) >= 1, summary["rejected"]  # three strikes, then ignored
     assert final_loss(honest) <= 1.03 * final_loss(clean[:3]), (final_loss(honest), final_loss(clean[:3]))
+
+
+@pytest.mark.timeout(300)
+def test_under_a_coordinator_the_poisoner_is_left_out_every_round_and_moves_nothing(tmp_path):
+    honest = swarm(
+        tmp_path, "coordinated", ["--algorithm", "demo", "--round-seconds", "2"], "sign_flip", 12, True
+    )[:3]
+    assert len({s["param_hash"] for s in honest}) == 1, "honest peers ended on different models"
+    for summary in honest:
+        assert summary["coordinated_rounds"] >= 6, summary
+        assert summary["rejected"].get("outlier", 0) >= 3, summary["rejected"]
+        assert summary["final_loss"] < summary["initial_loss"] - 0.5
 
 
 @pytest.mark.timeout(300)
