@@ -11,6 +11,10 @@ like everyone else and changes only the bytes and the sample count it sends (`Po
 - sample_lie: sign_flip, and a claim of 2^40 samples (what DiLoCo's mean is weighted by);
 - random: random directions (DeMo: random indices, gaussian values) at `SCALE` times its norm.
 
+Each method also runs `honest_only`: a clean run of the honest workers alone, what they reach when
+every attacker is left out from the first step. Against the clean run of all workers it costs the
+attackers' share of the compute; it is the floor of any defence that excludes attackers.
+
 Reported per (method, attack): the honest worker 0's final validation loss, its change against the
 clean run of the same seed, and what the honest workers' screening (shoal.peer.robust) said of the
 attackers' contributions (`opposed`: left out of a round; `outlier`: reported as persistently
@@ -151,6 +155,8 @@ class _Recorder(Exchange):
 def run(
     method: str, attack: str, workers: int, attackers: int, streams: TokenStreams, clean: float | None
 ) -> HostileResult:
+    if attack == "honest_only":
+        workers, attackers, attack = workers - attackers, 0, "none"
     config = replace(convergence.QUICK, workers=workers)
     torch.manual_seed(config.seed)
     initial = TinyGPT(config.gpt).state_dict()
@@ -234,8 +240,9 @@ def main(
     results = []
     for method in methods:
         clean = None
-        for attack in ("none", *[a for a in attacks if a != "none"]):
+        for attack in ("none", "honest_only", *[a for a in attacks if a != "none"]):
             result = run(method, attack, workers, attackers, streams, clean)
+            result.attack = attack
             clean = clean or result.final_val_loss
             results.append(result)
             if not as_json:
