@@ -216,11 +216,14 @@ def screen(
     count = len(contributions)
     if count < 2:
         return Screened.of(weights, [1.0] * count, [None] * count, policy)
-    flat = [torch.cat([t.float().reshape(-1) for t in c]) for c in contributions]
-    if policy.judges and count >= policy.min_screened:
-        gram = torch.stack(flat) @ torch.stack(flat).T if flat[0].numel() else torch.zeros(count, count)
-    else:
-        gram = torch.diag(torch.stack([f.square().sum() for f in flat]))
+    judges = policy.judges and count >= policy.min_screened
+    gram = torch.zeros(count, count, device=contributions[0][0].device if contributions[0] else "cpu")
+    for parts in zip(*contributions, strict=True):  # a tensor at a time: N copies of the largest at most
+        stacked = torch.stack([t.reshape(-1).float() for t in parts])  # (N, numel)
+        if judges:
+            gram += stacked @ stacked.T
+        else:
+            gram += torch.diag(stacked.square().sum(dim=1))
     return judged(gram.tolist(), weights, policy, suspicion, senders)  # one host sync
 
 
