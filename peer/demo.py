@@ -440,7 +440,7 @@ class DeMo(torch.optim.Optimizer):
             coeffs = unpack(message, piece.members[0].param.device, limits)
             if coeffs.plan != piece.plan:
                 raise MalformedPayloadError(
-                    "wrong_structure", f"plan {coeffs.plan} where {piece.plan} was expected"
+                    "config_mismatch", f"chunk plan {coeffs.plan} where the run's is {piece.plan}"
                 )
             expected = (min(self.codec.topk, piece.plan.chunk_numel), self.codec.encoding)
             if (coeffs.topk, message.value_encoding) != expected:

@@ -365,7 +365,7 @@ class DiLoCo:
             tensor = decode_tensor(message, device=p.device, limits=limits)
             if tensor.shape != p.shape:
                 raise MalformedPayloadError(
-                    "wrong_structure", f"shape {list(tensor.shape)}, expected {list(p.shape)}"
+                    "config_mismatch", f"shape {list(tensor.shape)} where the run's is {list(p.shape)}"
                 )
             decoded.append(tensor.float())
         return decoded

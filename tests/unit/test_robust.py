@@ -110,9 +110,9 @@ class _Fixed(Exchange):
         self.rejected.append((contribution.sender, reason))
 
 
-@pytest.mark.parametrize(("topk", "bits"), [(8, 32), (4, 8)])
-def test_demo_rejects_a_payload_sent_with_other_topk_or_value_bits(topk, bits):
-    codec = DCTTopKCodec(chunk=64, topk=topk, value_bits=bits)
+@pytest.mark.parametrize(("chunk", "topk", "bits"), [(64, 8, 32), (64, 4, 8), (32, 4, 32)])
+def test_demo_rejects_a_payload_sent_with_other_topk_value_bits_or_chunk(chunk, topk, bits):
+    codec = DCTTopKCodec(chunk=chunk, topk=topk, value_bits=bits)
     foreign = Payload(tensors=[codec.pack(codec.select(torch.randn(64, 64)), torch.float32)])
     exchange = _Fixed([Contribution(1, foreign.SerializeToString(), 1, b"other")])
     p = torch.nn.Parameter(torch.zeros(64, 64))
