@@ -129,15 +129,3 @@ def test_under_a_coordinator_the_poisoner_is_left_out_every_round_and_moves_noth
         assert summary["coordinated_rounds"] >= 6, summary
         assert summary["rejected"].get("outlier", 0) >= 3, summary["rejected"]
         assert summary["final_loss"] < summary["initial_loss"] - 0.5
-
-
-@pytest.mark.timeout(300)
-def test_announcing_without_serving_and_modified_replays_are_struck(tmp_path):
-    honest = swarm(
-        tmp_path, "replay", ["--algorithm", "demo", "--round-seconds", "2"], "unserved_then_replay", 14
-    )[:3]
-    assert len({s["param_hash"] for s in honest}) == 1
-    for summary in honest:
-        rejected = summary["rejected"]
-        assert rejected.get("unserved", 0) >= 1 and rejected.get("replayed", 0) >= 1, rejected
-        assert rejected.get("banned", 0) >= 1, rejected

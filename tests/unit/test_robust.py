@@ -19,6 +19,7 @@ from shoal.peer.robust import (
     capped_weights,
     screen,
 )
+from shoal.peer.swarm import content_digest
 from shoal.protocol import Payload
 
 
@@ -121,3 +122,10 @@ def test_demo_rejects_a_payload_sent_with_other_topk_value_bits_or_chunk(chunk, 
     opt.step()
     assert exchange.rejected == [(b"other", "config_mismatch")]
     assert opt.rejected["config_mismatch"] == 1
+
+
+def test_a_replay_is_known_by_content_whatever_bytes_are_appended():
+    payload = Payload(tensors=[DCTTopKCodec(topk=4).encode(torch.randn(64, 64))]).SerializeToString()
+    unknown_field = b"\xf8\x07\x01"  # field 127, varint 1: not in payload.proto
+    assert content_digest(payload + unknown_field) == content_digest(payload) is not None
+    assert content_digest(b"\x00" * 8 + b"not a payload") is None  # a mean's part: nothing to compare
