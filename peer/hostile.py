@@ -83,12 +83,11 @@ def _poison_tensor(message: EncodedTensor, attack: str, generator: torch.Generat
     return codec.encode(tensor * SCALE)
 
 
-class Poisoned(Exchange):
-    """An attacker's exchange: `inner`, with the payloads and sample counts it sends rewritten."""
+class _Wrapped(Exchange):
+    """An exchange that passes everything to `inner`; subclasses change what they need."""
 
-    def __init__(self, inner: Exchange, attack: str, seed: int):
-        self.inner, self.attack = inner, attack
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, inner: Exchange):
+        self.inner = inner
 
     @property
     def rank(self) -> int:
@@ -99,14 +98,26 @@ class Poisoned(Exchange):
         return self.inner.world_size
 
     def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
+        return self.inner.gather(payload, samples, state=state)
+
+    def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        return self.inner.mean(tensor, weight)
+
+
+class Poisoned(_Wrapped):
+    """An attacker's exchange: `inner`, with the payloads and sample counts it sends rewritten."""
+
+    def __init__(self, inner: Exchange, attack: str, seed: int):
+        super().__init__(inner)
+        self.attack = attack
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
         samples = LIED_SAMPLES if self.attack == "sample_lie" else samples
         return self.inner.gather(poison(payload, self.attack, self.generator), samples, state=state)
 
     def average(self, payload, samples, state, pieces) -> Averaged:
         return Averaged(contributions=self.gather(payload, samples, state))
-
-    def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
-        return self.inner.mean(tensor, weight)
 
 
 @dataclass(slots=True)
@@ -126,27 +137,14 @@ class HostileResult:
     wall_s: float
 
 
-class _Recorder(Exchange):
+class _Recorder(_Wrapped):
     """An honest worker's exchange that counts, per reason, whom its optimizer reported."""
 
     def __init__(self, inner: Exchange, attackers: set[int]):
-        self.inner, self.attackers = inner, attackers
+        super().__init__(inner)
+        self.attackers = attackers
         self.on_attackers: Counter[str] = Counter()
         self.on_honest: Counter[str] = Counter()
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
-
-    def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
-        return self.inner.gather(payload, samples, state=state)
-
-    def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
-        return self.inner.mean(tensor, weight)
 
     def reject(self, contribution: Contribution, reason: str) -> None:
         (self.on_attackers if contribution.rank in self.attackers else self.on_honest)[reason] += 1

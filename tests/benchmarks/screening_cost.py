@@ -11,8 +11,6 @@ float32 pseudo-gradients of the model's size. Prints one JSON object with median
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
@@ -20,6 +18,7 @@ from shoal.peer.demo import DeMo
 from shoal.peer.exchange import Contribution, Exchange
 from shoal.peer.model import GPTConfig, TinyGPT
 from shoal.peer.robust import DEMO, DILOCO, NONE, screen
+from tests.benchmarks.demo_step_overhead import median_ms
 
 DEMO_SETTINGS = {"lr": 1e-3, "compression_topk": 4, "value_bits": 1, "compression_decay": 0.99}
 
@@ -59,16 +58,6 @@ def payloads(model: TinyGPT, count: int) -> list[bytes]:
     return sent
 
 
-def median_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1000, 1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", help="tiny, small or base (default: small)")
@@ -87,11 +76,10 @@ def main() -> None:
             opt = DeMo(params, exchange=_Others(others), robust=policy, **DEMO_SETTINGS)
             for p in params:
                 p.grad = torch.randn_like(p)
-            row[name] = median_ms(opt.step, args.repeat)
+            row[name] = round(median_ms(opt.step, args.repeat), 1)
         pseudo = [[torch.randn(numel)] for _ in range(n)]
-        row["diloco_screen_ms"] = median_ms(
-            lambda pseudo=pseudo: screen(pseudo, [1] * len(pseudo), DILOCO), args.repeat
-        )
+        diloco = median_ms(lambda pseudo=pseudo: screen(pseudo, [1] * len(pseudo), DILOCO), args.repeat)
+        row["diloco_screen_ms"] = round(diloco, 1)
         results.append(row)
     print(
         json.dumps(

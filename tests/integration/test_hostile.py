@@ -3,10 +3,8 @@ real peer, changing only what it sends): the honest peers end on one model, as g
 the same seed, and strike and then ban the attacker, counted by reason."""
 
 import contextlib
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,21 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.test_cli_swarm import events, free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 HONEST = [sys.executable, "-m", "shoal.peer.cli"]
 ATTACKER = [sys.executable, "-m", "tests.integration.poisoner"]
 STARTUP_S = 15.0  # four processes importing torch and hivemind on two cores (a late joiner skips rounds)
-
-
-def events(path: Path) -> list[dict]:
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.startswith("{")]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def swarm(
