@@ -402,7 +402,8 @@ class DeMo(torch.optim.Optimizer):
         senders: list[bytes],
     ) -> Screened:
         """shoal.peer.robust's screening of sparse contributions, from their Gram matrix: per slice,
-        each contribution scattered densely once and read at every contribution's indices."""
+        each contribution scattered densely once and read at all contributions' indices in one gather
+        (the round's coefficients side by side), then zeroed where it was written."""
         count, policy = len(decoded), self.robust
         if count < 2 or (policy.norm_ratio is None and not policy.judges):
             return Screened.of(weights, [1.0] * count, [None] * count, policy)
@@ -416,13 +417,15 @@ class DeMo(torch.optim.Optimizer):
         for index, piece in enumerate(slices):
             plan = piece.plan
             dense = self.codec.workspace.get(SUM_SLOT, plan.numel, device, torch.float32)
-            dense = dense.view(plan.num_chunks, -1)
+            dense = dense.view(plan.num_chunks, -1).zero_()
+            # every contribution's coefficients side by side: (chunks, count * k); read at once
+            indices = torch.cat([coeffs[index].indices for coeffs in decoded], dim=1)
+            values = torch.cat([coeffs[index].values.float() for coeffs in decoded], dim=1)
             for j, other in enumerate(decoded):
-                dense.zero_().scatter_(1, other[index].indices, other[index].values.float())
-                for i, coeffs in enumerate(decoded):
-                    gram[i, j] += (
-                        dense.gather(1, coeffs[index].indices) * coeffs[index].values.float()
-                    ).sum()
+                dense.scatter_(1, other[index].indices, other[index].values.float())
+                products = dense.gather(1, indices).mul_(values)
+                gram[:, j] += products.view(plan.num_chunks, count, -1).sum(dim=(0, 2))
+                dense.scatter_(1, other[index].indices, 0.0)  # back to zeros, at only what was written
         return judged(gram.tolist(), weights, policy, self.suspicion, senders)  # one host sync
 
     def _decode(

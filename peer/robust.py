@@ -14,8 +14,11 @@ stay identical):
    from most of the round) is left out of the round and reported as `opposed`, which strikes its
    sender in the swarm. Judged only with at least `min_screened` contributions.
 4. **Persistent outliers are left out**: `Suspicion` keeps each sender's recent agreements; a sender
-   whose mean over the last `suspect_window` rounds is below `suspect_below` is left out and reported
-   as an `outlier` every round until it is not, so the swarm strikes and then bans it.
+   whose mean over the last `suspect_window` rounds is below `suspect_below`, or below
+   `suspect_relative` times the round's lower-median mean (of the senders judged that round), is
+   left out and reported as an `outlier` every round until it is not, so the swarm strikes and then
+   bans it. The first bound catches an opposed sender, the second one that sends noise: random
+   directions agree with nothing (a mean near 0), while honest peers agree with each other.
 
 Rule 3 suits DiLoCo, whose honest pseudo-gradients agree strongly. DeMo's top-k momenta overlap
 little, so their cosines are small and a single round cannot tell a sign-flipper from an honest
@@ -57,8 +60,11 @@ class Robustness:
     suspect_below: float | None = 0.0
     """A sender whose mean cosine over its last `suspect_window` rounds is below this is reported as
     an `outlier`; None: never."""
+    suspect_relative: float | None = 0.15
+    """A sender whose mean cosine is below this fraction of the round's lower-median mean is reported
+    as an `outlier` too (in [0, 1)); None: never."""
     suspect_window: int = 8
-    """Rounds of a sender's cosines that `suspect_below` averages."""
+    """Rounds of a sender's cosines that `suspect_below` and `suspect_relative` average."""
     suspect_after: int = 3
     """Fewest rounds of a sender seen before it can be reported."""
 
@@ -73,22 +79,31 @@ class Robustness:
             raise ValueError(
                 f"min_screened must be >= 3 (with two, each opposes the other), got {self.min_screened}"
             )
+        if self.suspect_relative is not None and not 0 <= self.suspect_relative < 1:
+            raise ValueError(f"suspect_relative must be in [0, 1), got {self.suspect_relative}")
         if not 1 <= self.suspect_after <= self.suspect_window:
             raise ValueError(
                 f"suspect_after ({self.suspect_after}) must be in [1, suspect_window ({self.suspect_window})]"
             )
 
     @property
+    def suspects(self) -> bool:
+        """Whether senders are judged over their recent rounds (rule 4)."""
+        return self.suspect_below is not None or self.suspect_relative is not None
+
+    @property
     def judges(self) -> bool:
         """Whether contributions' directions are computed at all."""
-        return self.min_agreement is not None or self.suspect_below is not None
+        return self.min_agreement is not None or self.suspects
 
 
 DILOCO = Robustness()
 """DiLoCo's default: untrusted participants."""
 DEMO = Robustness(min_agreement=None)
 """DeMo's default: untrusted participants, no per-round drop (see the module docstring)."""
-NONE = Robustness(suspect_below=None, norm_ratio=None, sample_ratio=None, min_agreement=None)
+NONE = Robustness(
+    suspect_below=None, suspect_relative=None, norm_ratio=None, sample_ratio=None, min_agreement=None
+)
 """No screening: the reference semantics (trusted participants: loopback, torch.distributed)."""
 
 
@@ -143,9 +158,9 @@ class Suspicion:
     def outliers(self, senders: Sequence[bytes], cosines: Sequence[float | None]) -> list[bool]:
         """Records a round's cosines; returns which senders are outliers now."""
         policy = self.policy
-        if policy.suspect_below is None:
+        if not policy.suspects:
             return [False] * len(senders)
-        verdicts = []
+        means: list[float | None] = []
         for sender, cosine in zip(senders, cosines, strict=True):
             recent = self._recent.get(sender)
             if recent is None:
@@ -154,10 +169,12 @@ class Suspicion:
                 recent = self._recent[sender] = deque(maxlen=policy.suspect_window)
             if cosine is not None:
                 recent.append(cosine)
-            verdicts.append(
-                len(recent) >= policy.suspect_after and sum(recent) / len(recent) < policy.suspect_below
-            )
-        return verdicts
+            means.append(sum(recent) / len(recent) if len(recent) >= policy.suspect_after else None)
+        judged = [mean for mean in means if mean is not None]
+        bounds = [] if policy.suspect_below is None else [policy.suspect_below]
+        if policy.suspect_relative is not None and judged:
+            bounds.append(policy.suspect_relative * lower_median(judged))
+        return [mean is not None and any(mean < bound for bound in bounds) for mean in means]
 
 
 @dataclass(frozen=True, slots=True)

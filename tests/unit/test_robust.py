@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from shoal.compression import DCTTopKCodec
+from shoal.peer import demo
 from shoal.peer.demo import DeMo
 from shoal.peer.exchange import Contribution, Exchange
 from shoal.peer.robust import (
@@ -77,10 +78,25 @@ def test_suspicion_reports_a_sender_whose_recent_agreement_is_negative_and_forge
     assert set(suspicion._recent) == {b"b", b"c"}
 
 
+def test_suspicion_reports_a_sender_of_noise_that_agrees_with_nobody_and_only_it():
+    suspicion = Suspicion(Robustness(suspect_window=4, suspect_after=2))
+    senders = [b"a", b"b", b"c", b"noise"]
+    verdicts = [suspicion.outliers(senders, [0.05, 0.04, 0.06, 0.002]) for _ in range(3)]
+    assert verdicts[0] == [False] * 4  # too few rounds yet
+    assert verdicts[1] == verdicts[2] == [False, False, False, True]  # 0.002 < 0.15 * 0.05
+    # the honest ones may agree little, late in training: no one is reported for the round's level
+    quiet = Suspicion(Robustness(suspect_window=4, suspect_after=2))
+    for _ in range(3):
+        assert quiet.outliers(senders[:3], [0.003, 0.002, 0.004]) == [False] * 3
+    unbounded = Suspicion(Robustness(suspect_window=4, suspect_after=2, suspect_relative=None))
+    assert [unbounded.outliers(senders, [0.05, 0.04, 0.06, 0.002]) for _ in range(2)][1] == [False] * 4
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
         {"norm_ratio": 0.5},
+        {"suspect_relative": 1.0},
         {"sample_ratio": 0.9},
         {"min_agreement": 1.0},
         {"min_screened": 2},
@@ -122,6 +138,54 @@ def test_demo_rejects_a_payload_sent_with_other_topk_value_bits_or_chunk(chunk, 
     opt.step()
     assert exchange.rejected == [(b"other", "config_mismatch")]
     assert opt.rejected["config_mismatch"] == 1
+
+
+def test_demo_screens_with_the_gram_matrix_of_the_dense_coefficients(monkeypatch):
+    codec = DCTTopKCodec(chunk=32, topk=4, value_bits=32)
+    shapes = [(64, 96), (64, 96), (32, 32)]  # one slice: DeMo views them all as (416, 32)
+    generator = torch.Generator().manual_seed(0)
+    common = torch.randn(416, 32, generator=generator)  # so that the others' top-k overlap
+    others = [
+        Contribution(
+            rank,
+            Payload(
+                tensors=[codec.encode(common + 0.3 * torch.randn(416, 32, generator=generator))]
+            ).SerializeToString(),
+            1,
+            bytes([rank]),
+        )
+        for rank in (1, 2, 3)
+    ]
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator)
+    seen = {}
+    original_screen, original_judged = DeMo._screen, demo.judged
+
+    def screen(self, decoded, *args):
+        seen["decoded"] = decoded
+        return original_screen(self, decoded, *args)
+
+    def judged(gram, *args):
+        seen["gram"] = gram
+        return original_judged(gram, *args)
+
+    monkeypatch.setattr(DeMo, "_screen", screen)
+    monkeypatch.setattr(demo, "judged", judged)
+    DeMo(
+        params, lr=1e-3, exchange=_Fixed(others), compression_topk=4, value_bits=32, compression_chunk=32
+    ).step()
+    dense = []
+    for coeffs in seen["decoded"]:
+        parts = []
+        for c in coeffs:
+            tiles = torch.zeros(c.plan.num_chunks, c.plan.chunk_numel)
+            parts.append(tiles.scatter_(1, c.indices, c.values.float()).flatten())
+        dense.append(torch.cat(parts))
+    expected = torch.stack(dense) @ torch.stack(dense).T
+    assert len(seen["decoded"]) == 4 and seen["decoded"][0][0].plan.num_chunks == 13
+    assert torch.allclose(torch.tensor(seen["gram"]), expected, rtol=1e-5, atol=1e-6)
+    assert (expected - torch.diag(expected.diag())).abs().sum() > 0  # the contributions do overlap
 
 
 def test_a_replay_is_known_by_content_whatever_bytes_are_appended():
