@@ -9,7 +9,7 @@ from importlib.metadata import version
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
-from shoal.coordinator.rounds import Announced, Decided, Dropped, SwarmState
+from shoal.coordinator.rounds import Announced, Capped, Decided, Dropped, SwarmState
 
 ROUND_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 # exposed at 0 from the start: the reasons rounds.py drops members for, the codes requests are refused with
@@ -41,6 +41,11 @@ class CoordinatorMetrics:
         self.dropped = Counter(
             "shoal_coordinator_dropped_peers", "Members dropped, by reason.", ["reason"], registry=r
         )
+        self.capped = Counter(
+            "shoal_coordinator_capped_reports",
+            "Reports that claimed more samples than their member can have computed (counted at the bound).",
+            registry=r,
+        )
         self.refused = Counter(
             "shoal_coordinator_refused_requests",
             "Requests refused, by gRPC status code.",
@@ -71,6 +76,8 @@ class CoordinatorMetrics:
             case Decided(round=decided):
                 self.participants.set(len(decided.participants))
                 self.stragglers.inc(len(decided.stragglers))
+            case Capped():
+                self.capped.inc()
             case Dropped(reason=reason):
                 self.dropped.labels(reason=reason).inc()
                 if reason == "evicted":

@@ -54,6 +54,8 @@ MAX_PAYLOAD_BYTES = 1 << 40
 MAX_ROUND_JUMP = 1_000_000  # how far ahead a heartbeat may put the round numbering
 KEEP_ROUNDS = 8  # decided rounds whose results stay available
 KEEP_EXCHANGE_TIMES = 32
+SAMPLE_SLACK = 4.0
+"""How far a report's samples, and a member's throughput, may exceed what is expected (plausible_samples)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -275,13 +277,23 @@ class Struck:
 
 
 @dataclass(frozen=True, slots=True)
+class Capped:
+    """A report claimed more samples than its member can have computed: it counts `bound` instead."""
+
+    peer_id: str
+    round: int
+    claimed: int
+    bound: int
+
+
+@dataclass(frozen=True, slots=True)
 class Dropped:
     peer_id: str
     reason: str
     """`left`, `silent` or `evicted`."""
 
 
-Action = Reply | Refused | Announced | Decided | Abandoned | Struck | Dropped
+Action = Reply | Refused | Announced | Decided | Abandoned | Struck | Capped | Dropped
 
 
 def initial_state(seed: int) -> SwarmState:
@@ -343,6 +355,21 @@ def round_result(state: SwarmState, number: int) -> Round | Refused | None:
     return Refused(
         "NOT_FOUND", f"round {number} is unknown, abandoned or too old (the last {KEEP_ROUNDS} are kept)"
     )
+
+
+def plausible_samples(member: Member, current: Round, members: Mapping[str, Member]) -> int | None:
+    """The most samples `member` can have computed for `current`: SAMPLE_SLACK times its throughput
+    (itself at most SAMPLE_SLACK times the members' lower-median throughput, as a throughput is
+    self-reported too) over twice the round's compute window (with overlap a round's compute may
+    start before its announcement), plus its smallest contribution. None while its throughput is
+    unknown. Peers cap weights at twice the round's median anyway (shoal.peer.robust); this bounds
+    what the coordinator itself hands out, with room for an honest peer 16x faster than the median."""
+    known = sorted(m.throughput for m in members.values() if m.throughput > 0)
+    if member.throughput <= 0 or not known:
+        return None
+    throughput = min(member.throughput, SAMPLE_SLACK * known[(len(known) - 1) // 2])
+    span = 2 * (current.compute_deadline - current.announced_at)
+    return min(MAX_SAMPLES, math.ceil(SAMPLE_SLACK * throughput * span) + member.min_samples)
 
 
 def compute_window(members: Mapping[str, Member], policy: Policy) -> float:
@@ -491,11 +518,15 @@ def _report(state: SwarmState, now: float, event: Report, policy: Policy) -> tup
     if member.on_time >= policy.forgive_after:
         scale = min(1.0, member.compute_scale * 2) if member.strikes else member.compute_scale
         member = replace(member, strikes=max(0, member.strikes - 1), compute_scale=scale, on_time=0)
+    bound = plausible_samples(member, current, state.members)
+    capped: list[Action] = []
+    if bound is not None and event.samples > bound:
+        capped = [Capped(event.peer_id, event.round, event.samples, bound)]
     report = PayloadReport(
         peer_id=event.peer_id,
         digest=event.digest,
         size=event.size,
-        samples=event.samples,
+        samples=event.samples if not capped else bound,
         state=event.state,
         synced=event.synced,
         at=now,
@@ -503,7 +534,8 @@ def _report(state: SwarmState, now: float, event: Report, policy: Policy) -> tup
     state = _put(state, replace(current, reports={**current.reports, event.peer_id: report}))
     state = replace(state, members={**state.members, event.peer_id: member})
     return state, [
-        Reply({"included": True, "strikes": member.strikes, "compute_scale": member.compute_scale})
+        *capped,
+        Reply({"included": True, "strikes": member.strikes, "compute_scale": member.compute_scale}),
     ]
 
 

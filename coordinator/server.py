@@ -29,6 +29,7 @@ from shoal.coordinator.metrics import CoordinatorMetrics
 from shoal.coordinator.rounds import (
     Abandoned,
     Announced,
+    Capped,
     Decided,
     Dropped,
     Event,
@@ -120,6 +121,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 )
             case Struck(peer_id=peer_id, strikes=strikes, compute_scale=scale):
                 logger.info(f"straggler {peer_id}: {strikes} strikes, compute scale {scale:g}")
+            case Capped(peer_id=peer_id, round=number, claimed=claimed, bound=bound):
+                logger.warning(
+                    f"peer {peer_id} claimed {claimed} samples in round {number}, more than it can "
+                    f"compute: counted as {bound}"
+                )
             case Dropped(peer_id=peer_id, reason=reason):
                 logger.info(f"peer {peer_id} dropped: {reason}")
             case Abandoned():

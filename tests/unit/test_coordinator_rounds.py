@@ -13,6 +13,7 @@ from shoal.coordinator.rounds import (
     PEER_ID,
     Abandoned,
     Announced,
+    Capped,
     Decided,
     Dropped,
     Heartbeat,
@@ -30,6 +31,7 @@ from shoal.coordinator.rounds import (
     data_seed,
     exchange_window,
     initial_state,
+    plausible_samples,
     resume,
     round_result,
     transition,
@@ -104,6 +106,25 @@ def test_first_join_announces_round_zero_at_once():
     )
     assert state.round == announced and state.next_round == 1
     assert state.members[A] == Member(peer_id=A, joined_at=100, last_seen=100, throughput=10, min_samples=200)
+
+
+def test_a_report_claiming_more_samples_than_its_member_can_compute_counts_at_the_bound():
+    steps = [(0, Join(p, throughput=10, min_samples=50)) for p in (A, B)] + [(0, Join(C, throughput=1e9))]
+    steps += [(1, report(A, 0)), (2, Heartbeat(A, 0))]
+    state, _ = run(initial_state(SEED), steps)
+    current = state.round  # round 1: a 10 s compute window (min_compute_s)
+    assert current.compute_deadline - current.announced_at == 10
+    # 4x its throughput over twice the window, plus its smallest contribution: 4 * 10 * 20 + 50
+    assert plausible_samples(state.members[A], current, state.members) == 850
+    # a claimed throughput counts at most 4x the members' lower median (10/s): 4 * 40 * 20 + 1
+    assert plausible_samples(state.members[C], current, state.members) == 3201
+    honest, lie = report(A, 1), replace(report(C, 1), samples=1 << 40)
+    state, actions = run(state, [(3, honest), (4, lie)])
+    assert of(Capped, actions) == [Capped(C, 1, 1 << 40, 3201)]
+    assert kinds(actions) == ["Reply", "Capped", "Reply"]  # counted, not refused: it is still pulled
+    assert state.round.reports[C].samples == 3201 and state.round.reports[A].samples == 10
+    unknown = Member(peer_id=Z, joined_at=0, last_seen=0)  # no throughput reported yet: no bound
+    assert plausible_samples(unknown, current, state.members) is None
 
 
 def test_peer_joining_mid_round_is_expected_only_in_the_next():
