@@ -23,12 +23,14 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import IO
 
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.multiaddr import Multiaddr
 
 from shoal.compression import DenseCodec
 from shoal.peer.bootstrap import BootstrapError, start_dht
@@ -97,6 +99,7 @@ def join(settings: JoinSettings, *, stream: IO[str] | None = None) -> dict:
 
 
 def _join(settings: JoinSettings, progress: Progress) -> dict:
+    check_initial_peers(settings.initial_peers)
     workload = _workload(settings)
     credentials = _check_coordinator(settings)
     identity = _identity(settings.identity, progress)
@@ -144,6 +147,23 @@ def _announce_address(
     else:
         progress.message(f"Started a new swarm at {address}. Others join it with:\n  {command}")
     progress.event("started", address=address, join_command=command, initial_peers=addresses, peer_id=peer_id)
+
+
+def check_initial_peers(peers: Sequence[str]) -> None:
+    """SettingsError naming --initial-peers for an address the DHT could not dial: not a multiaddress,
+    or without the peer id (`/p2p/...`) that libp2p needs to dial it."""
+    example = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... (the join command a peer printed has one)"
+    for peer in peers:
+        try:
+            protocols = [protocol.name for protocol in Multiaddr(peer).protocols()]
+        except (ValueError, TypeError) as error:
+            raise SettingsError(
+                f"--initial-peers {peer!r} is not a multiaddress like {example}: {error}"
+            ) from None
+        if "p2p" not in protocols:
+            raise SettingsError(
+                f"--initial-peers {peer!r} has no peer id (/p2p/...): expected one like {example}"
+            )
 
 
 def _workload(settings: JoinSettings) -> Workload:

@@ -67,6 +67,11 @@ def test_a_port_in_use_is_told_at_once(listening, flag):
         (["--model", "no_such_module:build"], "--model no_such_module:build: No module named"),
         (["--data", "/nonexistent"], "--data /nonexistent: neither 'stdlib', a directory of text"),
         (["--coordinator-token-file", "/nonexistent", "--coordinator", "127.0.0.1:9"], "--coordinator-token"),
+        (["--initial-peers", "127.0.0.1:31337"], "--initial-peers '127.0.0.1:31337' is not a multiaddress"),
+        (
+            ["--initial-peers", "/ip4/127.0.0.1/tcp/31337"],
+            "--initial-peers '/ip4/127.0.0.1/tcp/31337' has no peer id",
+        ),
     ],
 )
 def test_an_unusable_model_or_data_exits_2_before_the_dht_starts(flags, named):
