@@ -11,6 +11,9 @@ like everyone else and changes only the bytes and the sample count it sends (`Po
 - sample_lie: sign_flip, and a claim of 2^40 samples (what DiLoCo's mean is weighted by);
 - random: random directions (DeMo: random indices, gaussian values) at `SCALE` times its norm.
 
+`poison` also knows `topk` (DeMo): the honest coefficients and `TOPK_FACTOR` times as many per chunk,
+a claim of more say than the run's k gives (a `config_mismatch`; used by tests/integration/poisoner.py).
+
 Each method also runs `honest_only`: a clean run of the honest workers alone, what they reach when
 every attacker is left out from the first step. Against the clean run of all workers it costs the
 attackers' share of the compute; it is the floor of any defence that excludes attackers.
@@ -46,6 +49,7 @@ METHODS = ("demo_compact", "diloco_eager")
 SCALE = 3.9
 """The attacks' scale: just under the 4x-median clip that was shoal's bound before screening."""
 LIED_SAMPLES = 1 << 40
+TOPK_FACTOR = 4
 
 
 def poison(payload: bytes, attack: str, generator: torch.Generator) -> bytes:
@@ -64,6 +68,17 @@ def _poison_tensor(message: EncodedTensor, attack: str, generator: torch.Generat
         codec = DCTTopKCodec(chunk=max(message.chunk_shape), topk=message.topk, value_bits=bits)
         coeffs = unpack(message, torch.device("cpu"), limits)
         sent = coeffs.values.float()
+        if attack == "topk":
+            wide = min(coeffs.topk * TOPK_FACTOR, coeffs.plan.chunk_numel)
+            scores = torch.rand(coeffs.indices.shape[0], coeffs.plan.chunk_numel, generator=generator)
+            scores.scatter_(1, coeffs.indices.long(), 2.0)  # the honest coefficients first
+            order = scores.topk(wide, dim=1).indices
+            wider = torch.randn(order.shape, generator=generator) * sent.abs().mean()
+            wider[:, : coeffs.topk] = sent
+            indices, position = order.sort(dim=1)
+            return codec.pack(
+                replace(coeffs, indices=indices, values=wider.gather(1, position)), torch.float32
+            )
         if attack == "random":
             scores = torch.rand(coeffs.indices.shape[0], coeffs.plan.chunk_numel, generator=generator)
             coeffs = replace(coeffs, indices=scores.topk(coeffs.topk, dim=1).indices.sort(dim=1).values)

@@ -1,12 +1,17 @@
 """`shoal join` as an attacker (run by test_hostile.py): it trains like any peer and changes only what
 it sends, as SHOAL_ATTACK says:
 
-sign_flip, sample_lie or random: every payload rewritten by shoal.peer.hostile.poison (sample_lie
-also claims 2^40 samples).
+- sign_flip, sample_lie, random: every payload rewritten by shoal.peer.hostile.poison (sample_lie
+  also claims 2^40 samples);
+- topk: every payload with 4x the run's top-k (hostile.TOPK_FACTOR: a config_mismatch);
+- unserved_and_replay: its first payload is honest and served; after that, one round in two it
+  announces its payload and answers every pull of it with nothing, and the other it sends its first
+  payload again with an unknown protobuf field appended (a new digest every time, the old content).
 
     SHOAL_ATTACK=sign_flip python -m tests.integration.poisoner join ARGS...
 """
 
+import hashlib
 import os
 import sys
 
@@ -16,17 +21,38 @@ from shoal.peer import cli, hostile
 from shoal.peer.swarm import SwarmExchange
 
 ATTACK = os.environ["SHOAL_ATTACK"]
-honest_gather = SwarmExchange.gather
+honest_gather, honest_serve = SwarmExchange.gather, SwarmExchange._serve
 generator = torch.Generator().manual_seed(7)
+sent: list[bytes] = []
+unserved: set[bytes] = set()  # digests announced and never served
+
+
+def unknown_field(value: int) -> bytes:
+    """Field 127 (not in payload.proto), varint `value` < 128."""
+    return b"\xf8\x07" + bytes([value % 128])
 
 
 def gather(self, payload, samples, state=None):
-    payload = hostile.poison(payload, "sign_flip" if ATTACK == "sample_lie" else ATTACK, generator)
-    samples = hostile.LIED_SAMPLES if ATTACK == "sample_lie" else samples
+    if ATTACK == "unserved_and_replay":
+        sent.append(payload)
+        if len(sent) % 2 == 0:
+            unserved.add(hashlib.sha256(payload).digest())
+        elif len(sent) > 1:
+            payload = sent[0] + unknown_field(len(sent))
+    else:
+        payload = hostile.poison(payload, "sign_flip" if ATTACK == "sample_lie" else ATTACK, generator)
+        samples = hostile.LIED_SAMPLES if ATTACK == "sample_lie" else samples
     return honest_gather(self, payload, samples, state)
 
 
-SwarmExchange.gather = gather
+async def serve(self, request, context):
+    if request.digest in unserved:
+        return  # an empty answer: "I hold nothing"
+    async for chunk in honest_serve(self, request, context):
+        yield chunk
+
+
+SwarmExchange.gather, SwarmExchange._serve = gather, serve
 
 if __name__ == "__main__":
     sys.exit(cli.main(sys.argv[1:]))
