@@ -47,6 +47,8 @@ class Contribution:
     samples: int
     sender: bytes = b""
     """Who sent it, for exchanges that tell senders apart (the swarm: its public key)."""
+    round: int = -1
+    """The round it was sent for, for exchanges that number rounds (the swarm); -1: unnumbered."""
 
 
 @dataclass(frozen=True, slots=True)

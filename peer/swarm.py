@@ -399,11 +399,12 @@ class SwarmExchange(CoordinatedRounds, Exchange):
     def reject(self, contribution: Contribution, reason: str) -> None:
         """Counts and strikes what the optimizer left out: malformed, `config_mismatch`, or screened
         (`opposed`, `outlier`: shoal.peer.robust)."""
-        self._loop.call_soon_threadsafe(self._count_and_strike, contribution.sender, reason)
+        number = contribution.round if contribution.round >= 0 else self.last_round
+        self._loop.call_soon_threadsafe(self._count_and_strike, contribution.sender, reason, number)
 
-    def _count_and_strike(self, owner: bytes, reason: str) -> None:
+    def _count_and_strike(self, owner: bytes, reason: str, round_number: int | None) -> None:
         self.rejected[reason] += 1
-        self._strike(owner, reason)
+        self._strike(owner, reason, round_number)
 
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         message = DenseCodec(32, zstd=False).encode(tensor.detach().float().cpu()).SerializeToString()
@@ -569,13 +570,17 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             self.sent["probe"] += len(chunk.data)
             yield chunk
 
-    def _strike(self, owner: bytes, reason: str) -> None:
+    def _strike(self, owner: bytes, reason: str, round_number: int | None) -> None:
+        """A strike for what `owner` sent in `round_number`; the ban that the last strike brings lasts
+        `ban_rounds` from that round, not from wherever this peer is now, so that peers that struck
+        for the same rounds lift the ban in the same round (a peer that lifted it a round earlier would
+        take a payload the others ignore, and end a run on another model)."""
         if not owner or owner == self.owner:
             return
         self.strikes[owner] += 1
         self.strikes_total += 1
         if self.strikes[owner] >= self.strike_limit:
-            until = (self.last_round or 0) + 1 + self.ban_rounds
+            until = (round_number if round_number is not None else self.last_round or 0) + 1 + self.ban_rounds
             logger.warning(
                 f"ignoring a peer for {self.ban_rounds} rounds after {self.strikes[owner]} strikes"
             )
@@ -743,7 +748,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
                     ignored.add(owner)
                     self.rejected[reason] += 1
                     if reason != "banned":
-                        self._strike(owner, reason)
+                        self._strike(owner, reason, round_number)
                     continue
                 announced[owner] = announcement
                 announced_at[owner] = time.time()
@@ -769,7 +774,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         refused = (round_number, announcement.digest) in self._puller.refused_by_author
         if refused or deadline - since >= self.fetch_timeout_s:
             self.rejected["unserved"] += 1
-            self._strike(announcement.owner, "unserved")
+            self._strike(announcement.owner, "unserved", round_number)
 
     async def _settle(
         self,
@@ -789,6 +794,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
                 self._held[(round_number, announced[owner].digest)],
                 announced[owner].samples,
                 sender=owner,
+                round=round_number,
             )
             for rank, owner in enumerate(held)
         ]
@@ -907,7 +913,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             # an earlier round's payload, re-encoded (an unknown field appended, fields reordered):
             # its digest is new, its content is not
             self.rejected["replayed"] += 1
-            self._strike(announcement.owner, "replayed")
+            self._strike(announcement.owner, "replayed", round_number)
             return
         self._held[(round_number, announcement.digest)] = data
 

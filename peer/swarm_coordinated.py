@@ -196,7 +196,7 @@ class CoordinatedRounds:
             mean = await asyncio.to_thread(pieces.mean, index, count, parts, feedback=True)
             for sender, reason in mean.rejected:
                 self.rejected[reason] += 1
-                self._strike(sender, reason)
+                self._strike(sender, reason, number)
             self._means[(number, index)] = mean.data
             self._mean_ready.setdefault((number, index), asyncio.Event()).set()
             self._expected_pullers = {a.peer for o, a in announced.items() if o != mine.owner}
@@ -256,7 +256,7 @@ class CoordinatedRounds:
             error = None if not task.done() or task.cancelled() else task.exception()
             if isinstance(error, MalformedPayloadError):
                 self.rejected[error.reason] += 1
-                self._strike(author.owner, error.reason)
+                self._strike(author.owner, error.reason, number)
             else:
                 self.rejected["missing"] += 1
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -273,7 +273,7 @@ class CoordinatedRounds:
             return await asyncio.to_thread(pieces.decode, index, count, data)
         except MalformedPayloadError as error:
             self.rejected[error.reason] += 1
-            self._strike(owner.owner, error.reason)
+            self._strike(owner.owner, error.reason, number)
             raise
 
     async def _recompute(

@@ -61,7 +61,7 @@ class Puller:
         owner: bytes,
         timeout_s: float,
         max_concurrent: int,
-        strike: Callable[[bytes, str], None],
+        strike: Callable[[bytes, str, int], None],
         received: Counter[str],
         rejected: Counter[str],
         max_bytes_in_flight: int = MAX_BYTES_IN_FLIGHT,
@@ -97,7 +97,7 @@ class Puller:
                         self._in_flight.observe(len(data), time.monotonic() - started)
                 except MalformedPayloadError as error:
                     self.rejected[error.reason] += 1
-                    self.strike(source.owner, error.reason)
+                    self.strike(source.owner, error.reason, round_number)
                     refused.add(source.owner)
                     continue
                 except NotHeld:
