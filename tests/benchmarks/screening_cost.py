@@ -3,9 +3,11 @@
     python -m tests.benchmarks.screening_cost [--model small] [--participants 4 8] [--repeat 10]
 
 DeMo, k=4 with 1-bit values: one step of a participant that receives the payloads of n - 1 others
-(built from random gradients by DeMo itself), with the default screening (`robust.DEMO`: median norm
-bound, the Gram matrix of the n contributions, suspicion) and without (`robust.NONE`); the gradient is
-set and no forward pass runs, so the times are the optimizer's alone. DiLoCo: `robust.screen` of n
+(built from random gradients by DeMo itself), with screening (`JUDGED`: the median norm bound and the
+Gram matrix of the n contributions, as `robust.DEMO` computes them, but nothing left out: random
+gradients agree with nothing, and leaving them out would make the step cheaper, not show what judging
+costs) and without (`robust.NONE`); the gradient is set and no forward pass runs, so the times are the
+optimizer's alone. DiLoCo: `robust.screen` of n
 float32 pseudo-gradients of the model's size. Prints one JSON object with median milliseconds.
 """
 
@@ -17,9 +19,11 @@ import torch
 from shoal.peer.demo import DeMo
 from shoal.peer.exchange import Contribution, Exchange
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.robust import DEMO, DILOCO, NONE, screen
+from shoal.peer.robust import DILOCO, NONE, Robustness, screen
 from tests.benchmarks.demo_step_overhead import median_ms
 
+JUDGED = Robustness(min_agreement=-1.0, suspect_below=None, suspect_relative=None)
+"""Every contribution judged (its Gram row computed), none left out."""
 DEMO_SETTINGS = {"lr": 1e-3, "compression_topk": 4, "value_bits": 1, "compression_decay": 0.99}
 
 
@@ -71,7 +75,7 @@ def main() -> None:
     for n in args.participants:
         others = payloads(model, n - 1)
         row = {"participants": n}
-        for name, policy in (("demo_unscreened_ms", NONE), ("demo_screened_ms", DEMO)):
+        for name, policy in (("demo_unscreened_ms", NONE), ("demo_screened_ms", JUDGED)):
             params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
             opt = DeMo(params, exchange=_Others(others), robust=policy, **DEMO_SETTINGS)
             for p in params:
