@@ -362,7 +362,7 @@ def plausible_samples(member: Member, current: Round, members: Mapping[str, Memb
     (itself at most SAMPLE_SLACK times the members' lower-median throughput, as a throughput is
     self-reported too) over twice the round's compute window (with overlap a round's compute may
     start before its announcement), plus its smallest contribution. None while its throughput is
-    unknown. Peers cap weights at twice the round's median anyway (shoal.peer.robust); this bounds
+    unknown. Peers cap weights at twice the round's median anyway (shoal.peer.algorithms.robust); this bounds
     what the coordinator itself hands out, with room for an honest peer 16x faster than the median."""
     known = sorted(m.throughput for m in members.values() if m.throughput > 0)
     if member.throughput <= 0 or not known:

@@ -8,11 +8,11 @@ The optimizers and exchanges import torch; they load on first use, so that the c
 import importlib
 
 _EXPORTS = {
-    "DeMo": "shoal.peer.demo",
-    "DiLoCo": "shoal.peer.diloco",
-    "Exchange": "shoal.peer.exchange",
-    "LoopbackExchange": "shoal.peer.exchange",
-    "TorchDistributedExchange": "shoal.peer.exchange",
+    "DeMo": "shoal.peer.algorithms.demo",
+    "DiLoCo": "shoal.peer.algorithms.diloco",
+    "Exchange": "shoal.peer.algorithms.exchange",
+    "LoopbackExchange": "shoal.peer.algorithms.exchange",
+    "TorchDistributedExchange": "shoal.peer.algorithms.exchange",
 }
 
 __all__ = list(_EXPORTS)

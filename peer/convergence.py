@@ -15,7 +15,7 @@ library corpus for the same number of optimizer steps each, with disjoint batche
   The outer learning rate and momentum are each mode's best on the quick setting (`OUTER`).
 
 On request (`--methods`): demo_compact_overlap and demo_compact_lookahead, demo_compact exchanged in
-the background and applied a step late, without and with Psyche's lookahead (shoal.peer.demo).
+the background and applied a step late, without and with Psyche's lookahead (shoal.peer.algorithms.demo).
 
 Reported per method: validation loss of worker 0's final parameters on fixed validation batches,
 payload bytes each worker sent, and wall time.
@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.algorithms.exchange import Exchange, run_loopback
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus, validation_batches
-from shoal.peer.demo import DeMo
-from shoal.peer.diloco import DiLoCo
-from shoal.peer.exchange import Exchange, run_loopback
 from shoal.peer.model import GPTConfig, TinyGPT
 
 METHODS = ("adamw_dp", "demo_reference", "demo_compact", "diloco_standard", "diloco_delayed", "diloco_eager")

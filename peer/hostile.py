@@ -19,7 +19,7 @@ every attacker is left out from the first step. Against the clean run of all wor
 attackers' share of the compute; it is the floor of any defence that excludes attackers.
 
 Reported per (method, attack): the honest worker 0's final validation loss, its change against the
-clean run of the same seed, and what the honest workers' screening (shoal.peer.robust) said of the
+clean run of the same seed, and what the honest workers' screening (shoal.peer.algorithms.robust) said of the
 attackers' contributions (`opposed`: left out of a round; `outlier`: reported as persistently
 opposed) and of honest ones (false reports). The loopback has no bans: this measures screening
 alone, attackers stay in every round. In a swarm the reports strike their senders, and three strikes
@@ -37,10 +37,10 @@ import torch
 from shoal.compression import DCTTopKCodec, DecodeLimits, DenseCodec, EncodedTensor, decode_tensor, values
 from shoal.compression.dct_topk import unpack
 from shoal.peer import convergence
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, run_loopback
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
-from shoal.peer.demo import DeMo
-from shoal.peer.diloco import DiLoCo
-from shoal.peer.exchange import Averaged, Contribution, Exchange, run_loopback
 from shoal.peer.model import TinyGPT
 from shoal.protocol import CodecId, Payload, ValueEncoding
 

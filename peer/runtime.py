@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from shoal.compression import Codec
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.algorithms.exchange import Exchange
 from shoal.peer.checkpoint import CheckpointStore
-from shoal.peer.demo import DeMo
-from shoal.peer.diloco import DiLoCo
-from shoal.peer.exchange import Exchange
 
 ALGORITHMS = ("demo", "demo-overlap", "diloco-standard", "diloco-delayed", "diloco-eager")
 PHASES = ("compute", "encode", "exchange", "decode", "apply")
@@ -120,10 +120,10 @@ class Trainer:
         value_bits: DeMo's bits per transmitted value (32, 16, 8, 4 or 1: signs only).
         inner_steps: DiLoCo's H.
         outer_lr: DiLoCo's outer learning rate.
-        outer_momentum: DiLoCo's outer Nesterov momentum (None: the mode's, shoal.peer.diloco).
+        outer_momentum: DiLoCo's outer Nesterov momentum (None: the mode's, shoal.peer.algorithms.diloco).
         codec: how DiLoCo's pseudo-gradients travel (None: exactly).
         butterfly: DiLoCo: average pseudo-gradients piece by piece where the exchange can
-            (shoal.peer.butterfly); the codec must be dense and block-aligned.
+            (shoal.peer.algorithms.butterfly); the codec must be dense and block-aligned.
         checkpoints: where to keep checkpoints (None: nowhere).
         checkpoint_every: rounds between checkpoints (0: only on stop).
         loss_fn: how to compute the loss of a micro-batch.
@@ -181,7 +181,7 @@ class Trainer:
         self.steps = 0
         """Optimizer steps taken; every round takes `inner_steps` of them."""
         if algorithm.startswith("demo"):
-            overlap = algorithm == "demo-overlap"  # with Psyche's lookahead: see shoal.peer.demo
+            overlap = algorithm == "demo-overlap"  # with Psyche's lookahead: see shoal.peer.algorithms.demo
             self.optimizer = DeMo(
                 model.parameters(),
                 lr=lr,

@@ -91,7 +91,7 @@ class JoinSettings:
             return config | {"compression_topk": str(self.topk)}
         momentum = self.outer_momentum
         if momentum is None:
-            from shoal.peer.diloco import OUTER_MOMENTUM  # torch: not before it is needed
+            from shoal.peer.algorithms.diloco import OUTER_MOMENTUM  # torch: not before it is needed
 
             momentum = OUTER_MOMENTUM[self.algorithm.removeprefix("diloco-")]
         config |= {

@@ -40,7 +40,7 @@ instead, which decides the round's participants for everyone (shoal.peer.swarm_c
 record is then rewritten only every `RECORD_REFRESH_S`, to stay alive. Should the coordinator stop
 answering, the round is announced in the DHT after all and finishes as above.
 
-Butterfly averaging (`average`, DiLoCo's dense pseudo-gradients, shoal.peer.butterfly): in a
+Butterfly averaging (`average`, DiLoCo's dense pseudo-gradients, shoal.peer.algorithms.butterfly): in a
 coordinated round of at least `butterfly.MIN_PARTICIPANTS`, steps 3-4 become a reduce-scatter and an
 all-gather. The participants that count (the agreement above, decided before any byte moves: the
 coordinator's set and the states it announced) each own one piece; an owner pulls its piece of every
@@ -81,9 +81,9 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 
 from shoal.compression import DecodeLimits, DenseCodec, decode_tensor
-from shoal.peer.butterfly import Pieces, cut
+from shoal.peer.algorithms.butterfly import Pieces, cut
+from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange
 from shoal.peer.coordination import CoordinatorLink
-from shoal.peer.exchange import Averaged, Contribution, Exchange
 from shoal.peer.membership import SHOAL_VERSION, PeerRecord, incompatibility, owner_subkey, run_hash
 from shoal.peer.state import (
     StateSnapshot,
@@ -225,7 +225,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self.late = 0
         """Coordinated rounds this peer's payload was left out of as late (it still applied them)."""
         self.butterfly_rounds = 0
-        """Rounds averaged piece by piece (shoal.peer.butterfly)."""
+        """Rounds averaged piece by piece (shoal.peer.algorithms.butterfly)."""
         self.pieces_recomputed = 0
         """Pieces whose owner's mean did not come in time, averaged by this peer from their parts."""
         self.codec_bytes_sent = 0
@@ -350,7 +350,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None, pieces: Pieces
     ) -> Averaged:
         """A coordinated round of at least `butterfly.MIN_PARTICIPANTS` is averaged piece by piece
-        (shoal.peer.butterfly); any other round is gathered."""
+        (shoal.peer.algorithms.butterfly); any other round is gathered."""
         result = self._gather(payload, samples, state, pieces)
         return result if isinstance(result, Averaged) else Averaged(contributions=result)
 
@@ -398,7 +398,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
 
     def reject(self, contribution: Contribution, reason: str) -> None:
         """Counts and strikes what the optimizer left out: malformed, `config_mismatch`, or screened
-        (`opposed`, `outlier`: shoal.peer.robust)."""
+        (`opposed`, `outlier`: shoal.peer.algorithms.robust)."""
         number = contribution.round if contribution.round >= 0 else self.last_round
         self._loop.call_soon_threadsafe(self._count_and_strike, contribution.sender, reason, number)
 
@@ -614,8 +614,9 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         return await self._settle(round_number, announced, mine, snapshot)
 
     async def _piece(self, request: PayloadRequest, context) -> bytes:
-        """In a butterfly round (shoal.peer.butterfly): a piece of this peer's payload, cut on request,
-        or (`reduced`) this peer's mean of the piece it owns, once it has it. Empty if it has neither."""
+        """In a butterfly round (shoal.peer.algorithms.butterfly): a piece of this peer's payload, cut on
+        request, or (`reduced`) this peer's mean of the piece it owns, once it has it. Empty if it has
+        neither."""
         if not request.shard < request.shards <= MAX_PIECES:
             self.rejected["bad_request"] += 1
             return b""

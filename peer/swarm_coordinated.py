@@ -17,9 +17,9 @@ import grpc
 import torch
 from hivemind.utils.logging import get_logger
 
-from shoal.peer.butterfly import MIN_PARTICIPANTS, Part, Pieces
+from shoal.peer.algorithms.butterfly import MIN_PARTICIPANTS, Part, Pieces
+from shoal.peer.algorithms.exchange import Averaged, Contribution
 from shoal.peer.coordination import CallFailed, CoordinatorError
-from shoal.peer.exchange import Averaged, Contribution
 from shoal.peer.state import StateSnapshot
 from shoal.peer.swarm_records import Announcement, RoundPlan, RoundSchedule
 from shoal.protocol import MalformedPayloadError
@@ -168,7 +168,7 @@ class CoordinatedRounds:
         snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
         pieces: Pieces,
     ) -> Averaged:
-        """Averages the decided round piece by piece (shoal.peer.butterfly): the participants whose
+        """Averages the decided round piece by piece (shoal.peer.algorithms.butterfly): the participants whose
         contributions count (`_agree`, the same list on every peer) own one piece each, in their order.
         This peer, if it owns piece i, pulls piece i of every other one's payload from its author and
         serves their mean; then it pulls every other owner's mean. A mean that has not come by the

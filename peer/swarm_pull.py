@@ -115,8 +115,8 @@ class Puller:
     async def piece(
         self, peer: str, request: PayloadRequest, max_bytes: int, *, observe: bool = True
     ) -> bytes:
-        """A piece of a butterfly round (shoal.peer.butterfly) from the one peer that serves it, paced
-        like payloads; tried again with backoff while it answers with nothing or fails in transit, until
+        """A piece of a butterfly round (shoal.peer.algorithms.butterfly) from the one peer that serves it,
+        paced like payloads; tried again with backoff while it answers with nothing or fails in transit, until
         the caller cancels. Raises MalformedPayloadError (too_large). `observe`: whether the pull's time
         tells the link's rate (not when the peer may wait before it answers)."""
         cycle = 0

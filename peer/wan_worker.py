@@ -13,7 +13,7 @@ Every method trains the same model from the same initial weights on the same per
   SwarmExchange) following the coordinator of the last namespace; DeMo with top-4 coefficients and
   1-bit values (demo_overlap: exchanged while the next step computes, applied a step late, with the
   lookahead), DiLoCo with 4-bit (blockwise) pseudo-gradients every H inner steps and an outer SGD of
-  lr 0.4 with each mode's default Nesterov momentum (shoal.peer.diloco: 0.9 standard, none eager).
+  lr 0.4 with each mode's default Nesterov momentum (shoal.peer.algorithms.diloco: 0.9 standard, none eager).
 
 Timing starts when every node is ready (gloo's barrier; the coordinator's first round, which waits for
 every peer) and ends after the last step (DiLoCo: once the last outer update landed).
@@ -46,7 +46,7 @@ SWARM_METHODS = {
     "diloco_eager_butterfly": "diloco-eager",
 }
 BUTTERFLY = tuple(method for method in SWARM_METHODS if method.endswith("_butterfly"))
-"""Averaged piece by piece (shoal.peer.butterfly) instead of every peer pulling every payload."""
+"""Averaged piece by piece (shoal.peer.algorithms.butterfly) instead of every peer pulling every payload."""
 METHODS = ("compute_only", "ddp", *SWARM_METHODS)
 DDP_PORT = 29517
 

@@ -5,7 +5,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from shoal.peer.exchange import LoopbackExchange, run_loopback
+from shoal.peer.algorithms.exchange import LoopbackExchange, run_loopback
 
 
 def time_loopback_mode(

@@ -12,8 +12,8 @@ import argparse
 
 import torch
 
-from shoal.peer.demo import DeMo
-from shoal.peer.exchange import LoopbackExchange
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.model import GPTConfig, TinyGPT
 from tests.benchmarks import time_loopback_mode
 

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from shoal.peer.demo import DeMo
-from shoal.peer.exchange import LoopbackExchange
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.model import GPTConfig, TinyGPT
 from tests.demo_reference import ReferenceDeMo
 

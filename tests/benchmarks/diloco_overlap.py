@@ -11,8 +11,8 @@ import argparse
 
 import torch
 
-from shoal.peer.diloco import MODES, DiLoCo
-from shoal.peer.exchange import LoopbackExchange
+from shoal.peer.algorithms.diloco import MODES, DiLoCo
+from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.model import GPTConfig, TinyGPT
 from tests.benchmarks import time_loopback_mode
 

@@ -17,8 +17,8 @@ import json
 import torch
 
 from shoal.peer import convergence
+from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.data import stdlib_corpus
-from shoal.peer.diloco import DiLoCo
 
 
 def main() -> None:

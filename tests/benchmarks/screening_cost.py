@@ -1,4 +1,4 @@
-"""What screening (shoal.peer.robust) adds to a DeMo step and to a DiLoCo round, by participants.
+"""What screening (shoal.peer.algorithms.robust) adds to a DeMo step and to a DiLoCo round, by participants.
 
     python -m tests.benchmarks.screening_cost [--model small] [--participants 4 8] [--repeat 10]
 
@@ -16,10 +16,10 @@ import json
 
 import torch
 
-from shoal.peer.demo import DeMo
-from shoal.peer.exchange import Contribution, Exchange
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.exchange import Contribution, Exchange
+from shoal.peer.algorithms.robust import DILOCO, NONE, Robustness, screen
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.robust import DILOCO, NONE, Robustness, screen
 from tests.benchmarks.demo_step_overhead import median_ms
 
 JUDGED = Robustness(min_agreement=-1.0, suspect_below=None, suspect_relative=None)

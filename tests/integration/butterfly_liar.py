@@ -1,5 +1,5 @@
-"""`shoal join` with one lie: in butterfly rounds (shoal.peer.butterfly) this peer serves garbage for
-the mean of the piece it owns, while its cuts of its own payload stay honest (run by
+"""`shoal join` with one lie: in butterfly rounds (shoal.peer.algorithms.butterfly) this peer serves
+garbage for the mean of the piece it owns, while its cuts of its own payload stay honest (run by
 test_butterfly.py).
 
     python -m tests.integration.butterfly_liar join ARGS...

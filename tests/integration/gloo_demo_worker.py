@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from shoal.compression import DenseCodec
-from shoal.peer.demo import DeMo
-from shoal.peer.diloco import DiLoCo
-from shoal.peer.exchange import TorchDistributedExchange
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.algorithms.exchange import TorchDistributedExchange
+from shoal.peer.algorithms.robust import NONE
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.robust import NONE
 from tests.unit.test_demo import SHAPES, make_grads
 
 SETTINGS = {

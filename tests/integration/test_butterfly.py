@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from shoal.compression import DenseCodec
-from shoal.peer.butterfly import Pieces
+from shoal.peer.algorithms.butterfly import Pieces
+from shoal.peer.algorithms.robust import NONE
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.robust import NONE
 from shoal.peer.swarm import MAX_PIECES, PARTS_QUIET_S, SwarmExchange
 from shoal.protocol import Payload
 from shoal.protocol.swarm_pb2 import PayloadRequest

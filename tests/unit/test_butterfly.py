@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from shoal.compression import DCTTopKCodec, DenseCodec
-from shoal.peer.butterfly import Part, Pieces, cut, ranges, shardable
-from shoal.peer.robust import NONE, Robustness
+from shoal.peer.algorithms.butterfly import Part, Pieces, cut, ranges, shardable
+from shoal.peer.algorithms.robust import NONE, Robustness
 from shoal.protocol import EncodedTensor, MalformedPayloadError, Payload
 
 SHAPES = [torch.Size([37, 11]), torch.Size([5]), torch.Size([0]), torch.Size([130])]

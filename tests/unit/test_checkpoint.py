@@ -5,9 +5,9 @@ import pickle
 import pytest
 import torch
 
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.checkpoint import CheckpointStore, CheckpointWriteError
-from shoal.peer.demo import DeMo
-from shoal.peer.exchange import LoopbackExchange
 
 
 class Exploit:

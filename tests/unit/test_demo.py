@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from shoal.compression import DCTTopKCodec
-from shoal.peer.demo import DeMo
-from shoal.peer.exchange import Contribution, Exchange, LoopbackExchange
-from shoal.peer.exchange import run_loopback as run_workers
-from shoal.peer.robust import NONE, Robustness
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.exchange import Contribution, Exchange, LoopbackExchange
+from shoal.peer.algorithms.exchange import run_loopback as run_workers
+from shoal.peer.algorithms.robust import NONE, Robustness
 from shoal.protocol import Payload
 from tests import demo_reference
 

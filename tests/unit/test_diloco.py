@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from shoal.compression import DCTTopKCodec, DenseCodec
-from shoal.peer.diloco import DiLoCo
-from shoal.peer.exchange import LoopbackExchange
-from shoal.peer.exchange import run_loopback as run_workers
+from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.algorithms.exchange import LoopbackExchange
+from shoal.peer.algorithms.exchange import run_loopback as run_workers
+from shoal.peer.algorithms.robust import NONE
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.robust import NONE
 
 CONFIG = GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16)
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from shoal.peer.exchange import run_loopback
+from shoal.peer.algorithms.exchange import run_loopback
 from shoal.peer.models import ModelError, load_model
 from shoal.peer.runtime import Trainer
 

@@ -1,5 +1,5 @@
-"""shoal.peer.robust: the screening rules against hand-computed cases and against attackers that send
-well-formed contributions; DeMo's config_mismatch."""
+"""shoal.peer.algorithms.robust: the screening rules against hand-computed cases and against attackers that
+send well-formed contributions; DeMo's config_mismatch."""
 
 import math
 
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from shoal.compression import DCTTopKCodec
-from shoal.peer import demo
-from shoal.peer.demo import DeMo
-from shoal.peer.exchange import Contribution, Exchange
-from shoal.peer.robust import (
+from shoal.peer.algorithms import demo
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.exchange import Contribution, Exchange
+from shoal.peer.algorithms.robust import (
     DILOCO,
     NONE,
     Robustness,

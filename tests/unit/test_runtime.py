@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.data import RoundSlices
-from shoal.peer.exchange import LoopbackExchange
 from shoal.peer.models import ModelError, load_model
 from shoal.peer.runtime import PHASES, OutOfMemory, Trainer
 

@@ -7,7 +7,7 @@ order):
   order (the same order on every participant, so that aggregation is deterministic);
 - `mean(tensor, weight)`: the weighted mean of a dense tensor over the participants;
 - `average(payload, samples, state, pieces)`: `gather` for dense payloads, which an exchange may
-  average piece by piece instead (the swarm under a coordinator: shoal.peer.butterfly).
+  average piece by piece instead (the swarm under a coordinator: shoal.peer.algorithms.butterfly).
 
 Two optional duties, which only the swarm needs (its members are not trusted to agree): `state` is
 this participant's shared state at the start of the round (parameters, outer momentum); an exchange
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from shoal.peer.butterfly import Pieces
+    from shoal.peer.algorithms.butterfly import Pieces
 
 T = TypeVar("T")
 
@@ -54,7 +54,8 @@ class Contribution:
 @dataclass(frozen=True, slots=True)
 class Averaged:
     """What `Exchange.average` returns: either the round's contributions, for the caller to average as
-    after `gather`, or the mean itself, averaged by the exchange piece by piece (shoal.peer.butterfly)."""
+    after `gather`, or the mean itself, averaged by the exchange piece by piece
+    (shoal.peer.algorithms.butterfly)."""
 
     contributions: list[Contribution] | None = None
     pieces: list[list[torch.Tensor]] | None = None
@@ -90,8 +91,9 @@ class Exchange(ABC):
     def average(
         self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None, pieces: "Pieces"
     ) -> Averaged:
-        """Like `gather`, for a dense payload that `pieces` (shoal.peer.butterfly) can cut: an exchange
-        that can average it piece by piece returns the mean; others (this default) the contributions."""
+        """Like `gather`, for a dense payload that `pieces` (shoal.peer.algorithms.butterfly) can cut: an
+        exchange that can average it piece by piece returns the mean; others (this default) the
+        contributions."""
         return Averaged(contributions=self.gather(payload, samples, state))
 
     def adopted_state(self) -> list[torch.Tensor] | None:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from shoal.peer.exchange import Contribution, Exchange
+    from shoal.peer.algorithms.exchange import Contribution, Exchange
 
 DEFAULT_CLIP_RATIO = 1.0
 DEFAULT_SAMPLE_RATIO = 2.0

@@ -13,13 +13,13 @@ Per step and parameter p with gradient g (DESIGN.md, "DeMo"):
 With the defaults (error_feedback 1, 32-bit values, unweighted) a step equals the reference code
 published with the paper (github.com/bloc97/DeMo, demo.py), whose all-gather + scatter_reduce("mean")
 this reproduces. Parameters of one chunk shape are transformed together as one batch of tiles
-(`shoal.peer.tile_groups`), and one payload per step carries them all: a step is one collective,
+(`shoal.peer.algorithms.tile_groups`), and one payload per step carries them all: a step is one collective,
 with one message header per slice instead of per tensor.
 Every participant decodes the same gathered bytes in rank order, its own included, so replicas stay
 bit-identical even with quantized values. A malformed contribution is dropped and counted by reason
 (and reported to the exchange, which may strike its sender). The rest are screened
-(shoal.peer.robust, in the DCT domain where they travel): one whose norm exceeds the round's median is
-scaled down to it (`clipped`), and one pointing away from the sum of the others is left out and
+(shoal.peer.algorithms.robust, in the DCT domain where they travel): one whose norm exceeds the round's
+median is scaled down to it (`clipped`), and one pointing away from the sum of the others is left out and
 reported as `opposed`. The message's top-k, value encoding and chunk plan must be the run's
 (`config_mismatch`): a peer that sends more coefficients than the run's k would get more say. The
 shared state is the parameters: the exchange may replace them with the swarm's before the update.
@@ -53,8 +53,8 @@ import torch
 
 from shoal.compression import DCTTopKCodec, DecodeLimits, MalformedPayloadError, dct
 from shoal.compression.dct_topk import TopKCoefficients, unpack
-from shoal.peer.exchange import Contribution, Exchange
-from shoal.peer.robust import (
+from shoal.peer.algorithms.exchange import Contribution, Exchange
+from shoal.peer.algorithms.robust import (
     DEMO,
     Robustness,
     Screened,
@@ -64,7 +64,7 @@ from shoal.peer.robust import (
     report,
     sender_keys,
 )
-from shoal.peer.tile_groups import Slice, slice_parameters
+from shoal.peer.algorithms.tile_groups import Slice, slice_parameters
 from shoal.protocol import Payload, ValueEncoding, parse_message
 
 # workspace slots beyond the codec's 0 and 1 (transform scratch, magnitudes)
@@ -99,7 +99,7 @@ class DeMo(torch.optim.Optimizer):
         max_payload_bytes: contributions larger than this are rejected unread.
         max_slice_numel: parameters of one chunk shape are transformed together in slices of at most
             this many elements (a larger parameter alone); bounds the codec's scratch memory.
-        robust: how each round screens its contributions (shoal.peer.robust); `robust.NONE` gives
+        robust: how each round screens its contributions (shoal.peer.algorithms.robust); `robust.NONE` gives
             the reference semantics (trusted participants).
         overlap: exchange in the background and apply each round's aggregate one step late.
         lookahead: with overlap, compute each gradient at the parameters shifted by this
@@ -149,7 +149,7 @@ class DeMo(torch.optim.Optimizer):
         self._slice_cache: list[Slice] | None = None
         self.rejected: Counter[str] = Counter()
         """Contributions dropped, by MalformedPayloadError reason, or screened out (`opposed`) or
-        reported (`outlier`: still applied) by shoal.peer.robust."""
+        reported (`outlier`: still applied) by shoal.peer.algorithms.robust."""
         self.clipped = 0
         """Contributions scaled down to the round's norm bound."""
         self.resyncs = 0
@@ -369,7 +369,7 @@ class DeMo(torch.optim.Optimizer):
         self, contributions: list[Contribution], slices: list[Slice]
     ) -> list[tuple[list[TopKCoefficients], float]]:
         """Decodes and validates every contribution (rank order); drops and counts the malformed,
-        then screens the rest (shoal.peer.robust)."""
+        then screens the rest (shoal.peer.algorithms.robust)."""
         limits = DecodeLimits(max_numel=max(piece.plan.numel for piece in slices))
         decoded, senders = [], []
         for contribution in contributions:
@@ -401,8 +401,8 @@ class DeMo(torch.optim.Optimizer):
         slices: list[Slice],
         senders: list[bytes],
     ) -> Screened:
-        """shoal.peer.robust's screening of sparse contributions, from their Gram matrix: per slice,
-        each contribution scattered densely once and read at all contributions' indices in one gather
+        """shoal.peer.algorithms.robust's screening of sparse contributions, from their Gram matrix: per
+        slice, each contribution scattered densely once and read at all contributions' indices in one gather
         (the round's coefficients side by side), then zeroed where it was written."""
         count, policy = len(decoded), self.robust
         if count < 2 or (policy.norm_ratio is None and not policy.judges):

@@ -3,7 +3,7 @@
 In a round whose participants are decided (by a coordinator) and ordered, say n of them, every
 tensor's blocks are cut into n contiguous pieces; participant i *owns* piece i:
 1. it pulls piece i of every other participant's payload, straight from its author;
-2. it averages them with its own (sample-weighted, each part screened as shoal.peer.robust says:
+2. it averages them with its own (sample-weighted, each part screened as shoal.peer.algorithms.robust says:
    weights capped, norms bounded, opposed parts left out), encodes the mean with the run's codec
    and serves it;
 3. every participant pulls the other n - 1 means and puts the pieces together.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.compression import Codec, DecodeLimits, DenseCodec, decode_tensor, streams, values
-from shoal.peer.robust import Robustness, add_screened_mean
+from shoal.peer.algorithms.robust import Robustness, add_screened_mean
 from shoal.protocol import (
     CodecId,
     EncodedTensor,
@@ -122,7 +122,7 @@ class Pieces:
     Args:
         codec: the run's codec (`shardable`); means are encoded with it too.
         shapes: the shapes of the tensors of a payload, in order.
-        robust: how the owner screens the piece's parts (shoal.peer.robust): weights capped, norms
+        robust: how the owner screens the piece's parts (shoal.peer.algorithms.robust): weights capped, norms
             bounded by the median part's, parts opposed to the others left out as `opposed`.
         device: where decoded tensors go.
     """
@@ -176,7 +176,8 @@ class Pieces:
 
     def mean(self, index: int, count: int, parts: Sequence[Part], *, feedback: bool = False) -> PieceMean:
         """The owner's mean of piece `index` from the participants' `parts` (in the round's order):
-        malformed ones are left out, the rest screened (shoal.peer.robust) and weighted by their samples.
+        malformed ones are left out, the rest screened (shoal.peer.algorithms.robust) and weighted by their
+        samples.
 
         With `feedback` (the piece this peer owns), what encoding the mean dropped is added to its next
         mean of the same piece, as the authors do with their own payloads: error feedback on both

@@ -24,8 +24,8 @@ correction; a joiner starts with no correction. `finish()` applies the last mean
 ends every eager participant there, on bit-identical parameters (the sequence delta(0..T) applied in
 order, as standard mode would).
 
-Each round's contributions are screened (shoal.peer.robust: sample weights capped, norms bounded by the
-median's, directions opposed to the others dropped); malformed and opposed ones are left out and
+Each round's contributions are screened (shoal.peer.algorithms.robust: sample weights capped, norms bounded
+by the median's, directions opposed to the others dropped); malformed and opposed ones are left out and
 reported to the exchange, which strikes their senders.
 
 In delayed and eager mode the exchange runs on a background thread owned by this object while the
@@ -51,9 +51,9 @@ import torch
 from torch import nn
 
 from shoal.compression import Codec, DecodeLimits, DenseCodec, MalformedPayloadError, decode_tensor
-from shoal.peer.butterfly import Pieces
-from shoal.peer.exchange import Contribution, Exchange
-from shoal.peer.robust import DILOCO, Robustness, Suspicion, add_screened_mean, report, sender_keys
+from shoal.peer.algorithms.butterfly import Pieces
+from shoal.peer.algorithms.exchange import Contribution, Exchange
+from shoal.peer.algorithms.robust import DILOCO, Robustness, Suspicion, add_screened_mean, report, sender_keys
 from shoal.protocol import Payload, parse_message
 
 MODES = ("standard", "delayed", "eager")
@@ -83,7 +83,7 @@ class OuterStats:
     """Contributions scaled down to the round's norm bound."""
     screened: Counter = field(default_factory=Counter)
     """Contributions left out as `opposed` to the others, or as persistent `outlier`s
-    (shoal.peer.robust), by reason."""
+    (shoal.peer.algorithms.robust), by reason."""
     resyncs: int = 0
     """Times the exchange replaced the shared state with the swarm's."""
     phase_seconds: Counter = field(default_factory=Counter)
@@ -132,10 +132,10 @@ class DiLoCo:
         codec: how pseudo-gradients travel; None sends them exactly (float32). A lossy codec gets
             error feedback: what it dropped joins the next round's pseudo-gradient.
         max_payload_bytes: contributions larger than this are rejected unread.
-        robust: how each round screens its contributions (shoal.peer.robust); `robust.NONE` for
+        robust: how each round screens its contributions (shoal.peer.algorithms.robust); `robust.NONE` for
             trusted participants (plain weighted means).
         butterfly: let the exchange average pseudo-gradients piece by piece, where it can
-            (shoal.peer.butterfly: the swarm under a coordinator); the codec must be dense and
+            (shoal.peer.algorithms.butterfly: the swarm under a coordinator); the codec must be dense and
             block-aligned (int8, int4, 16 or 32 bits). Each piece's parts are clipped against the
             median of that piece's.
     """

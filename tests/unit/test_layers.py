@@ -1,0 +1,40 @@
+"""The layers' import rule (issue 26): shoal.peer.algorithms imports no network and nothing of the peer
+above it, so that an optimizer can be read, tested and reused without the swarm."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ALGORITHMS = Path(__file__).resolve().parents[2] / "peer" / "algorithms"
+ALLOWED = ("shoal.compression", "shoal.protocol", "shoal.peer.algorithms")
+
+
+def shoal_imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    return [name for name in names if name.split(".")[0] in ("shoal", "hivemind", "grpc")]
+
+
+def test_the_algorithms_import_only_codecs_protocol_and_each_other():
+    modules = sorted(ALGORITHMS.glob("*.py"))
+    assert len(modules) >= 7
+    offending = {
+        path.name: [name for name in shoal_imports(path) if not name.startswith(ALLOWED)] for path in modules
+    }
+    assert {name: found for name, found in offending.items() if found} == {}
+
+
+def test_importing_every_algorithm_loads_no_hivemind():
+    names = [f"shoal.peer.algorithms.{path.stem}" for path in sorted(ALGORITHMS.glob("*.py"))]
+    code = f"import importlib, sys\nfor name in {names!r}: importlib.import_module(name)\n"
+    code += "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('hivemind', 'grpc'))}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+    # and the package still exports the optimizers and exchanges where users find them
+    from shoal.peer import DeMo, DiLoCo, LoopbackExchange, TorchDistributedExchange  # noqa: F401
