@@ -1,6 +1,6 @@
 """DeMo: Decoupled Momentum Optimization (Peng, Quesnelle, Kingma, arXiv 2411.19870), over any Exchange.
 
-Per step and parameter p with gradient g (DESIGN.md, "DeMo"):
+Per step and parameter p with gradient g (the paper's Algorithm 1):
 
     p     *= 1 - lr * weight_decay
     delta  = decay * delta + lr * g                              (kept as DCT coefficients)
@@ -19,14 +19,16 @@ Every participant decodes the same gathered bytes in rank order, its own include
 bit-identical even with quantized values. A malformed contribution is dropped and counted by reason
 (and reported to the exchange, which may strike its sender). The rest are screened
 (shoal.peer.algorithms.robust, in the DCT domain where they travel): one whose norm exceeds the round's
-median is scaled down to it (`clipped`), and one pointing away from the sum of the others is left out and
-reported as `opposed`. The message's top-k, value encoding and chunk plan must be the run's
-(`config_mismatch`): a peer that sends more coefficients than the run's k would get more say. The
-shared state is the parameters: the exchange may replace them with the swarm's before the update.
+median is scaled down to it (`clipped`), and a sender whose recent agreement with the others is below
+0, or far below the round's, is left out and reported as an `outlier` (DeMo drops nothing on a
+single round's agreement by default: honest DeMo contributions agree little). The message's top-k,
+value encoding and chunk plan must be the run's (`config_mismatch`): a peer that sends more
+coefficients than the run's k would get more say. The shared state is the parameters: the exchange
+may replace them with the swarm's before the update.
 
-`overlap=True` hides the exchange behind computation (DESIGN.md: "the exchange must not block
-compute"): step r encodes its payload and hands it to a background thread owned by the optimizer,
-then applies round r-1's aggregate, which arrived while step r's forward and backward ran. Every
+`overlap=True` hides the exchange behind computation (the exchange must not block compute): step r
+encodes its payload and hands it to a background thread owned by the optimizer, then applies
+round r-1's aggregate, which arrived while step r's forward and backward ran. Every
 update lands one step late, on parameters that every participant holds alike (the state a round
 compares is the one its aggregate will be applied to, a step later); `finish()` applies the last
 round, so all participants end on bit-identical parameters. The own contribution is not applied

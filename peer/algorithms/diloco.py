@@ -269,7 +269,7 @@ class DiLoCo:
             self.load_shared_state(result.adopted)
 
     def _eager_direction(self, previous: _RoundResult | None, fresh: _Sent) -> list[torch.Tensor]:
-        """delta(t-1) - own stale share + own fresh share (DESIGN.md; arXiv 2502.12996).
+        """delta(t-1) - own stale share + own fresh share (arXiv 2502.12996).
 
         The fresh share is weighted against the last round's total (this round's is not known yet);
         in the first round, against M equal participants.

@@ -1,6 +1,6 @@
 """Bounding what one participant can do to a round (docs/ROBUSTNESS.md has the threat model).
 
-Three rules, applied in this order to a round's decoded contributions, all pure functions of numbers
+Four rules, applied in this order to a round's decoded contributions, all pure functions of numbers
 that every participant computes alike from the same contributions in the same order (so replicas
 stay identical):
 
