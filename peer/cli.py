@@ -394,26 +394,26 @@ def main(argv: list[str] | None = None) -> int:
 
         return benchmark.main(as_json=args.json, repeat=args.repeat)
     if args.command == "bench" and args.benchmark == "converge":
-        from shoal.peer import convergence
+        from shoal.peer.bench import converge
 
-        methods = tuple(args.methods.split(",")) if args.methods else convergence.METHODS
-        unknown = set(methods) - set(convergence.TRAINERS)
+        methods = tuple(args.methods.split(",")) if args.methods else converge.METHODS
+        unknown = set(methods) - set(converge.TRAINERS)
         if unknown:
             print(
                 f"shoal bench converge: error: --methods: unknown {', '.join(sorted(unknown))}",
                 file=sys.stderr,
             )
             return 2
-        return convergence.main(as_json=args.json, quick=args.quick, methods=methods)
+        return converge.main(as_json=args.json, quick=args.quick, methods=methods)
     if args.command == "bench" and args.benchmark == "hostile":
         return _bench_hostile(args)
     if args.command == "bench" and args.benchmark == "swarm-local":
-        from shoal.peer import swarm_bench
+        from shoal.peer.bench import swarm_local
 
         if not args.round_seconds > 0:
             print("shoal: error: --round-seconds must be > 0", file=sys.stderr)
             return 2
-        return swarm_bench.main(
+        return swarm_local.main(
             as_json=args.json,
             sizes=args.peers,
             model=args.model,
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench_hostile(args: argparse.Namespace) -> int:
-    from shoal.peer import hostile
+    from shoal.peer.bench import hostile
 
     methods, attacks = args.methods.split(","), args.attacks.split(",")
     for flag, given, known in (
@@ -450,7 +450,7 @@ def _bench_hostile(args: argparse.Namespace) -> int:
 def _bench_wan(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from shoal.peer import wan
+    from shoal.peer.bench import wan
 
     config = wan.QUICK if args.quick else wan.WanConfig()
     try:

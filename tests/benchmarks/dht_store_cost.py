@@ -1,5 +1,5 @@
 """What one signed DHT write costs on the wire: N hivemind DHT nodes, each in a network namespace of
-its own (shoal.peer.netlab, so the kernel's interface counters see only their traffic); after they
+its own (shoal.peer.bench.netlab, so the kernel's interface counters see only their traffic); after they
 have joined, node 1 stores a peer record (the size of shoal's) under its public-key subkey `--stores`
 times. Needs root.
 
@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shoal.peer.netlab import NetLab
+from shoal.peer.bench.netlab import NetLab
 
 RECORD = {
     "peer_id": "12D3KooW" + "x" * 44,

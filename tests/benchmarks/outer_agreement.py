@@ -16,8 +16,8 @@ import json
 
 import torch
 
-from shoal.peer import convergence
 from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.bench import converge
 from shoal.peer.data import stdlib_corpus
 
 
@@ -32,7 +32,7 @@ def main() -> None:
         "--batch-size", type=int, help="sequences per worker and step (default: the setting's)"
     )
     args = parser.parse_args()
-    config = convergence.FULL if args.full else convergence.QUICK
+    config = converge.FULL if args.full else converge.QUICK
     config = dataclasses.replace(config, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
     if args.batch_size:
         config = dataclasses.replace(config, batch_size=args.batch_size)
@@ -46,7 +46,7 @@ def main() -> None:
 
     DiLoCo._apply = recording
     try:
-        result = convergence.run_method("diloco_standard", config, stdlib_corpus())
+        result = converge.run_method("diloco_standard", config, stdlib_corpus())
     finally:
         DiLoCo._apply = apply
     cosines = [

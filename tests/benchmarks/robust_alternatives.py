@@ -16,8 +16,8 @@ import json
 
 import torch
 
-from shoal.peer import hostile
 from shoal.peer.algorithms import diloco, robust
+from shoal.peer.bench import hostile
 from shoal.peer.data import stdlib_corpus
 
 

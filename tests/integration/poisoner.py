@@ -1,7 +1,7 @@
 """`shoal join` as an attacker (run by test_hostile.py): it trains like any peer and changes only what
 it sends, as SHOAL_ATTACK says:
 
-- sign_flip, sample_lie, random: every payload rewritten by shoal.peer.hostile.poison (sample_lie
+- sign_flip, sample_lie, random: every payload rewritten by shoal.peer.bench.hostile.poison (sample_lie
   also claims 2^40 samples);
 - topk: every payload with 4x the run's top-k (hostile.TOPK_FACTOR: a config_mismatch);
 - unserved_and_replay: its first payload is honest and served; after that, one round in two it
@@ -17,7 +17,8 @@ import sys
 
 import torch
 
-from shoal.peer import cli, hostile
+from shoal.peer import cli
+from shoal.peer.bench import hostile
 from shoal.peer.swarm import SwarmExchange
 
 ATTACK = os.environ["SHOAL_ATTACK"]

@@ -1,4 +1,4 @@
-"""`shoal bench wan`'s network (shoal.peer.netlab) and a small run of it: 2 peers at 20 Mbit/s.
+"""`shoal bench wan`'s network (shoal.peer.bench.netlab) and a small run of it: 2 peers at 20 Mbit/s.
 
 Runs where the test has root and iproute2 (`ip`, `tc`), as on CI; skipped with the reason elsewhere.
 Checks that the shaping measurably slows a bulk transfer, that everything is torn down (also after a
@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from shoal.peer import netlab
-from shoal.peer.netlab import NetLab
-from shoal.peer.wan import WanConfig, run
+from shoal.peer.bench import netlab
+from shoal.peer.bench.netlab import NetLab
+from shoal.peer.bench.wan import WanConfig, run
 
 reason = netlab.available()
 pytestmark = pytest.mark.skipif(reason is not None, reason=reason or "")
@@ -122,5 +122,5 @@ def test_sigterm_stops_the_benchmark_and_removes_its_namespaces(tmp_path):
             bench.kill()
     assert not any(n.startswith(prefix) for n in netlab.namespaces())
     assert "interrupted; namespaces removed" in bench.stderr.read()
-    leftovers = subprocess.run(["pgrep", "-f", "shoal.peer.wan_worker"], capture_output=True, text=True)
+    leftovers = subprocess.run(["pgrep", "-f", "shoal.peer.bench.wan_worker"], capture_output=True, text=True)
     assert leftovers.stdout.strip() == ""

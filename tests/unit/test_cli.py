@@ -83,13 +83,13 @@ def test_reference_style_baseline_computes_the_same_transform(shape):
 
 
 def test_bench_converge_json_reports_every_method(monkeypatch, capsys):
-    from shoal.peer import convergence
+    from shoal.peer.bench import converge
 
-    tiny = convergence.ConvergeConfig(model="tiny", steps=6, batch_size=2, inner_steps=3, eval_batches=1)
-    monkeypatch.setattr(convergence, "QUICK", tiny)
+    tiny = converge.ConvergeConfig(model="tiny", steps=6, batch_size=2, inner_steps=3, eval_batches=1)
+    monkeypatch.setattr(converge, "QUICK", tiny)
     assert cli.main(["bench", "converge", "--json", "--quick"]) == 0
     rows = {r["method"]: r for r in json.loads(capsys.readouterr().out)["results"]}
-    assert set(rows) == set(convergence.METHODS)
+    assert set(rows) == set(converge.METHODS)
     for row in rows.values():
         assert set(row) == {"method", "final_val_loss", "bytes_sent_per_worker", "wall_s"}
         assert 0 < row["final_val_loss"] < 10 and row["bytes_sent_per_worker"] > 0
@@ -97,10 +97,10 @@ def test_bench_converge_json_reports_every_method(monkeypatch, capsys):
 
 
 def test_bench_converge_runs_the_methods_asked_for_and_refuses_unknown_ones(monkeypatch, capsys):
-    from shoal.peer import convergence
+    from shoal.peer.bench import converge
 
-    tiny = convergence.ConvergeConfig(model="tiny", steps=4, batch_size=2, inner_steps=2, eval_batches=1)
-    monkeypatch.setattr(convergence, "QUICK", tiny)
+    tiny = converge.ConvergeConfig(model="tiny", steps=4, batch_size=2, inner_steps=2, eval_batches=1)
+    monkeypatch.setattr(converge, "QUICK", tiny)
     asked = ["bench", "converge", "--json", "--quick", "--methods", "demo_compact,demo_compact_lookahead"]
     assert cli.main(asked) == 0
     rows = json.loads(capsys.readouterr().out)["results"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shoal.peer.wan import QUICK, WanConfig, parse_bandwidths, summarize
+from shoal.peer.bench.wan import QUICK, WanConfig, parse_bandwidths, summarize
 
 
 def test_bandwidths_parse_in_mbit():

@@ -36,10 +36,10 @@ import torch
 
 from shoal.compression import DCTTopKCodec, DecodeLimits, DenseCodec, EncodedTensor, decode_tensor, values
 from shoal.compression.dct_topk import unpack
-from shoal.peer import convergence
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, run_loopback
+from shoal.peer.bench import converge
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
 from shoal.peer.model import TinyGPT
 from shoal.protocol import CodecId, Payload, ValueEncoding
@@ -170,7 +170,7 @@ def run(
 ) -> HostileResult:
     if attack == "honest_only":
         workers, attackers, attack = workers - attackers, 0, "none"
-    config = replace(convergence.QUICK, workers=workers)
+    config = replace(converge.QUICK, workers=workers)
     torch.manual_seed(config.seed)
     initial = TinyGPT(config.gpt).state_dict()
     plan = BatchPlan(
@@ -192,7 +192,7 @@ def run(
     start = time.perf_counter()
     outcomes = run_loopback(workers, work)
     wall = time.perf_counter() - start
-    loss = convergence.validation_loss(outcomes[0][0], streams, config)
+    loss = converge.validation_loss(outcomes[0][0], streams, config)
     honest = [recorder for rank, (_, recorder) in enumerate(outcomes) if rank not in hostile]
     rounds = config.steps if method.startswith("demo") else config.steps // config.inner_steps
     return HostileResult(
@@ -209,7 +209,7 @@ def run(
     )
 
 
-def _optimizer(method: str, model: TinyGPT, config: convergence.ConvergeConfig, exchange: Exchange):
+def _optimizer(method: str, model: TinyGPT, config: converge.ConvergeConfig, exchange: Exchange):
     if method == "demo_compact":
         return DeMo(
             model.parameters(),
@@ -221,10 +221,10 @@ def _optimizer(method: str, model: TinyGPT, config: convergence.ConvergeConfig, 
             compression_decay=0.99,
         )
     if method == "diloco_eager":
-        lr, momentum = convergence.OUTER["eager"]
+        lr, momentum = converge.OUTER["eager"]
         return DiLoCo(
             model,
-            convergence._adamw(model, config),
+            converge._adamw(model, config),
             exchange=exchange,
             inner_steps=config.inner_steps,
             mode="eager",

@@ -101,7 +101,14 @@ def run_swarm(model: str, peers: int, rounds: int, round_seconds: float) -> dict
         processes = [
             subprocess.Popen(
                 [
-                    *(sys.executable, "-m", "shoal.peer.swarm_bench", "--worker", "--initial-peer", address),
+                    *(
+                        sys.executable,
+                        "-m",
+                        "shoal.peer.bench.swarm_local",
+                        "--worker",
+                        "--initial-peer",
+                        address,
+                    ),
                     *("--start", str(begin), "--round-seconds", str(round_seconds), "--rounds", str(rounds)),
                     *("--index", str(i), "--peers", str(peers), "--model", model, "--out", f"{tmp}/{i}.json"),
                 ],

@@ -1,6 +1,6 @@
-"""One node of `shoal bench wan` (shoal.peer.wan), run inside its network namespace:
+"""One node of `shoal bench wan` (shoal.peer.bench.wan), run inside its network namespace:
 
-    python -m shoal.peer.wan_worker --method M --index I --peers N --steps S ... --out RESULT.json
+    python -m shoal.peer.bench.wan_worker --method M --index I --peers N --steps S ... --out RESULT.json
 
 Every method trains the same model from the same initial weights on the same per-worker batches
 (BatchPlan over the standard-library corpus) for S optimizer steps of one batch each, and writes

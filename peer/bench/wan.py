@@ -1,7 +1,7 @@
 """`shoal bench wan`: training over slow links, side by side with data-parallel all-reduce.
 
-For each bandwidth and method, a NetLab (shoal.peer.netlab) of N peer namespaces and one for the
-coordinator, every link shaped with tbf to the bandwidth both ways; N shoal.peer.wan_worker processes
+For each bandwidth and method, a NetLab (shoal.peer.bench.netlab) of N peer namespaces and one for the
+coordinator, every link shaped with tbf to the bandwidth both ways; N shoal.peer.bench.wan_worker processes
 train the same model on the same data for the same number of optimizer steps; then the lab is torn
 down. Reported per run:
 
@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.peer.netlab import NetLab, NetLabError, available, raise_on_sigterm
+from shoal.peer.bench.netlab import NetLab, NetLabError, available, raise_on_sigterm
+from shoal.peer.bench.wan_worker import BUTTERFLY, METHODS, SWARM_METHODS
 from shoal.peer.settings import OVERLAPPED
-from shoal.peer.wan_worker import BUTTERFLY, METHODS, SWARM_METHODS
 
 __all__ = ["METHODS", "QUICK", "WanConfig", "main", "parse_bandwidths", "run"]
 
@@ -96,7 +96,7 @@ def run(
             command = [
                 sys.executable,
                 "-m",
-                "shoal.peer.wan_worker",
+                "shoal.peer.bench.wan_worker",
                 "--method",
                 method,
                 "--index",
