@@ -1,4 +1,11 @@
-"""Shared test settings: hypothesis profile with no per-example deadline (CI machines are slow)."""
+"""Shared test settings: hypothesis profile with no per-example deadline (CI machines are slow), and
+no process left running after a test."""
+
+import contextlib
+import os
+import signal
+import warnings
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -9,3 +16,84 @@ settings.load_profile("shoal")
 # tests/hostile_messages.py is a plain helper module whose asserts are the checks of many tests:
 # have pytest rewrite them (as it would in a test module) so their failures show the values compared.
 pytest.register_assert_rewrite("tests.hostile_messages")
+
+
+# ---------------------------------------------------------------------------------------------
+# Leftover processes: whatever an integration test started and did not stop (a peer, its DHT process, a p2pd
+# daemon, a coordinator) is killed after it, so that one failing test cannot slow down or disturb
+# the next ones. Each kill is reported as a warning naming the process, so a leak stays visible.
+# ---------------------------------------------------------------------------------------------
+
+
+def _processes() -> dict[int, tuple[int, str, str]]:
+    """Every process: pid -> (parent pid, state, name), from /proc (Linux)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        found[int(entry)] = (int(rest[1]), rest[0], name)
+    return found
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """The live (not zombie) processes below `root`: pid -> name."""
+    processes = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _, _) in processes.items():
+        children.setdefault(parent, []).append(pid)
+    found, stack = {}, [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            stack.append(child)
+            if processes[child][1] != "Z":
+                found[child] = processes[child][2]
+    return found
+
+
+KEPT = ("torch_shm_manager", "resource_tracker", "forkserver", "semaphore_tracker")
+"""Helpers that serve the test process itself for its whole life (torch's shared-memory manager,
+multiprocessing's trackers), started by whichever test first needs them: never leftovers."""
+
+
+def _serves_this_process(pid: int, name: str) -> bool:
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return any(helper in name or helper in command for helper in KEPT)
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes(request):
+    """Integration tests only (the unit tests start no processes, and /proc is read twice a test)."""
+    if "integration" not in request.node.path.parts or not Path("/proc/self/stat").exists():
+        yield
+        return
+    before = set(_descendants(os.getpid()))
+    yield
+    leftovers: dict[int, str] = {}
+    for _ in range(5):  # stopped first, so that none forks a child the kill would orphan
+        found = {
+            pid: name
+            for pid, name in _descendants(os.getpid()).items()
+            if pid not in before and not _serves_this_process(pid, name)
+        }
+        if found.keys() <= leftovers.keys():
+            break
+        for pid in found.keys() - leftovers.keys():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        leftovers |= found
+    for pid in leftovers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in leftovers:  # reap the direct children; the others are reaped by their parents (or init)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+    if leftovers:
+        warnings.warn(f"killed processes the test left running: {sorted(leftovers.values())}", stacklevel=1)
