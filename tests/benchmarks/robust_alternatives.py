@@ -31,11 +31,9 @@ def coordinate_wise(trim: int | None):
         for k, mean in enumerate(into):
             values = torch.stack([tensors[k].float() for tensors, _ in contributions]).sort(dim=0).values
             mean.add_(values[cut : count - cut].mean(dim=0))
-        samples = sorted(s for _, s in contributions)
+        median = robust.lower_median([s for _, s in contributions])
         verdict = robust.Screened.of([1.0] * count, [1.0] * count, [None] * count, robust.NONE)
-        return float(
-            count * samples[(count - 1) // 2]
-        ), verdict  # the weight behind the mean, as if all were median
+        return float(count * median), verdict  # the weight behind the mean, as if all were the median
 
     return aggregate
 
