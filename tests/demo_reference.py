@@ -11,12 +11,12 @@ import math
 import torch
 
 
-def basis(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def basis(n: int, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu") -> torch.Tensor:
     k = torch.arange(n, dtype=torch.float64)[:, None]
     i = torch.arange(n, dtype=torch.float64)[None, :]
     b = torch.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt(2 / n)
     b[0] *= math.sqrt(0.5)
-    return b.to(dtype)  # coefficient = b @ x
+    return b.to(device=device, dtype=dtype)  # coefficient = b @ x
 
 
 def split(n: int, chunk: int) -> int:
@@ -27,22 +27,25 @@ def encode(x: torch.Tensor, chunk: int) -> torch.Tensor:
     """(..., tile_elems) coefficients: 2-D -> (y, x, h*w), 1-D -> (x, w)."""
     if x.dim() == 1:
         w = split(x.shape[0], chunk)
-        return torch.einsum("xj,bj->xb", x.reshape(-1, w), basis(w, x.dtype))
+        return torch.einsum("xj,bj->xb", x.reshape(-1, w), basis(w, x.dtype, x.device))
     h, w = split(x.shape[0], chunk), split(x.shape[1], chunk)
     tiles = x.reshape(x.shape[0] // h, h, x.shape[1] // w, w)
-    coeffs = torch.einsum("yjxl,bj,dl->yxbd", tiles, basis(h, x.dtype), basis(w, x.dtype))
+    coeffs = torch.einsum("yjxl,bj,dl->yxbd", tiles, basis(h, x.dtype, x.device), basis(w, x.dtype, x.device))
     return coeffs.reshape(coeffs.shape[0], coeffs.shape[1], h * w)
 
 
 def decode(coeffs: torch.Tensor, shape: tuple[int, ...], chunk: int) -> torch.Tensor:
     if len(shape) == 1:
         w = split(shape[0], chunk)
-        return torch.einsum("xb,bj->xj", coeffs, basis(w, coeffs.dtype)).reshape(shape)
+        return torch.einsum("xb,bj->xj", coeffs, basis(w, coeffs.dtype, coeffs.device)).reshape(shape)
     h, w = split(shape[0], chunk), split(shape[1], chunk)
     tiles = coeffs.reshape(coeffs.shape[0], coeffs.shape[1], h, w)
-    return torch.einsum("yxbd,bj,dl->yjxl", tiles, basis(h, coeffs.dtype), basis(w, coeffs.dtype)).reshape(
-        shape
-    )
+    return torch.einsum(
+        "yxbd,bj,dl->yjxl",
+        tiles,
+        basis(h, coeffs.dtype, coeffs.device),
+        basis(w, coeffs.dtype, coeffs.device),
+    ).reshape(shape)
 
 
 class ReferenceDeMo:

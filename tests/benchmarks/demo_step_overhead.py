@@ -1,6 +1,6 @@
 """How long a DeMo step takes next to the forward+backward pass it follows (DESIGN.md: <= 4%).
 
-    python -m tests.benchmarks.demo_step_overhead [--model small] [--batch 16] [--repeat 10]
+    python -m tests.benchmarks.demo_step_overhead [--model small] [--batch 16] [--repeat 10] [--device cuda]
 
 One worker (LoopbackExchange of 1: encode, gather, decode and apply all run; no network), the
 embedded GPT on random bytes. Also times the same step written the way the paper's reference code
@@ -21,12 +21,20 @@ from shoal.peer.model import GPTConfig, TinyGPT
 from tests.demo_reference import ReferenceDeMo
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def median_ms(fn, repeat: int) -> float:
+    """The median wall time of `fn`, the GPU's queued work included."""
     fn()
     times = []
     for _ in range(repeat):
+        synchronize()
         start = time.perf_counter()
         fn()
+        synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -38,12 +46,19 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the model and optimizer run")
     args = parser.parse_args()
+    device = torch.device(args.device)
     config = GPTConfig.preset(args.model)
     torch.manual_seed(0)
-    model = TinyGPT(config)
-    tokens = torch.randint(0, 256, (args.batch, config.seq_len + 1))
-    results = {"model": args.model, "params": sum(p.numel() for p in model.parameters()), "batch": args.batch}
+    model = TinyGPT(config).to(device)
+    tokens = torch.randint(0, 256, (args.batch, config.seq_len + 1), device=device)
+    results = {
+        "model": args.model,
+        "params": sum(p.numel() for p in model.parameters()),
+        "batch": args.batch,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
 
     def forward_backward() -> None:
         model.zero_grad(set_to_none=False)
