@@ -6,7 +6,7 @@
   behind NAT (inferred from the addresses: nothing from outside dials back);
 - with `--initial-peers`: whether the bootstrap peer answers, the DHT round-trip time, and the
   bandwidth from up to three shoal peers of the run, each measured by pulling 4 MiB from its probe
-  handler (shoal.peer.swarm; a stock hivemind-dht node has none, so only the round trip is shown).
+  handler (shoal.peer.swarm.exchange; a stock hivemind-dht node has none, so only the round trip is shown).
 """
 
 import asyncio
@@ -20,10 +20,11 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 
-from shoal.peer.bootstrap import BootstrapError, start_dht
 from shoal.peer.hardware import choose_device, describe
-from shoal.peer.membership import record_validators
-from shoal.peer.swarm_records import peer_records
+from shoal.peer.swarm.bootstrap import BootstrapError, start_dht
+from shoal.peer.swarm.membership import record_validators
+from shoal.peer.swarm.names import handler, peers_key
+from shoal.peer.swarm.records import peer_records
 from shoal.protocol.swarm_pb2 import PayloadChunk, ProbeRequest
 
 PROBE_BYTES = 4 << 20
@@ -72,7 +73,7 @@ async def _probe(dht, peer_id: str, run: str) -> float:
     try:
         started = time.perf_counter()
         stream = await p2p.iterate_protobuf_handler(
-            PeerID.from_base58(peer_id), f"shoal.{run}.probe", ProbeRequest(size=PROBE_BYTES), PayloadChunk
+            PeerID.from_base58(peer_id), handler(run, "probe"), ProbeRequest(size=PROBE_BYTES), PayloadChunk
         )
         received = 0
         async for chunk in stream:
@@ -100,7 +101,7 @@ def network_report(initial_peers: list[str], run: str, port: int) -> dict:
         if not initial_peers:
             return report
         started = time.perf_counter()
-        records, _ = peer_records(dht.get(f"{run}_peers", latest=True))
+        records, _ = peer_records(dht.get(peers_key(run), latest=True))
         report["bootstrap"] = "ok"
         report["dht_round_trip_ms"] = (time.perf_counter() - started) * 1000
         report["run_peers"] = len(records)

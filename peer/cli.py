@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shoal status: error: {error}", file=sys.stderr)
             return 2
         from shoal.peer import status
-        from shoal.peer.bootstrap import BootstrapError
+        from shoal.peer.swarm.bootstrap import BootstrapError
 
         try:
             return status.main(initial_peers, run, as_json=args.json)
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "coordinator":
         return coordinator_cli.run(args)
     if args.command == "keygen":
-        from shoal.peer.identity import IdentityError, keygen, peer_id_of
+        from shoal.peer.swarm.identity import IdentityError, keygen, peer_id_of
 
         try:
             keygen(args.path)

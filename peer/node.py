@@ -33,20 +33,20 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from shoal.compression import DenseCodec
-from shoal.peer.bootstrap import BootstrapError, start_dht
 from shoal.peer.checkpoint import CheckpointStore
-from shoal.peer.coordination import CoordinatorError, CoordinatorLink, check_access
 from shoal.peer.data import RoundSlices, TokenStreams, load_data
 from shoal.peer.files import replace_text
 from shoal.peer.hardware import DeviceError, autocast_for, choose_device, memory_in_use
-from shoal.peer.identity import IdentityError, keygen, load_identity
-from shoal.peer.membership import SHOAL_VERSION, record_validators
 from shoal.peer.metrics import PeerMetrics, build_info
 from shoal.peer.models import LoadedModel, ModelError, load_model
 from shoal.peer.progress import Progress
 from shoal.peer.runtime import OutOfMemory, Trainer, stop_on_signals
 from shoal.peer.settings import PARSERS, JoinSettings, SettingsError
-from shoal.peer.swarm import RoundPlan, RoundSchedule, SwarmExchange
+from shoal.peer.swarm.bootstrap import BootstrapError, start_dht
+from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
+from shoal.peer.swarm.exchange import RoundPlan, RoundSchedule, SwarmExchange
+from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
+from shoal.peer.swarm.membership import SHOAL_VERSION, record_validators
 
 DISCOVER_TIMEOUT = timedelta(seconds=60)
 # the run configuration's flags, in the order the join command names them

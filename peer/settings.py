@@ -16,16 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
-
-
-def check_run_name(run: str) -> str:
-    if not RUN_NAME.match(run):
-        raise ValueError(
-            f"run name {run!r} must be 1-64 letters, digits or '-', starting with a letter or digit"
-        )
-    return run
-
+from shoal.peer.swarm.names import check_run_name
 
 ALGORITHMS = {
     "demo": "demo",
@@ -84,7 +75,7 @@ class JoinSettings:
     compute_delay: float = 0.0
 
     def run_config(self) -> dict[str, str]:
-        """What every peer of a run must share (hashed into its records; shoal.peer.membership)."""
+        """What every peer of a run must share (hashed into its records; shoal.peer.swarm.membership)."""
         config = {"model": self.model, "algorithm": self.algorithm, "lr": repr(self.learning_rate)}
         config["seed"] = str(self.seed)
         if self.algorithm.startswith("demo"):

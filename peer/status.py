@@ -14,9 +14,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 from rich.console import Console
 from rich.table import Table
 
-from shoal.peer.bootstrap import start_dht
-from shoal.peer.membership import record_validators
-from shoal.peer.swarm_records import peer_records
+from shoal.peer.swarm.bootstrap import start_dht
+from shoal.peer.swarm.membership import record_validators
+from shoal.peer.swarm.names import peers_key
+from shoal.peer.swarm.records import peer_records
 
 
 def read_peers(initial_peers: list[str], run: str) -> tuple[list[dict], int]:
@@ -28,7 +29,7 @@ def read_peers(initial_peers: list[str], run: str) -> tuple[list[dict], int]:
         record_validators=record_validators(run, RSAPrivateKey()),
     )
     try:
-        records, malformed = peer_records(dht.get(f"{run}_peers", latest=True))
+        records, malformed = peer_records(dht.get(peers_key(run), latest=True))
     finally:
         dht.shutdown()
     now = time.time()

@@ -2,7 +2,7 @@
 
 - `exchange`: the `Exchange` interface an optimizer gathers its round's contributions through, with
   `LoopbackExchange` (threads of one process) and `TorchDistributedExchange` (torch.distributed).
-  The swarm's exchange (shoal.peer.swarm) implements the same interface over hivemind.
+  The swarm's exchange (shoal.peer.swarm.exchange) implements the same interface over hivemind.
 - `demo`: the DeMo optimizer; `diloco`: DiLoCo (standard, delayed and eager outer updates).
 - `butterfly`: the pure core of butterfly averaging (pieces cut, averaged and reassembled).
 - `robust`: how a round bounds each contribution (docs/ROBUSTNESS.md).

@@ -9,10 +9,10 @@ tensor's blocks are cut into n contiguous pieces; participant i *owns* piece i:
 3. every participant pulls the other n - 1 means and puts the pieces together.
 
 Each peer then sends and receives 2 (n - 1) / n payloads per round, against n - 1 when every peer
-pulls every payload (the gather of shoal.peer.swarm): half at n = 4, an eighth at n = 16. The price:
+pulls every payload (the gather of shoal.peer.swarm.exchange): half at n = 4, an eighth at n = 16. The price:
 the mean is quantized a second time (by its owner), and an owner could serve different means to
 different peers; they would then disagree on their state, which the next round's state check finds
-and repairs like any other disagreement (shoal.peer.swarm). Hivemind's averager reduces the same way
+and repairs like any other disagreement (shoal.peer.swarm.exchange). Hivemind's averager reduces the same way
 ("butterfly all-reduce"), as does OpenDiLoCo through it.
 
 Pieces follow the codec's blocks, so the pieces of an encoded tensor are slices of its byte streams:

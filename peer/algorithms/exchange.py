@@ -17,7 +17,7 @@ the exchange the caller dropped a contribution, so that it can strike its sender
 
 Implementations: `LoopbackExchange` (N workers as threads of one process: tests and simulations),
 `TorchDistributedExchange` (torch.distributed: gloo on CPU, nccl on GPU, for torchrun users), and the
-hivemind swarm (`shoal.peer.swarm.SwarmExchange`). Payloads are bytes (serialized protobuf): never
+hivemind swarm (`shoal.peer.swarm.exchange.SwarmExchange`). Payloads are bytes (serialized protobuf): never
 pickled, and their size is what really crosses the wire.
 """
 

@@ -40,12 +40,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from shoal.peer.bootstrap import start_dht
     from shoal.peer.data import BatchPlan, stdlib_corpus
-    from shoal.peer.membership import record_validators
     from shoal.peer.model import GPTConfig, TinyGPT
     from shoal.peer.runtime import Trainer
-    from shoal.peer.swarm import RoundSchedule, SwarmExchange
+    from shoal.peer.swarm.bootstrap import start_dht
+    from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
+    from shoal.peer.swarm.membership import record_validators
 
     torch.set_num_threads(1)
     identity = RSAPrivateKey()
@@ -91,7 +91,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_swarm(model: str, peers: int, rounds: int, round_seconds: float) -> dict:
-    from shoal.peer.bootstrap import TetheredDHT
+    from shoal.peer.swarm.bootstrap import TetheredDHT
 
     # the benchmark's bootstrap node: its process and p2pd end with the benchmark, even on kill -9
     node = TetheredDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])

@@ -141,11 +141,11 @@ def _swarm(args, model, batch) -> dict:
     from hivemind.utils.crypto import RSAPrivateKey
 
     from shoal.compression import DenseCodec
-    from shoal.peer.bootstrap import start_dht
-    from shoal.peer.coordination import CoordinatorLink
-    from shoal.peer.membership import record_validators
     from shoal.peer.runtime import Trainer
-    from shoal.peer.swarm import RoundSchedule, SwarmExchange
+    from shoal.peer.swarm.bootstrap import start_dht
+    from shoal.peer.swarm.coordinator_link import CoordinatorLink
+    from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
+    from shoal.peer.swarm.membership import record_validators
 
     algorithm = SWARM_METHODS[args.method]
     identity = RSAPrivateKey()

@@ -8,7 +8,7 @@ test_butterfly.py).
 import sys
 
 from shoal.peer import cli
-from shoal.peer.swarm import SwarmExchange
+from shoal.peer.swarm.exchange import SwarmExchange
 
 honest_piece = SwarmExchange._piece
 

@@ -19,7 +19,7 @@ import torch
 
 from shoal.peer import cli
 from shoal.peer.bench import hostile
-from shoal.peer.swarm import SwarmExchange
+from shoal.peer.swarm.exchange import SwarmExchange
 
 ATTACK = os.environ["SHOAL_ATTACK"]
 honest_gather, honest_serve = SwarmExchange.gather, SwarmExchange._serve

@@ -24,13 +24,13 @@ import zstandard
 from hivemind.utils.crypto import RSAPrivateKey
 
 from shoal.compression import DenseCodec
-from shoal.peer.bootstrap import start_dht
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data import BatchPlan, stdlib_corpus
-from shoal.peer.membership import record_validators
 from shoal.peer.model import GPTConfig, TinyGPT
 from shoal.peer.runtime import ALGORITHMS, Trainer, stop_on_signals
-from shoal.peer.swarm import RoundSchedule, SwarmExchange
+from shoal.peer.swarm.bootstrap import start_dht
+from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
+from shoal.peer.swarm.membership import record_validators
 from shoal.protocol import Payload
 
 ATTACKS = ["none", "wrong_shape", "nan", "oversized", "digest", "replay"]

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from shoal.peer.bootstrap import BootstrapError, start_dht
+from shoal.peer.swarm.bootstrap import BootstrapError, start_dht
 
 PEER_ID = "12D3KooWAWh5yFSnH2mTeaEXarpiTHz6NtC5BLTA3wBDS8pD1tn7"
 

@@ -18,7 +18,7 @@ from shoal.compression import DenseCodec
 from shoal.peer.algorithms.butterfly import Pieces
 from shoal.peer.algorithms.robust import NONE
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.swarm import MAX_PIECES, PARTS_QUIET_S, SwarmExchange
+from shoal.peer.swarm.exchange import MAX_PIECES, PARTS_QUIET_S, SwarmExchange
 from shoal.protocol import Payload
 from shoal.protocol.swarm_pb2 import PayloadRequest
 from tests.integration.test_cli_swarm import ROOT, events, free_port, kill, shoal, start, wait_for

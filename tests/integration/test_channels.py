@@ -1,4 +1,4 @@
-"""Payload channels (shoal.peer.swarm_channels) between two real libp2p daemons on loopback: reuse,
+"""Payload channels (shoal.peer.swarm.channels) between two real libp2p daemons on loopback: reuse,
 recovery from a channel the server closed, and what a hostile peer's requests and replies get."""
 
 import asyncio
@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 from hivemind.p2p import P2P
 
-from shoal.peer import swarm_channels
-from shoal.peer.swarm_channels import HEADER_BYTES, MAX_REQUEST_BYTES, Channels, ChannelServer
+from shoal.peer.swarm import channels as swarm_channels
+from shoal.peer.swarm.channels import HEADER_BYTES, MAX_REQUEST_BYTES, Channels, ChannelServer
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest
 

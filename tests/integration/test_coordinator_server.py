@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from shoal.coordinator.rounds import Policy
 from shoal.coordinator.server import MAX_REQUEST_BYTES, Coordinator
-from shoal.peer.coordination import CoordinatorLink
+from shoal.peer.swarm.coordinator_link import CoordinatorLink
 from shoal.protocol import coordinator_pb2 as pb
 from shoal.protocol import coordinator_pb2_grpc
 

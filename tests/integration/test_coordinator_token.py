@@ -20,7 +20,7 @@ import pytest
 
 from shoal.coordinator.auth import Tokens
 from shoal.coordinator.server import Coordinator
-from shoal.peer.coordination import CoordinatorError, CoordinatorLink, check_access
+from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
 
 ROOT = Path(__file__).resolve().parents[2]
 SWARM_TOKEN, A_TOKEN = "swarm-token-0123456789", "peer-a-token-0123456789"

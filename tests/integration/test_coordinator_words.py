@@ -12,7 +12,7 @@ import pytest
 from shoal.coordinator.metrics import REFUSAL_CODES
 from shoal.coordinator.rounds import Policy
 from shoal.coordinator.server import Coordinator
-from shoal.peer.coordination import IN_WORDS, CallFailed, CoordinatorLink
+from shoal.peer.swarm.coordinator_link import IN_WORDS, CallFailed, CoordinatorLink
 from shoal.protocol import coordinator_pb2 as pb
 
 FIRST, JOINER = (f"12D3KooW{c * 44}" for c in "AB")

@@ -1,6 +1,6 @@
 """A peer killed with kill -9 takes its helpers with it: a real `shoal join` is started, its process tree
 read from /proc (the DHT process and p2pd), the peer alone SIGKILLed, and every descendant must be gone
-within seconds (shoal.peer.lifeline)."""
+within seconds (shoal.peer.swarm.lifeline)."""
 
 import contextlib
 import json

@@ -5,8 +5,8 @@ import time
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
-from shoal.peer.bootstrap import start_dht
-from shoal.peer.membership import (
+from shoal.peer.swarm.bootstrap import start_dht
+from shoal.peer.swarm.membership import (
     SHOAL_VERSION,
     PeerRecord,
     check_run_name,

@@ -11,9 +11,9 @@ from datetime import timedelta
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
-from shoal.peer.bootstrap import start_dht
-from shoal.peer.membership import record_validators
-from shoal.peer.swarm import PROBE_MAX_BYTES, RoundSchedule, SwarmExchange
+from shoal.peer.swarm.bootstrap import start_dht
+from shoal.peer.swarm.exchange import PROBE_MAX_BYTES, RoundSchedule, SwarmExchange
+from shoal.peer.swarm.membership import record_validators
 from shoal.protocol.swarm_pb2 import PayloadRequest, ProbeRequest
 
 CONFIG = {"model": "tiny", "algorithm": "demo"}

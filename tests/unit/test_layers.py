@@ -1,13 +1,16 @@
-"""The layers' import rule (issue 26): shoal.peer.algorithms imports no network and nothing of the peer
-above it, so that an optimizer can be read, tested and reused without the swarm."""
+"""The layers' import rule (docs/ARCHITECTURE.md): shoal.peer.algorithms imports no network and nothing
+of the peer above it, so that an optimizer can be read, tested and reused without the swarm; the swarm
+(shoal.peer.swarm) imports the algorithms but nothing of the peer job, command line or benchmarks."""
 
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
-ALGORITHMS = Path(__file__).resolve().parents[2] / "peer" / "algorithms"
+PEER = Path(__file__).resolve().parents[2] / "peer"
+ALGORITHMS = PEER / "algorithms"
 ALLOWED = ("shoal.compression", "shoal.protocol", "shoal.peer.algorithms")
+SWARM_ALLOWED = (*ALLOWED, "shoal.peer.swarm", "hivemind", "grpc")
 
 
 def shoal_imports(path: Path) -> list[str]:
@@ -38,3 +41,22 @@ def test_importing_every_algorithm_loads_no_hivemind():
     assert result.stdout.strip() == "[]"
     # and the package still exports the optimizers and exchanges where users find them
     from shoal.peer import DeMo, DiLoCo, LoopbackExchange, TorchDistributedExchange  # noqa: F401
+
+
+def test_the_swarm_imports_nothing_of_the_peer_job_above_it():
+    modules = sorted((PEER / "swarm").glob("*.py"))
+    assert len(modules) >= 12
+    offending = {
+        path.name: [name for name in shoal_imports(path) if not name.startswith(SWARM_ALLOWED)]
+        for path in modules
+    }
+    assert {name: found for name, found in offending.items() if found} == {}
+
+
+def test_settings_load_neither_torch_nor_hivemind():
+    """`shoal join` checks its settings and ports before torch loads (peer/preflight.py)."""
+    code = "import sys, shoal.peer.settings, shoal.peer.preflight\n"
+    code += "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('hivemind', 'torch'))}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

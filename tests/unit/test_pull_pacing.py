@@ -1,13 +1,13 @@
-"""How pulls are paced: InFlight's admission (shoal.peer.swarm_pull) and the order a coordinated
-round pulls in (shoal.peer.swarm_coordinated.pull_order)."""
+"""How pulls are paced: InFlight's admission (shoal.peer.swarm.pull) and the order a coordinated
+round pulls in (shoal.peer.swarm.coordinated.pull_order)."""
 
 import asyncio
 
 import pytest
 
-from shoal.peer.swarm_coordinated import pull_order
-from shoal.peer.swarm_pull import InFlight
-from shoal.peer.swarm_records import Announcement
+from shoal.peer.swarm.coordinated import pull_order
+from shoal.peer.swarm.pull import InFlight
+from shoal.peer.swarm.records import Announcement
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,7 +10,7 @@ import pytest
 from shoal.peer.node import CLOCK_FILE, _save_clock, _saved_clock
 from shoal.peer.progress import Progress
 from shoal.peer.settings import JoinSettings
-from shoal.peer.swarm import RoundSchedule
+from shoal.peer.swarm.exchange import RoundSchedule
 
 
 def settings(tmp_path, **changes) -> JoinSettings:

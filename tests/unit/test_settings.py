@@ -6,8 +6,8 @@ import socket
 import pytest
 
 from shoal.peer import cli
-from shoal.peer.identity import IdentityError, load_identity, peer_id_of
 from shoal.peer.settings import JoinSettings, SettingsError, resolve
+from shoal.peer.swarm.identity import IdentityError, load_identity, peer_id_of
 
 
 def test_flags_then_environment_then_file_then_defaults(tmp_path):

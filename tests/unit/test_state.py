@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from shoal.peer.state import (
+from shoal.peer.swarm.state import (
     StateSnapshot,
     StateUnavailable,
     check_chunk,

@@ -1,4 +1,4 @@
-"""Pulling what other peers serve, for SwarmExchange (shoal.peer.swarm), on its event loop.
+"""Pulling what other peers serve, for SwarmExchange (shoal.peer.swarm.exchange), on its event loop.
 
 - A payload is pulled from the peer that announced it, then from any other participant of the round
   (every peer serves what it pulled; a relay that does not hold it yet answers with nothing), cycling
@@ -13,10 +13,10 @@
   (a capture); one at a time took the wire overhead from +6.8% to +3.1% (BENCHMARKS.md).
 - It is accepted only if its size and SHA-256 match the announcement; a source that sends other
   bytes is struck (the exchange's `strike`) and not asked again for it.
-- A piece of a shared state is pulled the same way, by shoal.peer.state's `download`, which checks
+- A piece of a shared state is pulled the same way, by shoal.peer.swarm.state's `download`, which checks
   it against the state's manifest.
 
-Payloads travel over channels (shoal.peer.swarm_channels): streams kept open between two peers, as a
+Payloads travel over channels (shoal.peer.swarm.channels): streams kept open between two peers, as a
 stream per pull cost more on the wire than a small payload. Other replies are one-off streams of
 `PayloadChunk`s of at most `CHUNK_BYTES`, capped in total by what the caller expects.
 """
@@ -32,9 +32,9 @@ from collections.abc import Callable, Mapping
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.utils.asyncio import aiter_with_timeout
 
-from shoal.peer.state import MAX_CHUNK_BYTES
-from shoal.peer.swarm_channels import Channels
-from shoal.peer.swarm_records import Announcement
+from shoal.peer.swarm.channels import Channels
+from shoal.peer.swarm.records import Announcement
+from shoal.peer.swarm.state import MAX_CHUNK_BYTES
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, StateRequest
 

@@ -1,5 +1,5 @@
 """The swarm's round clock and what peers write into and read back from the DHT: pure values, the
-untrusted ones parsed with limits (shoal.peer.swarm uses them; `shoal join` and `shoal status` too).
+untrusted ones parsed with limits (shoal.peer.swarm.exchange uses them; `shoal join` and `shoal status` too).
 
 - `RoundSchedule`: clock-synchronous rounds (start time, round length), discovered from the run's
   peer records by a peer that joins;
@@ -18,7 +18,8 @@ import hivemind
 from hivemind.p2p import PeerID
 from pydantic.v1 import ValidationError
 
-from shoal.peer.membership import PeerRecord
+from shoal.peer.swarm.membership import PeerRecord
+from shoal.peer.swarm.names import peers_key
 from shoal.protocol import MalformedPayloadError
 
 DIGEST_BYTES = 32
@@ -63,7 +64,7 @@ class RoundSchedule:
         joins a running swarm; raises TimeoutError if no peer record shows up in time."""
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
-            records, _ = peer_records(dht.get(f"{run}_peers", latest=True))
+            records, _ = peer_records(dht.get(peers_key(run), latest=True))
             clocks = Counter(
                 (record.start_time, record.round_seconds)
                 for record in records.values()
@@ -108,7 +109,7 @@ class Announcement:
     size: int
     samples: int
     state: bytes = b""
-    """Digest of its shared state at the start of the round (shoal.peer.state); empty if none."""
+    """Digest of its shared state at the start of the round (shoal.peer.swarm.state); empty if none."""
     synced: bool = False
     """Whether it held the majority's state last round (only those vote while any exist)."""
 

@@ -6,7 +6,7 @@ probes each one's TCP port so that the error says which address was tried, wheth
 there, and what to try next.
 
 The DHT's process, and the p2pd daemon it starts, die with the process that started them, even on
-kill -9 (shoal.peer.lifeline): `TetheredDHT`.
+kill -9 (shoal.peer.swarm.lifeline): `TetheredDHT`.
 """
 
 import multiprocessing
@@ -19,7 +19,7 @@ from hivemind.p2p import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 
-from shoal.peer.lifeline import die_with_parent
+from shoal.peer.swarm.lifeline import die_with_parent
 
 
 class BootstrapError(RuntimeError):

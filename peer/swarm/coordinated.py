@@ -1,4 +1,4 @@
-"""The coordinated rounds of SwarmExchange (shoal.peer.swarm): the plan of a round as the coordinator
+"""The coordinated rounds of SwarmExchange (shoal.peer.swarm.exchange): the plan of a round as the coordinator
 announced it, and a round whose participant set the coordinator decides.
 
 A peer reports its payload (digest, size, samples, state) to the coordinator instead of announcing it
@@ -19,9 +19,9 @@ from hivemind.utils.logging import get_logger
 
 from shoal.peer.algorithms.butterfly import MIN_PARTICIPANTS, Part, Pieces
 from shoal.peer.algorithms.exchange import Averaged, Contribution
-from shoal.peer.coordination import CallFailed, CoordinatorError
-from shoal.peer.state import StateSnapshot
-from shoal.peer.swarm_records import Announcement, RoundPlan, RoundSchedule
+from shoal.peer.swarm.coordinator_link import CallFailed, CoordinatorError
+from shoal.peer.swarm.records import Announcement, RoundPlan, RoundSchedule
+from shoal.peer.swarm.state import StateSnapshot
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.coordinator_pb2 import ReportReply, ReportRequest, RoundResultReply
 from shoal.protocol.swarm_pb2 import PayloadRequest

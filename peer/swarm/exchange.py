@@ -1,15 +1,15 @@
 """SwarmExchange: the Exchange of DeMo and DiLoCo over a hivemind DHT and its libp2p transport.
 
 For round r, a participant
-1. holds its serialized payload and serves it over payload channels (shoal.peer.swarm_channels:
+1. holds its serialized payload and serves it over payload channels (shoal.peer.swarm.channels:
    libp2p streams kept open between two peers, one request after another; also to one-off streams,
    for hivemind's own clients);
-2. heartbeats its signed `PeerRecord` (shoal.peer.membership) and announces `(peer id, digest, size,
+2. heartbeats its signed `PeerRecord` (shoal.peer.swarm.membership) and announces `(peer id, digest, size,
    samples)` under `<run>.round.<r>`, both under its public-key subkey, which only it can write
    (DHT values stay tiny: payload bytes never go through the DHT);
 3. until the round's deadline, reads the announcements of compatible peers (same run configuration
    and shoal major.minor; others are refused, naming what differs) and pulls every payload it does
-   not hold (shoal.peer.swarm_pull), with bounded concurrency, a timeout per call and retries with
+   not hold (shoal.peer.swarm.pull), with bounded concurrency, a timeout per call and retries with
    backoff: from the peer that announced it first, then from any other participant of the round,
    since every peer serves what it pulled (a relay that does not hold it yet answers with nothing).
    A payload is accepted only if its size and SHA-256 match the announcement; a source that sends
@@ -18,7 +18,7 @@ For round r, a participant
    holding the same payloads aggregate them in the same order.
 
 Agreement: with each payload a participant announces the digest of its shared state at the start of
-the round (shoal.peer.state: parameters, DiLoCo's outer momentum) and whether it was in sync last
+the round (shoal.peer.swarm.state: parameters, DiLoCo's outer momentum) and whether it was in sync last
 round. At the deadline the majority state is chosen (`state.majority`); contributions computed on
 another state are left out (`stale_state`), and a participant whose own state differs downloads the
 majority's from the peers that hold it (several at once, 1 MiB pieces checked against a manifest,
@@ -35,8 +35,8 @@ Rounds are clock-synchronous: a `RoundSchedule` (start time, round length) fixes
 participant that calls `gather` late joins the round in progress; one whose announcement comes too
 late for others to pull is left out of their round.
 
-Under a coordinator (shoal.peer.coordination), step 2's announcement goes to the coordinator
-instead, which decides the round's participants for everyone (shoal.peer.swarm_coordinated); the
+Under a coordinator (shoal.peer.swarm.coordinator_link), step 2's announcement goes to the coordinator
+instead, which decides the round's participants for everyone (shoal.peer.swarm.coordinated); the
 record is then rewritten only every `RECORD_REFRESH_S`, to stay alive. Should the coordinator stop
 answering, the round is announced in the DHT after all and finishes as above.
 
@@ -83,9 +83,14 @@ from hivemind.utils.serializer import MSGPackSerializer
 from shoal.compression import DecodeLimits, DenseCodec, decode_tensor
 from shoal.peer.algorithms.butterfly import Pieces, cut
 from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange
-from shoal.peer.coordination import CoordinatorLink
-from shoal.peer.membership import SHOAL_VERSION, PeerRecord, incompatibility, owner_subkey, run_hash
-from shoal.peer.state import (
+from shoal.peer.swarm.channels import Channels, ChannelServer
+from shoal.peer.swarm.coordinated import CoordinatedRounds
+from shoal.peer.swarm.coordinator_link import CoordinatorLink
+from shoal.peer.swarm.membership import SHOAL_VERSION, PeerRecord, incompatibility, owner_subkey, run_hash
+from shoal.peer.swarm.names import handler, peers_key, round_key
+from shoal.peer.swarm.pull import Puller, chunks
+from shoal.peer.swarm.records import Announcement, RoundPlan, RoundSchedule, peer_records
+from shoal.peer.swarm.state import (
     StateSnapshot,
     StateUnavailable,
     download,
@@ -93,10 +98,6 @@ from shoal.peer.state import (
     restore,
     state_size,
 )
-from shoal.peer.swarm_channels import Channels, ChannelServer
-from shoal.peer.swarm_coordinated import CoordinatedRounds
-from shoal.peer.swarm_pull import Puller, chunks
-from shoal.peer.swarm_records import Announcement, RoundPlan, RoundSchedule, peer_records
 from shoal.protocol import EncodedTensor, MalformedPayloadError, Payload, parse_message
 from shoal.protocol.swarm_pb2 import PayloadRequest, ProbeRequest, StateRequest
 
@@ -235,10 +236,10 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             deque()
         )  # planned, not yet gathered (DiLoCo gathers in the background)
         self._planned = 0  # the round after the last coordinated plan
-        self._handler = f"shoal.{run}.payload"
-        self._channel_handler = f"shoal.{run}.payloads"
-        self._state_handler = f"shoal.{run}.state"
-        self._probe_handler = f"shoal.{run}.probe"
+        self._handler = handler(run, "payload")
+        self._channel_handler = handler(run, "payloads")
+        self._state_handler = handler(run, "state")
+        self._probe_handler = handler(run, "probe")
         self._probed: dict[PeerID, float] = {}  # asking peer: monotonic time of its last probe
         # touched only on the loop thread:
         self._held: dict[tuple[int, bytes], bytes] = {}
@@ -502,7 +503,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self.record = self.record.copy(update={"round": round_number, "updated": now})
         next_write = now + (RECORD_REFRESH_S if self.coordinator is not None else 0.0)
         expires = max(self.schedule.deadline(round_number), next_write) + 3 * self.schedule.round_seconds
-        await self._store(f"{self.run}_peers", self.record.dict(), expires)
+        await self._store(peers_key(self.run), self.record.dict(), expires)
 
     async def _store(self, key: str, value: dict, expiration: float) -> None:
         """Stores `value` under this peer's subkey, counting its serialized bytes."""
@@ -710,7 +711,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         return mine
 
     async def _announce(self, round_number: int, mine: Announcement) -> None:
-        key = f"{self.run}.round.{round_number}"
+        key = round_key(self.run, round_number)
         await self._store(key, mine.value(), self.schedule.deadline(round_number) + 60)
 
     async def _collect(
@@ -718,7 +719,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
     ) -> tuple[dict[bytes, Announcement], set[bytes]]:
         """Uncoordinated: until `deadline`, the announcements of compatible peers in the DHT and their
         payloads. Returns (the announcements taken, the compatible peers)."""
-        key = f"{self.run}.round.{round_number}"
+        key = round_key(self.run, round_number)
         announced = {self.owner: mine}
         announced_at: dict[bytes, float] = {}
         ignored: set[bytes] = set()
@@ -872,7 +873,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
 
     async def _compatible_peers(self) -> set[bytes]:
         """Public-key subkeys of the peers whose current record is compatible with this one's."""
-        records, malformed = peer_records(await self._get(f"{self.run}_peers"))
+        records, malformed = peer_records(await self._get(peers_key(self.run)))
         if malformed:
             self.rejected["bad_record"] += malformed
         compatible = {self.owner}
@@ -906,7 +907,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
     async def _fetch(
         self, round_number: int, announcement: Announcement, holders: Mapping[bytes, Announcement]
     ) -> None:
-        """Pulls one payload into `_held` (shoal.peer.swarm_pull), until it is had or the round's task
+        """Pulls one payload into `_held` (shoal.peer.swarm.pull), until it is had or the round's task
         is cancelled."""
         data = await self._puller.payload(round_number, announcement, holders)
         content = content_digest(data)

@@ -18,7 +18,7 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import BaseModel, StrictStr, confloat, conint, constr
 
-from shoal.peer.settings import check_run_name
+from shoal.peer.swarm.names import check_run_name
 
 SHOAL_VERSION = version("shoal")
 

@@ -1,0 +1,34 @@
+"""The names a run lives under, in the DHT and on libp2p: the rule for a run name, the DHT keys of its
+records and announcements, and the protocol names of its stream handlers.
+
+Pure: no hivemind here, so that settings can check `--run` before anything heavy is imported.
+"""
+
+import re
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
+"""1-64 letters, digits or '-', starting with a letter or digit: safe inside every key below."""
+
+
+def check_run_name(run: str) -> str:
+    """`run`, or ValueError saying what a run name may hold."""
+    if not RUN_NAME.match(run):
+        raise ValueError(
+            f"run name {run!r} must be 1-64 letters, digits or '-', starting with a letter or digit"
+        )
+    return run
+
+
+def peers_key(run: str) -> str:
+    """The DHT key under which every peer of `run` heartbeats its signed record (one subkey each)."""
+    return f"{run}_peers"
+
+
+def round_key(run: str, round_number: int) -> str:
+    """The DHT key of round `round_number`'s announcements (one subkey per announcing peer)."""
+    return f"{run}.round.{round_number}"
+
+
+def handler(run: str, kind: str) -> str:
+    """The libp2p protocol name of `run`'s handler for `kind` (payload, payloads, state or probe)."""
+    return f"shoal.{run}.{kind}"
