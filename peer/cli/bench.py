@@ -1,0 +1,212 @@
+"""`shoal bench`: the benchmarks that print a table or JSON, one module each in peer/bench/ (and
+`codec`, the codecs alone, in shoal.compression.benchmark)."""
+
+import argparse
+import sys
+
+from shoal.peer.cli.flags import positive_int
+
+HELP = "benchmarks that print a table or JSON"
+DESCRIPTION = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    benchmarks = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    _codec_arguments(benchmarks)
+    _hostile_arguments(benchmarks)
+    _converge_arguments(benchmarks)
+    _wan_arguments(benchmarks)
+    _swarm_local_arguments(benchmarks)
+
+
+def _codec_arguments(benchmarks: argparse._SubParsersAction) -> None:
+    codec = benchmarks.add_parser(
+        "codec", help="payload size and encode/decode throughput of the codecs on transformer shapes"
+    )
+    codec.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
+    codec.add_argument("--repeat", type=positive_int, default=5, help="timed runs per measurement (median)")
+
+
+def _hostile_arguments(benchmarks: argparse._SubParsersAction) -> None:
+    hostile = benchmarks.add_parser(
+        "hostile",
+        help="how far workers sending poisoned, well-formed payloads move DeMo and DiLoCo (screening alone)",
+    )
+    hostile.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
+    hostile.add_argument("--workers", type=positive_int, default=8, help="workers in all (default 8)")
+    hostile.add_argument(
+        "--attackers", type=positive_int, default=2, help="hostile ones among them (default 2)"
+    )
+    hostile.add_argument(
+        "--methods", default="demo_compact,diloco_eager", help="comma-separated, of demo_compact,diloco_eager"
+    )
+    hostile.add_argument(
+        "--attacks",
+        default="sign_flip,sample_lie,random",
+        help="comma-separated, of sign_flip,sample_lie,random (a clean run always comes first)",
+    )
+
+
+def _converge_arguments(benchmarks: argparse._SubParsersAction) -> None:
+    converge = benchmarks.add_parser(
+        "converge",
+        help="DeMo, DiLoCo and data-parallel AdamW on one model, data and token budget",
+    )
+    converge.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
+    converge.add_argument(
+        "--quick", action="store_true", help="the tiny model for 300 steps (~3 minutes on 2 cores)"
+    )
+    converge.add_argument(
+        "--methods",
+        help="comma-separated, of adamw_dp,demo_reference,demo_compact,diloco_standard,diloco_delayed,"
+        "diloco_eager (the default: all six) and demo_compact_overlap,demo_compact_lookahead",
+    )
+
+
+def _wan_arguments(benchmarks: argparse._SubParsersAction) -> None:
+    wan = benchmarks.add_parser(
+        "wan",
+        help="training over shaped links (network namespaces, tc tbf; needs root): shoal vs gloo all-reduce",
+        description="For each bandwidth and method, one network namespace per peer plus one for the "
+        "coordinator, on a bridge, every link shaped with tc tbf both ways; the same model, data and "
+        "optimizer steps under compute_only, ddp (gloo all-reduce of fp32 gradients), demo_compact (top-4, "
+        "1-bit), demo_overlap (the same, exchanged while the next step computes), diloco_standard and "
+        "diloco_eager. Reports tokens/s, compute utilization, bytes on the wire "
+        "per peer (interface counters) and the final validation loss. Needs root on Linux.",
+    )
+    wan.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
+    wan.add_argument(
+        "--bandwidth", default="10mbit,100mbit", help="rates, comma-separated (default: %(default)s)"
+    )
+    wan.add_argument("--peers", type=positive_int, help="peer namespaces (default: 4; --quick: 2)")
+    wan.add_argument(
+        "--steps", type=positive_int, help="optimizer steps per method (default: 48; --quick: 8)"
+    )
+    wan.add_argument("--inner-steps", type=positive_int, help="DiLoCo's H (default: 4; --quick: 4)")
+    wan.add_argument(
+        "--batch-size", type=positive_int, help="sequences per step and peer (default: 32; --quick: 32)"
+    )
+    wan.add_argument(
+        "--methods",
+        help="comma-separated subset of compute_only,ddp,demo_compact,demo_overlap,diloco_standard,"
+        "diloco_eager,diloco_standard_butterfly,diloco_eager_butterfly (default: all; --quick: all but "
+        "the butterfly ones)",
+    )
+    wan.add_argument("--plot", metavar="PNG", help="also plot tokens/s against bandwidth (needs matplotlib)")
+    wan.add_argument(
+        "--pcap",
+        metavar="DIR",
+        help="capture peer 0's packets of each run into DIR (headers only; needs tcpdump), for "
+        "tests/benchmarks/wire_breakdown.py",
+    )
+    wan.add_argument(
+        "--quick", action="store_true", help="2 peers, 8 steps, 10mbit only: within 10 minutes on 2 cores"
+    )
+
+
+def _swarm_local_arguments(benchmarks: argparse._SubParsersAction) -> None:
+    swarm = benchmarks.add_parser(
+        "swarm-local",
+        help="a DeMo swarm of peer processes on loopback: bytes on the wire per peer and round vs the codec",
+    )
+    swarm.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
+    swarm.add_argument("--peers", type=positive_int, nargs="+", default=[2, 4, 8], help="swarm sizes")
+    swarm.add_argument("--model", choices=["tiny", "10m"], default="tiny", help="tiny, or ~9.5M parameters")
+    swarm.add_argument("--rounds", type=positive_int, default=10, help="rounds per swarm size")
+    swarm.add_argument("--round-seconds", type=float, default=2.0, help="length of a round")
+
+
+def run(args: argparse.Namespace) -> int:
+    return {
+        "codec": _codec,
+        "converge": _converge,
+        "hostile": _hostile,
+        "swarm-local": _swarm_local,
+        "wan": _wan,
+    }[args.benchmark](args)
+
+
+def _codec(args: argparse.Namespace) -> int:
+    from shoal.compression import benchmark  # imports torch: only when needed
+
+    return benchmark.main(as_json=args.json, repeat=args.repeat)
+
+
+def _converge(args: argparse.Namespace) -> int:
+    from shoal.peer.bench import converge
+
+    methods = tuple(args.methods.split(",")) if args.methods else converge.METHODS
+    unknown = set(methods) - set(converge.TRAINERS)
+    if unknown:
+        print(
+            f"shoal bench converge: error: --methods: unknown {', '.join(sorted(unknown))}", file=sys.stderr
+        )
+        return 2
+    return converge.main(as_json=args.json, quick=args.quick, methods=methods)
+
+
+def _swarm_local(args: argparse.Namespace) -> int:
+    from shoal.peer.bench import swarm_local
+
+    if not args.round_seconds > 0:
+        print("shoal: error: --round-seconds must be > 0", file=sys.stderr)
+        return 2
+    return swarm_local.main(
+        as_json=args.json,
+        sizes=args.peers,
+        model=args.model,
+        rounds=args.rounds,
+        round_seconds=args.round_seconds,
+    )
+
+
+def _hostile(args: argparse.Namespace) -> int:
+    from shoal.peer.bench import hostile
+
+    methods, attacks = args.methods.split(","), args.attacks.split(",")
+    for flag, given, known in (
+        ("--methods", methods, hostile.METHODS),
+        ("--attacks", attacks, hostile.ATTACKS),
+    ):
+        unknown = set(given) - set(known)
+        if unknown:
+            print(
+                f"shoal bench hostile: error: {flag}: unknown {', '.join(sorted(unknown))}", file=sys.stderr
+            )
+            return 2
+    if not args.attackers < args.workers / 2:
+        print("shoal bench hostile: error: --attackers must be fewer than half of --workers", file=sys.stderr)
+        return 2
+    return hostile.main(
+        as_json=args.json, workers=args.workers, attackers=args.attackers, methods=methods, attacks=attacks
+    )
+
+
+def _wan(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from shoal.peer.bench import wan
+
+    config = wan.QUICK if args.quick else wan.WanConfig()
+    try:
+        bandwidths = wan.parse_bandwidths(
+            "10mbit" if args.quick and args.bandwidth == "10mbit,100mbit" else args.bandwidth
+        )
+        methods = tuple(args.methods.split(",")) if args.methods else config.methods
+        unknown = set(methods) - set(wan.METHODS)
+        if unknown:
+            raise ValueError(f"--methods: unknown {', '.join(sorted(unknown))}")
+    except ValueError as error:
+        print(f"shoal bench wan: error: {error}", file=sys.stderr)
+        return 2
+    config = replace(
+        config,
+        peers=args.peers or config.peers,
+        steps=args.steps or config.steps,
+        inner_steps=args.inner_steps or config.inner_steps,
+        batch_size=args.batch_size or config.batch_size,
+        methods=methods,
+    )
+    return wan.main(
+        as_json=args.json, bandwidths=bandwidths, config=config, plot=args.plot, pcap_dir=args.pcap
+    )

@@ -1,0 +1,102 @@
+"""`shoal join`: join a swarm (or start one) and train. Every setting is checked, the ports first and
+before torch loads, so that a setting to fix exits 2 at once (peer/preflight.py); then peer/node.py
+assembles the peer and runs its rounds."""
+
+import argparse
+import os
+import sys
+
+from shoal.peer import settings as settings_module
+
+HELP = "join a swarm (or start one) and train"
+DESCRIPTION = (
+    "Join a swarm and train until stopped (Ctrl-C: checkpoint and leave at the round's end). "
+    "Without --initial-peers, start a new swarm and print the command others run to join it. "
+    "Each setting comes from its flag, else the SHOAL_<NAME> environment variable (SHOAL_MODEL, ...), "
+    'else the TOML file of --config (model = "small"), else its default.'
+)
+
+JOIN_FLAGS = {
+    "initial_peers": ("MADDR", "multiaddresses of peers in the swarm (none: start a new swarm)"),
+    "coordinator": ("HOST:PORT", "the swarm's coordinator, if it has one (see shoal coordinator)"),
+    "coordinator_token_file": ("F", "file holding this peer's token for the coordinator"),
+    "coordinator_ca": ("PEM", "talk TLS to the coordinator, trusting this CA file (or: system)"),
+    "run": ("NAME", "the run's name; peers of one run train one model"),
+    "model": (
+        "NAME",
+        "tiny, small or base (the embedded GPT), a module:factory, or a Hugging Face directory",
+    ),
+    "data": (
+        "SOURCE",
+        "stdlib (the Python standard library's sources), a text directory, or a uint16 token file",
+    ),
+    "algorithm": (
+        "ALGO",
+        "demo, demo-overlap (exchanges while the next step computes), diloco (eager), diloco-standard, "
+        "diloco-delayed",
+    ),
+    "device": ("DEVICE", "auto, cpu, cuda, cuda:N or mps"),
+    "identity": ("PATH", "peer identity file (created if missing; see shoal keygen)"),
+    "checkpoint_dir": ("DIR", "keep checkpoints here and resume from the newest"),
+    "checkpoint_every": ("N", "rounds between checkpoints"),
+    "max_rounds": ("N", "leave after N rounds (0: never)"),
+    "until_round": ("R", "leave after the swarm's round R"),
+    "host": ("IP", "IPv4 address to listen on"),
+    "port": ("PORT", "TCP port to listen on (0: any free one)"),
+    "metrics_port": ("N", "serve Prometheus metrics on --host:N/metrics (0: any free port, logged)"),
+    "address_file": ("PATH", "write the address other peers join through to PATH once listening"),
+    "round_seconds": ("S", "length of a round, when starting a new swarm"),
+    "start_time": ("T", "unix time of round 0, when starting a new swarm (0: now)"),
+    "compute_fraction": ("F", "share of a round spent computing; the rest is for the exchange"),
+    "lr": ("LR", "learning rate (0: 2e-3 for DeMo, 1e-3 for DiLoCo's inner AdamW)"),
+    "topk": ("K", "DeMo: DCT coefficients sent per chunk"),
+    "inner_steps": ("H", "DiLoCo: inner steps per round"),
+    "outer_lr": ("LR", "DiLoCo: outer learning rate"),
+    "outer_momentum": ("M", "DiLoCo: outer Nesterov momentum (default: 0.9 standard, 0 delayed and eager)"),
+    "averaging": (
+        "HOW",
+        "DiLoCo: gather (every peer pulls every payload) or butterfly (with a coordinator and 3+ peers: "
+        "each peer averages one piece; 2 (N-1)/N payloads up and down per round instead of N-1)",
+    ),
+    "batch_size": ("B", "samples per micro-batch to start with (halved if the device runs out of memory)"),
+    "max_micro_batches": ("N", "most micro-batches accumulated per step"),
+    "seed": ("N", "seed of the initial weights and of the data order"),
+    "log_format": ("FORMAT", "human (a live table) or json (one object per line)"),
+    "compute_delay": ("S", "testing: sleep this long in every round's compute phase (a slow peer)"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML file of settings (also SHOAL_CONFIG)")
+    for name, (metavar, text) in JOIN_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        default = getattr(settings_module.JoinSettings(), name)
+        shown = "" if default in (None, "", ()) else f" (default: {default})"
+        nargs = "+" if name == "initial_peers" else None
+        parser.add_argument(flag, dest=name, metavar=metavar, nargs=nargs, help=text + shown)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 2 for a setting to fix (checked before anything starts), 1 for another failure."""
+    from shoal.peer import preflight
+
+    try:
+        chosen = settings_module.resolve(vars(args), os.environ, args.config)
+        preflight.check(chosen)  # before the seconds torch's import takes: a port in use is told at once
+    except settings_module.SettingsError as error:
+        print(f"shoal join: error: {error}", file=sys.stderr)
+        return 2
+    from shoal.peer.node import JoinError, join  # imports torch and hivemind: only now
+
+    try:
+        join(chosen)
+    except settings_module.SettingsError as error:
+        print(f"shoal join: error: {error}", file=sys.stderr)
+        return 2
+    except JoinError as error:
+        print(f"shoal join: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # before the round loop, where Ctrl-C is handled
+        print("shoal join: interrupted", file=sys.stderr)
+        return 130
+    return 0
