@@ -12,7 +12,8 @@ token file the coordinator accepts every caller (fine on a private network, not 
 import hmac
 from pathlib import Path
 
-from shoal.coordinator.rounds import PEER_ID, Refused
+from shoal.coordinator.actions import Refused
+from shoal.coordinator.validation import PEER_ID
 
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 512

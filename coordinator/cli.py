@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from shoal.coordinator.auth import TokenFileError, Tokens
-from shoal.coordinator.rounds import Policy
+from shoal.coordinator.policy import Policy
 from shoal.coordinator.server import Coordinator, TlsFiles
 
 

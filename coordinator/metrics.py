@@ -9,7 +9,8 @@ from importlib.metadata import version
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
-from shoal.coordinator.rounds import Announced, Capped, Decided, Dropped, SwarmState
+from shoal.coordinator.actions import Announced, Capped, Decided, Dropped
+from shoal.coordinator.state import SwarmState
 
 ROUND_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 # exposed at 0 from the start: the reasons rounds.py drops members for, the codes requests are refused with

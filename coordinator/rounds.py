@@ -39,261 +39,35 @@ Round numbers only grow: a member that kept training while the coordinator was u
 later round in its heartbeat, and the next announcement continues after it (an undecided round it has
 passed is abandoned, without strikes). After a restart (`resume`), nothing is announced until every
 member has been heard from again, or one heartbeat timeout has passed.
+
+The records are in shoal.coordinator.state (the swarm), .events (what happens to it) and .actions
+(what the server is to do); the windows and the sample bound in .policy; the checks of untrusted
+request fields in .validation.
 """
 
 import hashlib
 import math
-import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{16,128}")  # base58 libp2p peer ids
-DIGEST_BYTES = 32
-MAX_SAMPLES = 1 << 40
-MAX_PAYLOAD_BYTES = 1 << 40
+from shoal.coordinator.actions import (
+    Abandoned,
+    Action,
+    Announced,
+    Capped,
+    Decided,
+    Dropped,
+    Refused,
+    Reply,
+    Struck,
+)
+from shoal.coordinator.events import Event, Heartbeat, Join, Leave, Report, Tick
+from shoal.coordinator.policy import Policy, compute_window, exchange_window, plausible_samples
+from shoal.coordinator.state import Member, PayloadReport, Round, SwarmState
+from shoal.coordinator.validation import check_member, check_payload, check_peer_id, check_progress
+
 MAX_ROUND_JUMP = 1_000_000  # how far ahead a heartbeat may put the round numbering
 KEEP_ROUNDS = 8  # decided rounds whose results stay available
 KEEP_EXCHANGE_TIMES = 32
-SAMPLE_SLACK = 4.0
-"""How far a report's samples, and a member's throughput, may exceed what is expected (plausible_samples)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Policy:
-    """How the coordinator paces rounds and treats stragglers."""
-
-    quantile: float = 0.9
-    """Fraction of the members whose smallest contribution the compute window must fit."""
-    min_compute_s: float = 5.0
-    """Shortest compute window, seconds: the round's target length when every peer is fast."""
-    max_compute_s: float = 600.0
-    """Longest compute window, seconds: slower members are stragglers."""
-    initial_exchange_s: float = 10.0
-    """Exchange window before any exchange time has been reported, seconds."""
-    min_exchange_s: float = 2.0
-    max_exchange_s: float = 300.0
-    headroom: float = 1.5
-    """Measured times are multiplied by this before they become windows."""
-    report_grace_s: float = 0.5
-    """Network slack after the compute deadline during which a report still counts."""
-    heartbeat_timeout_s: float = 6.0
-    """Silence after which a member is dropped."""
-    shrink_after: int = 2
-    """Strikes from which each further strike halves a member's compute scale."""
-    min_scale: float = 0.125
-    evict_after: int = 4
-    """Strikes at which a member is evicted."""
-    eviction_s: float = 60.0
-    """How long an evicted member may not join again."""
-    forgive_after: int = 10
-    """On-time reports in a row that take one strike back."""
-    max_members: int = 10_000
-    min_start_members: int = 1
-    """Members the swarm's first round waits for."""
-    overlap: bool = False
-    """Announce round r + 1 as soon as a member reports round r, not once r's exchange is over."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.quantile <= 1:
-            raise ValueError(f"quantile must be in (0, 1], got {self.quantile}")
-        if not 0 < self.min_compute_s <= self.max_compute_s:
-            raise ValueError(
-                f"need 0 < min_compute_s <= max_compute_s, got {self.min_compute_s}, {self.max_compute_s}"
-            )
-        if not 0 < self.min_exchange_s <= self.max_exchange_s:
-            raise ValueError(
-                f"need 0 < min_exchange_s <= max_exchange_s, got {self.min_exchange_s}, {self.max_exchange_s}"
-            )
-        if self.headroom < 1 or self.report_grace_s < 0 or self.heartbeat_timeout_s <= 0:
-            raise ValueError("headroom must be >= 1, report_grace_s >= 0, heartbeat_timeout_s > 0")
-        if self.min_start_members < 1 or self.eviction_s < 0:
-            raise ValueError("min_start_members must be >= 1 and eviction_s >= 0")
-        if not (
-            1 <= self.shrink_after <= self.evict_after and self.forgive_after >= 1 and 0 < self.min_scale <= 1
-        ):
-            raise ValueError("need 1 <= shrink_after <= evict_after, forgive_after >= 1, 0 < min_scale <= 1")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Member:
-    peer_id: str
-    joined_at: float
-    last_seen: float
-    throughput: float = 0.0
-    """Samples per second, as last reported (0: unknown)."""
-    min_samples: int = 1
-    """Samples of its smallest contribution in a round."""
-    round: int = -1
-    """The last round it finished."""
-    strikes: int = 0
-    on_time: int = 0
-    """On-time reports since its last strike or forgiveness."""
-    compute_scale: float = 1.0
-    heard: bool = True
-    """Whether it has been heard from since the coordinator (re)started."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PayloadReport:
-    """A member's payload for a round, ready to be pulled from it."""
-
-    peer_id: str
-    digest: bytes
-    size: int
-    samples: int
-    state: bytes = b""
-    synced: bool = False
-    at: float = 0.0
-    """When it arrived."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Round:
-    number: int
-    announced_at: float
-    compute_deadline: float
-    exchange_deadline: float
-    data_seed: int
-    expected: tuple[str, ...]
-    """Members at the announcement, sorted: a peer's index is its data slot."""
-    reports: Mapping[str, PayloadReport] = field(default_factory=dict)
-    """On-time reports (never mutated: a new round value carries a new mapping)."""
-    decided_at: float | None = None
-    stragglers: tuple[str, ...] = ()
-
-    @property
-    def participants(self) -> tuple[str, ...]:
-        """The payloads to aggregate, by peer id (final once decided)."""
-        return tuple(sorted(self.reports))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SwarmState:
-    seed: int
-    """Mixed with each round number into its data seed."""
-    members: Mapping[str, Member] = field(default_factory=dict)
-    evicted: Mapping[str, float] = field(default_factory=dict)
-    """Evicted peers and when they may join again."""
-    round: Round | None = None
-    """The round in progress, or the last one (decided, exchanging)."""
-    previous: Round | None = None
-    """With `overlap`: the round before `round` while it is still undecided (it takes reports)."""
-    next_round: int = 0
-    """The number the next announcement takes."""
-    history: tuple[Round, ...] = ()
-    """The last decided rounds before `round`, oldest first."""
-    exchange_times: tuple[float, ...] = ()
-    """Recently reported exchange times, seconds."""
-    stragglers_total: int = 0
-    evictions_total: int = 0
-    resumed_at: float | None = None
-    """When the coordinator last restarted from this state."""
-
-
-# --- events ---
-
-
-@dataclass(frozen=True, slots=True)
-class Join:
-    peer_id: str
-    throughput: float = 0.0
-    min_samples: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class Leave:
-    peer_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    peer_id: str
-    round: int = -1
-    throughput: float = 0.0
-    min_samples: int = 0
-    exchange_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Report:
-    peer_id: str
-    round: int
-    digest: bytes
-    size: int
-    samples: int
-    state: bytes = b""
-    synced: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Tick:
-    """Only time passes."""
-
-
-Event = Join | Leave | Heartbeat | Report | Tick
-
-
-# --- actions ---
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """The request succeeded; `fields` answer it."""
-
-    fields: Mapping[str, object]
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """The request is refused; `code` is the name of its gRPC status code."""
-
-    code: str
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class Announced:
-    round: Round
-
-
-@dataclass(frozen=True, slots=True)
-class Decided:
-    round: Round
-
-
-@dataclass(frozen=True, slots=True)
-class Abandoned:
-    """An undecided round that members had already passed (they trained on without the coordinator)."""
-
-    round: Round
-
-
-@dataclass(frozen=True, slots=True)
-class Struck:
-    peer_id: str
-    round: int
-    strikes: int
-    compute_scale: float
-
-
-@dataclass(frozen=True, slots=True)
-class Capped:
-    """A report claimed more samples than its member can have computed: it counts `bound` instead."""
-
-    peer_id: str
-    round: int
-    claimed: int
-    bound: int
-
-
-@dataclass(frozen=True, slots=True)
-class Dropped:
-    peer_id: str
-    reason: str
-    """`left`, `silent` or `evicted`."""
-
-
-Action = Reply | Refused | Announced | Decided | Abandoned | Struck | Capped | Dropped
 
 
 def initial_state(seed: int) -> SwarmState:
@@ -357,58 +131,17 @@ def round_result(state: SwarmState, number: int) -> Round | Refused | None:
     )
 
 
-def plausible_samples(member: Member, current: Round, members: Mapping[str, Member]) -> int | None:
-    """The most samples `member` can have computed for `current`: SAMPLE_SLACK times its throughput
-    (itself at most SAMPLE_SLACK times the members' lower-median throughput, as a throughput is
-    self-reported too) over twice the round's compute window (with overlap a round's compute may
-    start before its announcement), plus its smallest contribution. None while its throughput is
-    unknown. Peers cap weights at twice the round's median anyway (shoal.peer.algorithms.robust); this bounds
-    what the coordinator itself hands out, with room for an honest peer 16x faster than the median."""
-    known = sorted(m.throughput for m in members.values() if m.throughput > 0)
-    if member.throughput <= 0 or not known:
-        return None
-    throughput = min(member.throughput, SAMPLE_SLACK * known[(len(known) - 1) // 2])
-    span = 2 * (current.compute_deadline - current.announced_at)
-    return min(MAX_SAMPLES, math.ceil(SAMPLE_SLACK * throughput * span) + member.min_samples)
-
-
-def compute_window(members: Mapping[str, Member], policy: Policy) -> float:
-    """Seconds that let a fraction `quantile` of the members compute their smallest contribution."""
-    times = sorted(m.min_samples / m.throughput for m in members.values() if m.throughput > 0)
-    return _clamp(
-        _quantile(times, policy.quantile) * policy.headroom, policy.min_compute_s, policy.max_compute_s
-    )
-
-
-def exchange_window(exchange_times: tuple[float, ...], policy: Policy) -> float:
-    if not exchange_times:
-        return policy.initial_exchange_s
-    measured = _quantile(sorted(exchange_times), policy.quantile) * policy.headroom
-    return _clamp(measured, policy.min_exchange_s, policy.max_exchange_s)
-
-
 def data_seed(seed: int, round_number: int) -> int:
     """The round's data seed: a hash of the swarm's seed and the round number (63 bits)."""
     data = seed.to_bytes(8, "little", signed=False) + round_number.to_bytes(8, "little")
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
 
 
-def _quantile(sorted_values: list[float], quantile: float) -> float:
-    """The smallest value at or below which at least a fraction `quantile` of the values lie (0 if none)."""
-    if not sorted_values:
-        return 0.0
-    return sorted_values[max(0, math.ceil(quantile * len(sorted_values)) - 1)]
-
-
-def _clamp(value: float, low: float, high: float) -> float:
-    return min(max(value, low), high)
-
-
 # --- requests ---
 
 
 def _join(state: SwarmState, now: float, event: Join, policy: Policy) -> tuple[SwarmState, list[Action]]:
-    refusal = check_peer_id(event.peer_id) or _check_progress(event.throughput, event.min_samples)
+    refusal = check_peer_id(event.peer_id) or check_progress(event.throughput, event.min_samples)
     if refusal:
         return state, [refusal]
     until = state.evicted.get(event.peer_id)
@@ -438,7 +171,7 @@ def _join(state: SwarmState, now: float, event: Join, policy: Policy) -> tuple[S
 
 
 def _leave(state: SwarmState, event: Leave) -> tuple[SwarmState, list[Action]]:
-    refusal = check_peer_id(event.peer_id) or _check_member(state, event.peer_id)
+    refusal = check_peer_id(event.peer_id) or check_member(state, event.peer_id)
     if refusal:
         return state, [refusal]
     members = {p: m for p, m in state.members.items() if p != event.peer_id}
@@ -450,8 +183,8 @@ def _heartbeat(
 ) -> tuple[SwarmState, list[Action]]:
     refusal = (
         check_peer_id(event.peer_id)
-        or _check_member(state, event.peer_id)
-        or _check_progress(event.throughput, event.min_samples)
+        or check_member(state, event.peer_id)
+        or check_progress(event.throughput, event.min_samples)
     )
     if refusal:
         return state, [refusal]
@@ -486,7 +219,7 @@ def _heartbeat(
 
 
 def _report(state: SwarmState, now: float, event: Report, policy: Policy) -> tuple[SwarmState, list[Action]]:
-    refusal = check_peer_id(event.peer_id) or _check_member(state, event.peer_id) or _check_payload(event)
+    refusal = check_peer_id(event.peer_id) or check_member(state, event.peer_id) or check_payload(event)
     if refusal:
         return state, [refusal]
     latest = state.round
@@ -649,38 +382,3 @@ def _all_heard(state: SwarmState, now: float, policy: Policy) -> bool:
 def _kept(history: tuple[Round, ...], finished: Round) -> tuple[Round, ...]:
     """The history with `finished` appended, if it was decided, and only the last KEEP_ROUNDS."""
     return (*history, finished)[-KEEP_ROUNDS:] if finished.decided_at is not None else history
-
-
-# --- validation of untrusted fields ---
-
-
-def check_peer_id(peer_id: str) -> Refused | None:
-    if not PEER_ID.fullmatch(peer_id):
-        return Refused("INVALID_ARGUMENT", f"peer_id {peer_id[:64]!r} is not a base58 libp2p peer id")
-    return None
-
-
-def _check_member(state: SwarmState, peer_id: str) -> Refused | None:
-    if peer_id in state.members:
-        return None
-    if peer_id in state.evicted:
-        return Refused("NOT_FOUND", "evicted as a repeated straggler: join again once the eviction ends")
-    return Refused("NOT_FOUND", "not a member of this swarm (never joined, left, or silent too long): join")
-
-
-def _check_progress(throughput: float, min_samples: int) -> Refused | None:
-    if not (math.isfinite(throughput) and 0 <= throughput <= 1e12):
-        return Refused("INVALID_ARGUMENT", f"throughput {throughput} is not a rate in samples per second")
-    if not 0 <= min_samples <= MAX_SAMPLES:
-        return Refused("INVALID_ARGUMENT", f"min_samples {min_samples} out of range")
-    return None
-
-
-def _check_payload(event: Report) -> Refused | None:
-    if len(event.digest) != DIGEST_BYTES or len(event.state) not in (0, DIGEST_BYTES):
-        return Refused(
-            "INVALID_ARGUMENT", f"digest and state must be {DIGEST_BYTES} bytes (state may be empty)"
-        )
-    if not 0 < event.size <= MAX_PAYLOAD_BYTES or not 0 <= event.samples <= MAX_SAMPLES:
-        return Refused("INVALID_ARGUMENT", f"size {event.size} or samples {event.samples} out of range")
-    return None

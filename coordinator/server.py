@@ -24,33 +24,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shoal.coordinator.actions import Abandoned, Announced, Capped, Decided, Dropped, Refused, Reply, Struck
 from shoal.coordinator.auth import Tokens
+from shoal.coordinator.events import Event, Heartbeat, Join, Leave, Report, Tick
 from shoal.coordinator.metrics import CoordinatorMetrics
-from shoal.coordinator.rounds import (
-    Abandoned,
-    Announced,
-    Capped,
-    Decided,
-    Dropped,
-    Event,
-    Heartbeat,
-    Join,
-    Leave,
-    Policy,
-    Refused,
-    Reply,
-    Report,
-    Round,
-    Struck,
-    SwarmState,
-    Tick,
-    check_peer_id,
-    initial_state,
-    resume,
-    round_result,
-    transition,
-)
+from shoal.coordinator.policy import Policy
+from shoal.coordinator.rounds import initial_state, resume, round_result, transition
+from shoal.coordinator.state import Round, SwarmState
 from shoal.coordinator.store import StateStore
+from shoal.coordinator.validation import check_peer_id
 from shoal.protocol import coordinator_pb2 as pb
 from shoal.protocol import coordinator_pb2_grpc
 

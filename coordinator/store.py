@@ -19,7 +19,8 @@ import json
 import sqlite3
 from pathlib import Path
 
-from shoal.coordinator.rounds import KEEP_ROUNDS, Member, PayloadReport, Round, SwarmState
+from shoal.coordinator.rounds import KEEP_ROUNDS
+from shoal.coordinator.state import Member, PayloadReport, Round, SwarmState
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

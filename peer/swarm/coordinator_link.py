@@ -48,7 +48,8 @@ DEFAULT_HEARTBEAT_S = 1.0  # when the coordinator states no usable heartbeat tim
 CALL_TIMEOUT_S = 5.0
 # codes that mean "not reachable right now", as opposed to a refusal of this request
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-# what the coordinator's status codes mean for a peer (shoal.coordinator.rounds and .auth send them)
+# what the coordinator's status codes mean for a peer (shoal.coordinator.rounds, .validation and .auth
+# send them)
 IN_WORDS = {
     grpc.StatusCode.UNAVAILABLE: "the coordinator cannot be reached",
     grpc.StatusCode.DEADLINE_EXCEEDED: "the coordinator did not answer in time",

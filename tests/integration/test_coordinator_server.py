@@ -27,7 +27,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from shoal.coordinator.rounds import Policy
+from shoal.coordinator.policy import Policy
 from shoal.coordinator.server import MAX_REQUEST_BYTES, Coordinator
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
 from shoal.protocol import coordinator_pb2 as pb

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shoal.coordinator.rounds import Policy
+from shoal.coordinator.policy import Policy
 from shoal.protocol import coordinator_pb2, coordinator_pb2_grpc
 from tests.integration.test_cli_swarm import events, free_port, kill, shoal, start, wait_for
 

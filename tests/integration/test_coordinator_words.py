@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from shoal.coordinator.metrics import REFUSAL_CODES
-from shoal.coordinator.rounds import Policy
+from shoal.coordinator.policy import Policy
 from shoal.coordinator.server import Coordinator
 from shoal.peer.swarm.coordinator_link import IN_WORDS, CallFailed, CoordinatorLink
 from shoal.protocol import coordinator_pb2 as pb

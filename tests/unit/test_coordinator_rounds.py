@@ -6,36 +6,21 @@ from dataclasses import replace
 
 import pytest
 
+from shoal.coordinator.actions import Abandoned, Announced, Capped, Decided, Dropped, Refused, Reply, Struck
+from shoal.coordinator.events import Heartbeat, Join, Leave, Report, Tick
+from shoal.coordinator.policy import Policy, compute_window, exchange_window, plausible_samples
 from shoal.coordinator.rounds import (
     KEEP_EXCHANGE_TIMES,
     KEEP_ROUNDS,
     MAX_ROUND_JUMP,
-    PEER_ID,
-    Abandoned,
-    Announced,
-    Capped,
-    Decided,
-    Dropped,
-    Heartbeat,
-    Join,
-    Leave,
-    Member,
-    Policy,
-    Refused,
-    Reply,
-    Report,
-    Round,
-    Struck,
-    Tick,
-    compute_window,
     data_seed,
-    exchange_window,
     initial_state,
-    plausible_samples,
     resume,
     round_result,
     transition,
 )
+from shoal.coordinator.state import Member, Round
+from shoal.coordinator.validation import PEER_ID
 
 SEED = 1234
 A, B, C, Z = (f"QmPeer{c * 16}" for c in "ABCZ")

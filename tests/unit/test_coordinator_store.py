@@ -4,20 +4,10 @@ import hashlib
 import sqlite3
 from dataclasses import replace
 
-from shoal.coordinator.rounds import (
-    KEEP_ROUNDS,
-    Abandoned,
-    Announced,
-    Heartbeat,
-    Join,
-    Leave,
-    Policy,
-    Report,
-    Tick,
-    initial_state,
-    resume,
-    transition,
-)
+from shoal.coordinator.actions import Abandoned, Announced
+from shoal.coordinator.events import Heartbeat, Join, Leave, Report, Tick
+from shoal.coordinator.policy import Policy
+from shoal.coordinator.rounds import KEEP_ROUNDS, initial_state, resume, transition
 from shoal.coordinator.store import StateStore
 
 A, B, C, D = (f"QmPeer{c * 16}" for c in "ABCD")
