@@ -377,37 +377,11 @@ def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMe
             break
     if not stopped:
         trainer.finish()
-    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))
-    store = trainer.checkpoints
-    summary = {
-        "rounds": len(reports),
-        "first_round": reports[0].round if reports else None,
-        "last_round": reports[-1].round if reports else None,
-        "initial_loss": reports[0].loss if reports else None,
-        "final_loss": reports[-1].loss if reports else None,
-        "param_hash": digest.hexdigest(),
-        "bytes_sent": exchange.bytes_sent,
-        "bytes_received": exchange.bytes_received,
-        "resyncs": exchange.resyncs,
-        "coordinated_rounds": exchange.coordinated_rounds,
-        "butterfly_rounds": exchange.butterfly_rounds,
-        "pieces_recomputed": exchange.pieces_recomputed,
-        "dht_stores": exchange.dht_stores,
-        "late_rounds": exchange.late,
-        "rejected": dict(exchange.rejected),
-        "stopped": stopped,
-        "checkpoint": str(store.directory) if stopped and store and not store.last_write_failed else None,
-    }
-    progress.event("summary", **summary)
-    if settings.log_format == "human":
-        ending = "stopped" + (", checkpoint saved" if summary["checkpoint"] else "") if stopped else "done"
-        progress.message(
-            f"{ending}: {len(reports)} rounds, "
-            f"loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
-            if reports
-            else f"{ending}: no round finished"
-        )
-    return summary
+    # the swarm's run ends (not this peer alone: a stop, or its own --max-rounds)
+    left_alone = stopped or (settings.max_rounds and len(reports) >= settings.max_rounds)
+    ended_together = settings.until_round is not None and not left_alone
+    final_resync = ended_together and _agree_final(exchange, trainer, settings.until_round)
+    return _summary(settings, progress, exchange, trainer, model, reports, stopped, final_resync)
 
 
 def _serve_metrics(settings, progress, exchange, trainer, device, numel) -> PeerMetrics | None:
@@ -447,6 +421,51 @@ def _write_address(path: str, address: str) -> None:
         replace_text(path, address + "\n")
     except OSError as error:
         raise JoinError(f"--address-file {path}: {error.strerror}") from None
+
+
+def _summary(settings, progress, exchange, trainer, model, reports, stopped, final_resync) -> dict:
+    """The run as this peer saw it, logged as the `summary` event (and, for a person, one line)."""
+    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))
+    store = trainer.checkpoints
+    summary = {
+        "rounds": len(reports),
+        "first_round": reports[0].round if reports else None,
+        "last_round": reports[-1].round if reports else None,
+        "initial_loss": reports[0].loss if reports else None,
+        "final_loss": reports[-1].loss if reports else None,
+        "param_hash": digest.hexdigest(),
+        "bytes_sent": exchange.bytes_sent,
+        "bytes_received": exchange.bytes_received,
+        "resyncs": exchange.resyncs,
+        "final_resync": final_resync,
+        "coordinated_rounds": exchange.coordinated_rounds,
+        "butterfly_rounds": exchange.butterfly_rounds,
+        "pieces_recomputed": exchange.pieces_recomputed,
+        "dht_stores": exchange.dht_stores,
+        "late_rounds": exchange.late,
+        "rejected": dict(exchange.rejected),
+        "stopped": stopped,
+        "checkpoint": str(store.directory) if stopped and store and not store.last_write_failed else None,
+    }
+    progress.event("summary", **summary)
+    if settings.log_format == "human":
+        ending = "stopped" + (", checkpoint saved" if summary["checkpoint"] else "") if stopped else "done"
+        progress.message(
+            f"{ending}: {len(reports)} rounds, "
+            f"loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
+            if reports
+            else f"{ending}: no round finished"
+        )
+    return summary
+
+
+def _agree_final(exchange: SwarmExchange, trainer: Trainer, last_round: int) -> bool:
+    """At the end of a run every peer leaves after `last_round`: the peers compare the states they ended
+    on, and this one takes the majority's if it differs (SwarmExchange.agree_final). Whether it did."""
+    adopted = exchange.agree_final(last_round, trainer.shared_state())
+    if adopted is not None:
+        trainer.load_shared_state(adopted)
+    return adopted is not None
 
 
 def _past(exchange: SwarmExchange, until_round: int) -> bool:

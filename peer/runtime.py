@@ -331,6 +331,15 @@ class Trainer:
     def close(self) -> None:
         (self.optimizer if self.diloco is None else self.diloco).close()
 
+    def shared_state(self) -> list[torch.Tensor]:
+        """What every peer of the swarm holds alike (DeMo: the parameters; DiLoCo: the consensus
+        parameters and their outer momentum)."""
+        return (self.optimizer if self.diloco is None else self.diloco).shared_state()
+
+    def load_shared_state(self, tensors: list[torch.Tensor]) -> None:
+        """Takes the swarm's shared state (same order and shapes as `shared_state`)."""
+        (self.optimizer if self.diloco is None else self.diloco).load_shared_state(tensors)
+
     def state_dict(self) -> dict:
         """Tensors and plain values only (loadable with weights_only=True)."""
         state = {"steps": self.steps, "algorithm": self.algorithm}

@@ -87,7 +87,7 @@ from shoal.peer.swarm.channels import Channels, ChannelServer
 from shoal.peer.swarm.coordinated import CoordinatedRounds
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
 from shoal.peer.swarm.membership import SHOAL_VERSION, PeerRecord, incompatibility, owner_subkey, run_hash
-from shoal.peer.swarm.names import handler, peers_key, round_key
+from shoal.peer.swarm.names import final_key, handler, peers_key, round_key
 from shoal.peer.swarm.pull import Puller, chunks
 from shoal.peer.swarm.records import Announcement, RoundPlan, RoundSchedule, peer_records
 from shoal.peer.swarm.state import (
@@ -115,6 +115,7 @@ MAX_PIECES = 4096  # a butterfly round has at most this many pieces (one per par
 MAX_CUT_COUNTS = 2  # ways a peer cuts one payload into pieces (honest peers agree on one count)
 MEAN_WAIT_S = 0.25  # a request for a mean its owner has not finished waits at most this long for it
 PARTS_QUIET_S = 1.0  # a leaving peer drains until this long has passed since it last served a piece
+FINAL_WAIT_ROUNDS = 2  # at a run's end, peers wait this many round lengths for the others' final states
 ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,250}:[0-9]{1,5}")  # a coordinator's HOST:PORT in a record
 
 
@@ -392,6 +393,57 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         if self.coordinator is not None:
             progress = self.coordinator.progress
             progress.throughput, progress.min_samples = max(compute_throughput, 0.0), max(min_samples, 0)
+
+    def agree_final(self, last_round: int, state: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The last step of a run that ends after `last_round` (`shoal join --until-round`): the peers
+        ending it compare the states they ended on, and one that is not on the majority's takes it.
+
+        Every round's state digests heal a split in the round after it, except in a run's last round:
+        decisions each peer takes alone (a payload pulled or not by the deadline, a sender's suspicion
+        history) can leave the peers on two models with no round left to repair it. Here each peer
+        announces its state under `final_key`, waits until every compatible peer has (at most
+        FINAL_WAIT_ROUNDS round lengths), and the majority rule of every round (`state.majority`,
+        banned peers left out) picks the state; a peer of the majority that saw another state serves
+        its snapshot one round length more, for the re-sync. Returns the majority's state, if this
+        peer's differs and could be pulled; else None."""
+        snapshot = StateSnapshot.capture(state, last_round + 1)
+        return self._call(self._final(last_round, snapshot, list(state)))
+
+    async def _final(
+        self, last_round: int, snapshot: StateSnapshot, like: list[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
+        self._states[snapshot.digest] = snapshot  # served to a peer that re-syncs
+        # what is announced is the state's manifest: its digest and size, and no samples
+        manifest = len(snapshot.manifest)
+        mine = Announcement(
+            self.owner, self.peer_id, snapshot.digest, manifest, 0, snapshot.digest, self.synced
+        )
+        key = final_key(self.run, last_round)
+        wait_s = FINAL_WAIT_ROUNDS * self.schedule.round_seconds
+        await self._store(key, mine.value(), time.time() + wait_s + 60)
+        deadline = time.time() + wait_s
+        announced = {self.owner: mine}
+        while True:
+            compatible = await self._compatible_peers()
+            for owner, announcement in await self._announcements(key):
+                if (
+                    owner in compatible
+                    and owner not in self.banned
+                    and isinstance(announcement, Announcement)
+                ):
+                    announced[owner] = announcement
+            if compatible <= announced.keys() or time.time() >= deadline:
+                break
+            await asyncio.sleep(min(self.poll_interval_s, max(0.0, deadline - time.time())))
+        agreed = majority({owner: (a.state, a.synced) for owner, a in announced.items()})
+        if agreed == mine.state:
+            if any(a.state != agreed for a in announced.values()):
+                logger.info("a peer ended the run on another state: serving ours for its re-sync")
+                await asyncio.sleep(self.schedule.round_seconds)
+            return None
+        sources = [a.peer for owner, a in announced.items() if a.state == agreed and owner != self.owner]
+        logger.warning(f"ended the run on another state than {len(sources)} peer(s): re-syncing to theirs")
+        return await self._resync(agreed, sources, like)
 
     def adopted_state(self) -> list[torch.Tensor] | None:
         adopted, self._adopted = self._adopted, None

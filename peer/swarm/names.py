@@ -29,6 +29,12 @@ def round_key(run: str, round_number: int) -> str:
     return f"{run}.round.{round_number}"
 
 
+def final_key(run: str, last_round: int) -> str:
+    """The DHT key under which the peers ending `run` after `last_round` announce the state they ended
+    on (SwarmExchange.agree_final)."""
+    return f"{run}.final.{last_round}"
+
+
 def handler(run: str, kind: str) -> str:
     """The libp2p protocol name of `run`'s handler for `kind` (payload, payloads, state or probe)."""
     return f"shoal.{run}.{kind}"

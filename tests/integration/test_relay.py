@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
+import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from shoal.peer.swarm.bootstrap import start_dht
@@ -121,3 +122,28 @@ def test_a_leaving_peer_serves_its_last_payload_until_the_others_pulled_it_or_it
         started = time.monotonic()
         assert staying.close(timedelta(seconds=1)) is False
         assert 1 <= time.monotonic() - started < 5
+
+
+@pytest.mark.timeout(90)
+def test_peers_that_end_a_run_on_two_states_all_end_on_the_majoritys():
+    """A split in a run's last round has no next round to heal it: `agree_final` does. Three real peers
+    end on two states (two on one, one on another): the odd one takes the majority's state, verified
+    by digest, and the two others keep theirs; a swarm that agrees ends at once, well before the wait."""
+    with swarm([SwarmExchange] * 3, round_seconds=4) as (exchanges, schedule):
+        agreed = [torch.linspace(-1, 1, 5000), torch.ones(3, 7)]
+        odd = [torch.linspace(-1, 1, 5000) * 1.001, torch.ones(3, 7)]
+        states = [agreed, [t.clone() for t in agreed], odd]
+        time.sleep(max(0.0, schedule.start_time - time.time()))
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda i: exchanges[i].agree_final(7, states[i]), range(3)))
+        assert results[0] is None and results[1] is None
+        assert results[2] is not None
+        for got, want in zip(results[2], agreed, strict=True):
+            assert torch.equal(got, want)
+        assert exchanges[2].resyncs == 1
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda i: exchanges[i].agree_final(8, agreed), range(3)))
+        assert results == [None, None, None]
+        assert time.monotonic() - started < 4  # everyone announced: no one waits out the 8 s
