@@ -329,7 +329,11 @@ def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMe
             break
         if settings.until_round is not None and _past(exchange, settings.until_round):
             break
-        sent, received, started = exchange.bytes_sent, exchange.bytes_received, time.perf_counter()
+        sent, received, started = (
+            exchange.counts.bytes_sent,
+            exchange.counts.bytes_received,
+            time.perf_counter(),
+        )
         plan = exchange.plan_round()
         if settings.until_round is not None and plan.round > settings.until_round:
             break
@@ -354,8 +358,8 @@ def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMe
                 report,
                 wall_s=wall,
                 payload_bytes=exchange.last_payload_bytes,
-                peers_seen=exchange.peers_seen,
-                stragglers=exchange.round_stragglers,
+                peers_seen=exchange.counts.peers_seen,
+                stragglers=exchange.counts.round_stragglers,
             )
         progress.round(
             {
@@ -364,8 +368,8 @@ def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMe
                 "tokens_per_s": report.tokens / max(wall, 1e-9),
                 "participants": report.participants,
                 "micro_batches": f"{report.micro_batches}x{report.batch_size}",
-                "bytes_up": exchange.bytes_sent - sent,
-                "bytes_down": exchange.bytes_received - received,
+                "bytes_up": exchange.counts.bytes_sent - sent,
+                "bytes_down": exchange.counts.bytes_received - received,
                 "round_s": wall,
             },
             samples=report.samples,
@@ -434,16 +438,16 @@ def _summary(settings, progress, exchange, trainer, model, reports, stopped, fin
         "initial_loss": reports[0].loss if reports else None,
         "final_loss": reports[-1].loss if reports else None,
         "param_hash": digest.hexdigest(),
-        "bytes_sent": exchange.bytes_sent,
-        "bytes_received": exchange.bytes_received,
-        "resyncs": exchange.resyncs,
+        "bytes_sent": exchange.counts.bytes_sent,
+        "bytes_received": exchange.counts.bytes_received,
+        "resyncs": exchange.counts.resyncs,
         "final_resync": final_resync,
-        "coordinated_rounds": exchange.coordinated_rounds,
-        "butterfly_rounds": exchange.butterfly_rounds,
-        "pieces_recomputed": exchange.pieces_recomputed,
-        "dht_stores": exchange.dht_stores,
-        "late_rounds": exchange.late,
-        "rejected": dict(exchange.rejected),
+        "coordinated_rounds": exchange.counts.coordinated_rounds,
+        "butterfly_rounds": exchange.counts.butterfly_rounds,
+        "pieces_recomputed": exchange.counts.pieces_recomputed,
+        "dht_stores": exchange.counts.dht_stores,
+        "late_rounds": exchange.counts.late,
+        "rejected": dict(exchange.counts.rejected),
         "stopped": stopped,
         "checkpoint": str(store.directory) if stopped and store and not store.last_write_failed else None,
     }

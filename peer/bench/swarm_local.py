@@ -80,8 +80,8 @@ def worker(args: argparse.Namespace) -> None:
             "params": sum(p.numel() for p in model.parameters()),
             "payload_bytes": trainer.optimizer.bytes_sent / len(reports),
             "participants": [r.participants for r in reports],
-            "received": exchange.bytes_received,
-            "rejected": dict(exchange.rejected),
+            "received": exchange.counts.bytes_received,
+            "rejected": dict(exchange.counts.rejected),
             "compute_s": statistics.median(r.compute_s for r in reports),
         }
         Path(args.out).write_text(json.dumps(result))

@@ -218,7 +218,7 @@ def _swarm(args, model, batch) -> dict:
             "received_bytes": received,
             # every other peer pulls each payload once, from its author; in a butterfly round each owner
             # pulls its piece, and every other peer each owner's mean (counted by the exchange)
-            "predicted_sent_bytes": exchange.codec_bytes_sent
+            "predicted_sent_bytes": exchange.counts.codec_bytes_sent
             if args.method in BUTTERFLY
             else payloads * (args.peers - 1),
             "exchanges": trainer.rounds_done,

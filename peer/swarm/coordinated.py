@@ -108,7 +108,7 @@ class CoordinatedRounds:
             announced, _ = await self._collect(number, mine, plan.exchange_deadline)
             return await self._settle(number, announced, mine, snapshot)
         if isinstance(report, ReportReply) and not report.included:
-            self.late += 1
+            self.counts.late += 1
         elif not isinstance(report, ReportReply):
             logger.warning(
                 f"round {number}: the coordinator left this peer's payload out ({report}); applying the "
@@ -130,7 +130,7 @@ class CoordinatedRounds:
             try:
                 announced[owner] = Announcement.parse(owner, value, self.max_payload_bytes)
             except MalformedPayloadError as error:  # every peer drops it alike: the set stays the same
-                self.rejected[error.reason] += 1
+                self.counts.rejected[error.reason] += 1
         mine = Announcement(me, mine.peer, mine.digest, mine.size, mine.samples, mine.state, mine.synced)
         if pieces is not None and len(announced) >= MIN_PARTICIPANTS:
             contributions = await self._butterfly(
@@ -148,11 +148,11 @@ class CoordinatedRounds:
                 )
                 for task in pending:
                     task.cancel()
-                self.rejected["missing"] += len(pending)
+                self.counts.rejected["missing"] += len(pending)
                 await asyncio.gather(*fetches, return_exceptions=True)
             contributions = await self._settle(number, announced, mine, snapshot)
-            self.codec_bytes_sent += mine.size * (len(announced) - 1) if me in announced else 0
-        self.coordinated_rounds += 1
+            self.counts.codec_bytes_sent += mine.size * (len(announced) - 1) if me in announced else 0
+        self.counts.coordinated_rounds += 1
         self._count_stragglers(max(plan.expected, len(result.participants)), len(result.participants))
         link.progress.round, link.progress.exchange_s = number, time.time() - started
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -190,17 +190,17 @@ class CoordinatedRounds:
                 a for a in pull_order([announced[o] for o in owners], mine.owner) if a.owner != mine.owner
             ]
             parts = await self._parts(number, index, count, others, deadline, pieces)
-            self.codec_bytes_sent += sum(len(piece) for k, piece in enumerate(cuts) if k != index)
+            self.counts.codec_bytes_sent += sum(len(piece) for k, piece in enumerate(cuts) if k != index)
             parts.append(Part(mine.owner, mine.samples, cuts[index]))
             parts.sort(key=lambda part: owners.index(part.sender))
             mean = await asyncio.to_thread(pieces.mean, index, count, parts, feedback=True)
             for sender, reason in mean.rejected:
-                self.rejected[reason] += 1
+                self.counts.rejected[reason] += 1
                 self._strike(sender, reason, number)
             self._means[(number, index)] = mean.data
             self._mean_ready.setdefault((number, index), asyncio.Event()).set()
             self._expected_pullers = {a.peer for o, a in announced.items() if o != mine.owner}
-            self.codec_bytes_sent += len(mean.data) * (len(announced) - 1)
+            self.counts.codec_bytes_sent += len(mean.data) * (len(announced) - 1)
             slices[index], clipped = mean.tensors, mean.clipped
         order = [(index + step) % count for step in range(1, count)] if index is not None else range(count)
         pulls = {
@@ -217,10 +217,10 @@ class CoordinatedRounds:
         await asyncio.gather(*pulls.values(), return_exceptions=True)
         for k in range(count):
             if k not in slices:  # its owner's mean did not come: average it here
-                self.pieces_recomputed += 1
+                self.counts.pieces_recomputed += 1
                 mean = await self._recompute(number, k, count, owners, announced, mine, pieces)
                 slices[k] = mean.tensors
-        self.butterfly_rounds += 1
+        self.counts.butterfly_rounds += 1
         return Averaged(
             pieces=[slices[k] for k in range(count)],
             samples=sum(announced[o].samples for o in owners),
@@ -255,10 +255,10 @@ class CoordinatedRounds:
             task.cancel()
             error = None if not task.done() or task.cancelled() else task.exception()
             if isinstance(error, MalformedPayloadError):
-                self.rejected[error.reason] += 1
+                self.counts.rejected[error.reason] += 1
                 self._strike(author.owner, error.reason, number)
             else:
-                self.rejected["missing"] += 1
+                self.counts.rejected["missing"] += 1
         await asyncio.gather(*tasks, return_exceptions=True)
         return parts
 
@@ -272,7 +272,7 @@ class CoordinatedRounds:
         try:
             return await asyncio.to_thread(pieces.decode, index, count, data)
         except MalformedPayloadError as error:
-            self.rejected[error.reason] += 1
+            self.counts.rejected[error.reason] += 1
             self._strike(owner.owner, error.reason, number)
             raise
 

@@ -86,6 +86,7 @@ from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange
 from shoal.peer.swarm.channels import Channels, ChannelServer
 from shoal.peer.swarm.coordinated import CoordinatedRounds
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
+from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.membership import SHOAL_VERSION, PeerRecord, incompatibility, owner_subkey, run_hash
 from shoal.peer.swarm.names import final_key, handler, peers_key, round_key
 from shoal.peer.swarm.pull import Puller, chunks
@@ -187,14 +188,11 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             coordinator=coordinator.address[:256] if coordinator is not None else "",
         )
         self.strike_limit, self.ban_rounds, self.keep_states = strike_limit, ban_rounds, keep_states
-        self.rejected: Counter[str] = Counter()
-        """Announcements, downloads and contributions dropped, by reason."""
+        self.counts = SwarmCounters()
         self.strikes: Counter[bytes] = Counter()
         """Strikes per peer (public-key subkey) since its last ban."""
         self.banned: dict[bytes, int] = {}
         """Banned peers and the first round they are heard again."""
-        self.resyncs = 0
-        """Times this peer's shared state differed from the majority's and was replaced."""
         self.synced = False
         """Whether this peer held (or adopted) the majority's state in its last round."""
         self.refused: dict[str, str] = {}
@@ -202,37 +200,11 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self.coordinators: dict[bytes, str] = {}
         """Compatible peers that follow a coordinator: the address their record names (HOST:PORT,
         printable; anything else is dropped: it is another peer's text, shown to a user)."""
-        self.sent: Counter[str] = Counter()
-        """Bytes this peer sent, by kind: payload and state (its handlers served them), probe (bandwidth
-        measurements it answered), dht (the serialized records and announcements it stored)."""
-        self.dht_stores = 0
-        """Records and announcements this peer wrote into the DHT."""
-        self.received: Counter[str] = Counter()
-        """Bytes this peer received, by kind: payload, state, dht (the serialized values of its reads)."""
-        self.stragglers = 0
-        """Peers expected in a round (by the coordinator, or compatible and seen) whose payload missed it."""
-        self.round_stragglers = 0
-        """... in the last round."""
-        self.peers_seen = 1
-        """Peers expected in the last round, this one included."""
-        self.strikes_total = 0
-        """Strikes given, all peers together."""
         self.last_payload_bytes = 0
         """Size of this peer's payload in its last round."""
         self.last_round: int | None = None
         """The round of the last `gather`."""
         self.coordinator = coordinator
-        self.coordinated_rounds = 0
-        """Rounds whose participant set came from the coordinator."""
-        self.late = 0
-        """Coordinated rounds this peer's payload was left out of as late (it still applied them)."""
-        self.butterfly_rounds = 0
-        """Rounds averaged piece by piece (shoal.peer.algorithms.butterfly)."""
-        self.pieces_recomputed = 0
-        """Pieces whose owner's mean did not come in time, averaged by this peer from their parts."""
-        self.codec_bytes_sent = 0
-        """Payload bytes this peer was to send by the protocol, pieces and means included (what the codec
-        implies, against which `sent` shows the transport's overhead)."""
         self._plans: deque[RoundPlan] = (
             deque()
         )  # planned, not yet gathered (DiLoCo gathers in the background)
@@ -263,41 +235,29 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self._members: list[bytes] = []  # compatible peers seen in the last round, by public key
         self._rejoin = tuple(rejoin)
         self._rejoined_at = -math.inf  # monotonic time of the last attempt
-        self.rejoins = 0
-        """Times this peer, alone in its run, dialled its initial peers again."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-swarm", daemon=True)
         self._thread.start()
         self._p2p = self._call(self._start(max_concurrent_fetches))
 
-    @property
-    def bytes_sent(self) -> int:
-        """Payload, state and probe bytes this peer's handlers served (the DHT's not included)."""
-        return self.sent["payload"] + self.sent["state"] + self.sent["probe"]
-
-    @property
-    def bytes_received(self) -> int:
-        """Payload and state bytes this peer pulled (the DHT's not included)."""
-        return self.received["payload"] + self.received["state"]
-
     def counters(self) -> dict:
         """A consistent copy of the counters, for another thread (the metrics endpoint)."""
         return {
-            "sent": dict(self.sent),
-            "received": dict(self.received),
-            "rejected": dict(self.rejected),
-            "strikes": self.strikes_total,
+            "sent": dict(self.counts.sent),
+            "received": dict(self.counts.received),
+            "rejected": dict(self.counts.rejected),
+            "strikes": self.counts.strikes_total,
             "banned": len(self.banned),
             "refused": len(self.refused),
-            "resyncs": self.resyncs,
+            "resyncs": self.counts.resyncs,
             "synced": self.synced,
-            "stragglers": self.stragglers,
-            "late": self.late,
-            "coordinated_rounds": self.coordinated_rounds,
-            "dht_stores": self.dht_stores,
+            "stragglers": self.counts.stragglers,
+            "late": self.counts.late,
+            "coordinated_rounds": self.counts.coordinated_rounds,
+            "dht_stores": self.counts.dht_stores,
             "relayed": self.relayed,
-            "butterfly_rounds": self.butterfly_rounds,
-            "pieces_recomputed": self.pieces_recomputed,
+            "butterfly_rounds": self.counts.butterfly_rounds,
+            "pieces_recomputed": self.counts.pieces_recomputed,
         }
 
     @property
@@ -456,7 +416,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self._loop.call_soon_threadsafe(self._count_and_strike, contribution.sender, reason, number)
 
     def _count_and_strike(self, owner: bytes, reason: str, round_number: int | None) -> None:
-        self.rejected[reason] += 1
+        self.counts.rejected[reason] += 1
         self._strike(owner, reason, round_number)
 
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
@@ -468,7 +428,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             try:
                 other_weight, other = self._decode_mean_part(contribution.payload, tensor.shape, limits)
             except MalformedPayloadError as error:
-                self.rejected[error.reason] += 1
+                self.counts.rejected[error.reason] += 1
                 continue
             result.add_(other.to(result.device), alpha=other_weight)
             total += other_weight
@@ -519,7 +479,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
     async def _start(self, max_concurrent_fetches: int):
         p2p = await self.dht.replicate_p2p()
         self._channel_server = ChannelServer(
-            self._serve, p2p.peer_id, self._channel_handler, self.fetch_timeout_s, self.rejected
+            self._serve, p2p.peer_id, self._channel_handler, self.fetch_timeout_s, self.counts.rejected
         )
         self._puller = Puller(
             p2p,
@@ -529,8 +489,8 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             timeout_s=self.fetch_timeout_s,
             max_concurrent=max_concurrent_fetches,
             strike=self._strike,
-            received=self.received,
-            rejected=self.rejected,
+            received=self.counts.received,
+            rejected=self.counts.rejected,
         )
         await p2p.add_binary_stream_handler(self._channel_handler, self._channel_server.handle)
         # a payload also goes to a one-off stream (hivemind's own clients can ask for it so)
@@ -559,15 +519,15 @@ class SwarmExchange(CoordinatedRounds, Exchange):
 
     async def _store(self, key: str, value: dict, expiration: float) -> None:
         """Stores `value` under this peer's subkey, counting its serialized bytes."""
-        self.sent["dht"] += len(key) + len(self.owner) + len(MSGPackSerializer.dumps(value))
-        self.dht_stores += 1
+        self.counts.sent["dht"] += len(key) + len(self.owner) + len(MSGPackSerializer.dumps(value))
+        self.counts.dht_stores += 1
         await self.dht.store(key, value, expiration, subkey=self.owner, return_future=True)
 
     async def _get(self, key: str):
         """The latest value under `key`, counting the serialized bytes of what came back."""
         found = await self.dht.get(key, latest=True, return_future=True)
         if found is not None and isinstance(found.value, dict):
-            self.received["dht"] += sum(
+            self.counts.received["dht"] += sum(
                 len(MSGPackSerializer.dumps(getattr(entry, "value", None))) + len(subkey)
                 for subkey, entry in found.value.items()
                 if isinstance(subkey, bytes)
@@ -607,20 +567,20 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         snapshot = self._states.get(request.state)
         if snapshot is not None:
             for chunk in chunks(snapshot.manifest if request.manifest else snapshot.chunk(request.chunk)):
-                self.sent["state"] += len(chunk.data)
+                self.counts.sent["state"] += len(chunk.data)
                 yield chunk
 
     async def _serve_probe(self, request: ProbeRequest, context):
         """Zeros for a bandwidth measurement, rate-limited per asking peer (not an amplifier)."""
         now = time.monotonic()
         if now - self._probed.get(context.remote_id, -math.inf) < PROBE_INTERVAL_S:
-            self.rejected["probe_rate"] += 1
+            self.counts.rejected["probe_rate"] += 1
             return
         if len(self._probed) > 1024:
             self._probed = {p: t for p, t in self._probed.items() if now - t < PROBE_INTERVAL_S}
         self._probed[context.remote_id] = now
         for chunk in chunks(bytes(min(request.size, PROBE_MAX_BYTES))):
-            self.sent["probe"] += len(chunk.data)
+            self.counts.sent["probe"] += len(chunk.data)
             yield chunk
 
     def _strike(self, owner: bytes, reason: str, round_number: int | None) -> None:
@@ -631,7 +591,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         if not owner or owner == self.owner:
             return
         self.strikes[owner] += 1
-        self.strikes_total += 1
+        self.counts.strikes_total += 1
         if self.strikes[owner] >= self.strike_limit:
             until = (round_number if round_number is not None else self.last_round or 0) + 1 + self.ban_rounds
             logger.warning(
@@ -649,7 +609,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             if key == self._mine and context.remote_id is not None:
                 self._pullers.add(context.remote_id.to_base58())
         for chunk in chunks(data):
-            self.sent["payload"] += len(chunk.data)
+            self.counts.sent["payload"] += len(chunk.data)
             yield chunk
 
     async def _round(
@@ -671,7 +631,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         request, or (`reduced`) this peer's mean of the piece it owns, once it has it. Empty if it has
         neither."""
         if not request.shard < request.shards <= MAX_PIECES:
-            self.rejected["bad_request"] += 1
+            self.counts.rejected["bad_request"] += 1
             return b""
         if request.reduced:
             key = (request.round, request.shard)
@@ -687,7 +647,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             return b""
         pieces = self._cut(request.round, request.shards, limited=True)
         if pieces is None:
-            self.rejected["bad_request"] += 1
+            self.counts.rejected["bad_request"] += 1
             return b""
         self._part_served_at = time.monotonic()
         return pieces[request.shard]
@@ -716,9 +676,9 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self._cuts = {key: pieces for key, pieces in self._cuts.items() if key[0] in self._cuttable}
 
     def _count_stragglers(self, expected: int, participants: int) -> None:
-        self.peers_seen = expected
-        self.round_stragglers = max(0, expected - participants)
-        self.stragglers += self.round_stragglers
+        self.counts.peers_seen = expected
+        self.counts.round_stragglers = max(0, expected - participants)
+        self.counts.stragglers += self.counts.round_stragglers
 
     async def _hold(
         self,
@@ -752,9 +712,13 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         }
         self.banned = {owner: until for owner, until in self.banned.items() if until > round_number}
         await self._store_record(round_number, refresh_s=RECORD_REFRESH_S if coordinated else 0.0)
-        if self._rejoin and self.peers_seen <= 1 and time.monotonic() - self._rejoined_at >= REJOIN_EVERY_S:
+        if (
+            self._rejoin
+            and self.counts.peers_seen <= 1
+            and time.monotonic() - self._rejoined_at >= REJOIN_EVERY_S
+        ):
             self._rejoined_at = time.monotonic()
-            self.rejoins += 1
+            self.counts.rejoins += 1
             self.dht.run_coroutine(functools.partial(_ping_again, self._rejoin), return_future=True)
         mine = Announcement(self.owner, self.peer_id, digest, len(payload), samples, state, self.synced)
         if not coordinated:
@@ -800,7 +764,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
                     reason = self._refusal(round_number, announcement)
                 if reason is not None:
                     ignored.add(owner)
-                    self.rejected[reason] += 1
+                    self.counts.rejected[reason] += 1
                     if reason != "banned":
                         self._strike(owner, reason, round_number)
                     continue
@@ -827,7 +791,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         serving would otherwise cost nothing, and every peer would wait on it, round after round."""
         refused = (round_number, announcement.digest) in self._puller.refused_by_author
         if refused or deadline - since >= self.fetch_timeout_s:
-            self.rejected["unserved"] += 1
+            self.counts.rejected["unserved"] += 1
             self._strike(announcement.owner, "unserved", round_number)
 
     async def _settle(
@@ -869,13 +833,13 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             first_owner.setdefault(announced[owner].digest, owner)
         copies = [owner for owner in held if first_owner[announced[owner].digest] != owner]
         if copies:
-            self.rejected["duplicate"] += len(copies)
+            self.counts.rejected["duplicate"] += len(copies)
             held = [owner for owner in held if owner not in copies]
         if snapshot is not None and held:  # (a coordinated round may have no participant at all)
             agreed = majority({owner: (announced[owner].state, announced[owner].synced) for owner in held})
             stale = [owner for owner in held if announced[owner].state != agreed and owner != mine.owner]
             if stale:
-                self.rejected["stale_state"] += len(stale)
+                self.counts.rejected["stale_state"] += len(stale)
             if agreed != mine.state:
                 stale.append(mine.owner)
                 sources = [
@@ -910,15 +874,15 @@ class SwarmExchange(CoordinatedRounds, Exchange):
                 self._puller.state_piece,
                 expected_size=state_size(like),
                 transient=(P2PDaemonError, P2PHandlerError),
-                rejected=self.rejected,
+                rejected=self.counts.rejected,
             )
             adopted = restore(data, like)
         except (StateUnavailable, MalformedPayloadError) as error:
-            self.rejected["resync_failed"] += 1
+            self.counts.rejected["resync_failed"] += 1
             logger.warning(f"could not re-sync with the swarm's state: {error}")
             return None
-        self.resyncs += 1
-        self.received["state"] += len(data)
+        self.counts.resyncs += 1
+        self.counts.received["state"] += len(data)
         elapsed = time.perf_counter() - started
         logger.info(f"re-synced {len(data)} bytes of state from {len(sources)} peers in {elapsed:.1f} s")
         return adopted
@@ -927,7 +891,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         """Public-key subkeys of the peers whose current record is compatible with this one's."""
         records, malformed = peer_records(await self._get(peers_key(self.run)))
         if malformed:
-            self.rejected["bad_record"] += malformed
+            self.counts.rejected["bad_record"] += malformed
         compatible = {self.owner}
         self.coordinators = {}
         for owner, record in records.items():
@@ -966,7 +930,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         if content is not None and self._seen_content.setdefault(content, round_number) < round_number:
             # an earlier round's payload, re-encoded (an unknown field appended, fields reordered):
             # its digest is new, its content is not
-            self.rejected["replayed"] += 1
+            self.counts.rejected["replayed"] += 1
             self._strike(announcement.owner, "replayed", round_number)
             return
         self._held[(round_number, announcement.digest)] = data

@@ -127,13 +127,13 @@ def test_piece_requests_out_of_bounds_get_nothing_and_are_counted():
         assert ask(shard=0, shards=3) == b""  # not a butterfly round: no pieces
         author._cuttable_from(number, digest)  # as a coordinated round with butterfly averaging does
         assert ask(shard=3, shards=3) == b"" and ask(shard=0, shards=MAX_PIECES + 1) == b""
-        assert author.rejected["bad_request"] == 2
+        assert author.counts.rejected["bad_request"] == 2
         pieces = Pieces(codec, shapes, robust=NONE)
         decoded = [pieces.decode(k, 3, ask(shard=k, shards=3)) for k in range(3)]
         whole = [codec.decode(m) for m in Payload.FromString(payload).tensors]
         assert all(torch.equal(a, b) for a, b in zip(pieces.assemble(decoded), whole, strict=True))
         assert ask(shard=1, shards=4)  # a second way to cut it, then no more: each costs a pass
-        assert ask(shard=1, shards=5) == b"" and author.rejected["bad_request"] == 3
+        assert ask(shard=1, shards=5) == b"" and author.counts.rejected["bad_request"] == 3
         started = time.monotonic()
         assert ask(shard=0, shards=3, reduced=True) == b""  # it owns no mean of this round
         assert time.monotonic() - started < 5

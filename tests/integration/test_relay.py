@@ -81,7 +81,7 @@ def test_a_payload_served_once_by_its_origin_reaches_every_peer_through_relays()
         # the origin served its payload to one peer; the two others got it from a relay
         assert len(exchanges[0].served) == 1
         assert sum(exchange.relayed for exchange in exchanges) >= 2
-        assert not any(exchange.rejected for exchange in exchanges)
+        assert not any(exchange.counts.rejected for exchange in exchanges)
 
         # the bandwidth probe (`shoal check`) is capped and rate-limited per asking peer
         def probe(asker: SwarmExchange) -> bytes:
@@ -90,7 +90,7 @@ def test_a_payload_served_once_by_its_origin_reaches_every_peer_through_relays()
 
         assert len(probe(exchanges[1])) == PROBE_MAX_BYTES
         assert probe(exchanges[1]) == b""
-        assert exchanges[0].rejected["probe_rate"] == 1
+        assert exchanges[0].counts.rejected["probe_rate"] == 1
         assert len(probe(exchanges[2])) == PROBE_MAX_BYTES  # another peer is not limited by the first
 
 
@@ -140,7 +140,7 @@ def test_peers_that_end_a_run_on_two_states_all_end_on_the_majoritys():
         assert results[2] is not None
         for got, want in zip(results[2], agreed, strict=True):
             assert torch.equal(got, want)
-        assert exchanges[2].resyncs == 1
+        assert exchanges[2].counts.resyncs == 1
 
         started = time.monotonic()
         with ThreadPoolExecutor(3) as pool:

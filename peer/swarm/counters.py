@@ -1,0 +1,54 @@
+"""What a SwarmExchange counts: bytes by kind, rejections by reason, rounds by how they went. Read by
+the peer's summary, its Prometheus metrics (`SwarmExchange.counters()`) and the benchmarks."""
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True, slots=True)
+class SwarmCounters:
+    """Running totals of one peer's exchange; touched on the exchange's event loop, copied for other
+    threads by `SwarmExchange.counters()`."""
+
+    sent: Counter[str] = field(default_factory=Counter)
+    """Bytes this peer sent, by kind: payload and state (its handlers served them), probe (bandwidth
+    measurements it answered), dht (the serialized records and announcements it stored)."""
+    received: Counter[str] = field(default_factory=Counter)
+    """Bytes this peer received, by kind: payload, state, dht (the serialized values of its reads)."""
+    rejected: Counter[str] = field(default_factory=Counter)
+    """Announcements, downloads and contributions dropped, by reason."""
+    dht_stores: int = 0
+    """Records and announcements this peer wrote into the DHT."""
+    resyncs: int = 0
+    """Times this peer's shared state differed from the majority's and was replaced."""
+    stragglers: int = 0
+    """Peers expected in a round (by the coordinator, or compatible and seen) whose payload missed it."""
+    round_stragglers: int = 0
+    """... in the last round."""
+    peers_seen: int = 1
+    """Peers expected in the last round, this one included."""
+    strikes_total: int = 0
+    """Strikes given, all peers together."""
+    coordinated_rounds: int = 0
+    """Rounds whose participant set came from the coordinator."""
+    late: int = 0
+    """Coordinated rounds this peer's payload was left out of as late (it still applied them)."""
+    butterfly_rounds: int = 0
+    """Rounds averaged piece by piece (shoal.peer.algorithms.butterfly)."""
+    pieces_recomputed: int = 0
+    """Pieces whose owner's mean did not come in time, averaged by this peer from their parts."""
+    codec_bytes_sent: int = 0
+    """Payload bytes this peer was to send by the protocol, pieces and means included (what the codec
+    implies, against which `sent` shows the transport's overhead)."""
+    rejoins: int = 0
+    """Times this peer, alone in its run, dialled its initial peers again."""
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload, state and probe bytes this peer's handlers served (the DHT's not included)."""
+        return self.sent["payload"] + self.sent["state"] + self.sent["probe"]
+
+    @property
+    def bytes_received(self) -> int:
+        """Payload and state bytes this peer pulled (the DHT's not included)."""
+        return self.received["payload"] + self.received["state"]
