@@ -17,13 +17,13 @@ Faults a volunteer meets, and what the store does:
 """
 
 import contextlib
-import os
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from shoal.peer.files import write_atomically
 
 NAME = re.compile(r"^round-(\d{1,12})\.pt$")
 DAMAGED_SUFFIX = ".damaged"
@@ -122,20 +122,9 @@ class CheckpointStore:
         return None
 
     def _write(self, target: Path, state: dict) -> None:
-        """torch.save to a temporary file beside `target`, fsynced, renamed over it, the folder fsynced;
-        a failure removes the temporary file and leaves `target` as it was."""
-        descriptor, temporary = tempfile.mkstemp(dir=self.directory, prefix=".round-", suffix=".tmp")
-        try:
-            with os.fdopen(descriptor, "wb") as file:
-                torch.save(state, file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, target)
-        except BaseException:
-            with contextlib.suppress(OSError):  # a folder made read-only keeps it: the cause is the error
-                Path(temporary).unlink(missing_ok=True)
-            raise
-        self._fsync_directory()
+        """torch.save to `target` whole and durably (shoal.peer.files.write_atomically); a failure
+        leaves `target` as it was."""
+        write_atomically(target, lambda file: torch.save(state, file), durable=True)
 
     def _set_aside(self, round_number: int, reason: str) -> None:
         """Renames a damaged checkpoint so that it is neither loaded nor kept, and says so."""
@@ -149,10 +138,3 @@ class CheckpointStore:
             what = f"left in place, could not be renamed: {error.strerror or error}"
         if self.warn is not None:
             self.warn(f"the checkpoint {path} is damaged ({reason}): {what}; trying the one before it")
-
-    def _fsync_directory(self) -> None:
-        descriptor = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)

@@ -312,7 +312,7 @@ def _save_clock(settings: JoinSettings, schedule: RoundSchedule) -> None:
         }
         path = Path(settings.checkpoint_dir) / CLOCK_FILE
         try:
-            replace_text(path, json.dumps(clock))
+            replace_text(path, json.dumps(clock), durable=True)
         except OSError as error:
             raise JoinError(
                 f"cannot write the round clock {path}: {error.strerror or error}: make the folder writable, "

@@ -22,7 +22,7 @@ def test_keeps_the_newest_and_loads_the_latest(tmp_path):
     assert store.rounds() == [2, 3]
     latest = store.load_latest()
     assert latest["round"] == 3 and torch.equal(latest["weights"], torch.full((3,), 3.0))
-    assert not list(tmp_path.glob(".round-*"))  # no temporary file left behind
+    assert not list(tmp_path.glob(".round-*.tmp"))  # no temporary file left behind
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
@@ -77,7 +77,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypa
     with pytest.raises(CheckpointWriteError, match="No space") as error:
         store.save(2, {"x": torch.ones(1)})
     assert str(tmp_path) in str(error.value) and "round-1.pt is the newest intact one" in str(error.value)
-    assert store.rounds() == [1] and not list(tmp_path.glob(".round-*"))
+    assert store.rounds() == [1] and not list(tmp_path.glob(".round-*.tmp"))
     assert store.load_latest()["round"] == 1
 
 
