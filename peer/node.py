@@ -33,6 +33,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from shoal.compression import DenseCodec
+from shoal.peer.algorithms.configs import DiLoCoConfig
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data import RoundSlices, TokenStreams, load_data
 from shoal.peer.files import replace_text
@@ -227,18 +228,13 @@ def _train(settings, progress, dht, identity, schedule, workload: Workload, cred
             )
             return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
+        algorithm = settings.algorithm_config()
         trainer = Trainer(
             model,
             exchange,
-            algorithm=settings.algorithm,
+            algorithm=algorithm,
             batches=batches,
-            lr=settings.learning_rate,
-            topk=settings.topk,
-            inner_steps=settings.inner_steps,
-            outer_lr=settings.outer_lr,
-            outer_momentum=settings.outer_momentum,
-            codec=None if settings.algorithm.startswith("demo") else DenseCodec(8),
-            butterfly=settings.averaging == "butterfly",
+            codec=DenseCodec(8) if isinstance(algorithm, DiLoCoConfig) else None,
             # a checkpoint that cannot be written is a warning: training goes on (shoal.peer.checkpoint)
             checkpoints=CheckpointStore(
                 settings.checkpoint_dir, warn=lambda text: progress.message(f"warning: {text}")

@@ -30,12 +30,12 @@ import torch
 from torch import nn
 
 from shoal.compression import Codec
+from shoal.peer.algorithms.configs import AlgorithmConfig, DeMoConfig
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Exchange
 from shoal.peer.checkpoint import CheckpointStore
 
-ALGORITHMS = ("demo", "demo-overlap", "diloco-standard", "diloco-delayed", "diloco-eager")
 PHASES = ("compute", "encode", "exchange", "decode", "apply")
 
 Batches = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
@@ -113,17 +113,11 @@ class Trainer:
     Args:
         model: the model; with the default `loss_fn` its `forward(inputs, targets=...)` returns the loss.
         exchange: how this peer meets the others.
-        algorithm: one of ALGORITHMS.
+        algorithm: the algorithm and its hyperparameters (shoal.peer.algorithms.configs); DiLoCo's
+            butterfly averaging goes piece by piece where the exchange can (shoal.peer.algorithms.butterfly),
+            and needs a dense, block-aligned codec.
         batches: this peer's micro-batches (see `Batches`).
-        lr: DeMo's learning rate, or the inner AdamW's for DiLoCo.
-        topk: DeMo's coefficients per chunk.
-        value_bits: DeMo's bits per transmitted value (32, 16, 8, 4 or 1: signs only).
-        inner_steps: DiLoCo's H.
-        outer_lr: DiLoCo's outer learning rate.
-        outer_momentum: DiLoCo's outer Nesterov momentum (None: the mode's, shoal.peer.algorithms.diloco).
         codec: how DiLoCo's pseudo-gradients travel (None: exactly).
-        butterfly: DiLoCo: average pseudo-gradients piece by piece where the exchange can
-            (shoal.peer.algorithms.butterfly); the codec must be dense and block-aligned.
         checkpoints: where to keep checkpoints (None: nowhere).
         checkpoint_every: rounds between checkpoints (0: only on stop).
         loss_fn: how to compute the loss of a micro-batch.
@@ -139,16 +133,9 @@ class Trainer:
         model: nn.Module,
         exchange: Exchange,
         *,
-        algorithm: str,
+        algorithm: AlgorithmConfig,
         batches: Batches,
-        lr: float = 2e-3,
-        topk: int = 32,
-        value_bits: int = 32,
-        inner_steps: int = 5,
-        outer_lr: float = 0.4,
-        outer_momentum: float | None = None,
         codec: Codec | None = None,
-        butterfly: bool = False,
         checkpoints: CheckpointStore | None = None,
         checkpoint_every: int = 0,
         loss_fn: LossFn = model_loss,
@@ -157,8 +144,6 @@ class Trainer:
         max_micro_batches: int = 64,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {algorithm!r}")
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
         if batch_size < 1 or max_micro_batches < 1:
@@ -180,32 +165,32 @@ class Trainer:
         self._micro_seconds: float | None = None  # moving average of one micro-batch's compute time
         self.steps = 0
         """Optimizer steps taken; every round takes `inner_steps` of them."""
-        if algorithm.startswith("demo"):
-            overlap = algorithm == "demo-overlap"  # with Psyche's lookahead: see shoal.peer.algorithms.demo
+        self.inner_steps = algorithm.inner_steps
+        if isinstance(algorithm, DeMoConfig):
             self.optimizer = DeMo(
                 model.parameters(),
-                lr=lr,
+                lr=algorithm.lr,
                 exchange=exchange,
-                compression_topk=topk,
-                value_bits=value_bits,
-                overlap=overlap,
-                lookahead=overlap,
+                compression_topk=algorithm.topk,
+                value_bits=algorithm.value_bits,
+                overlap=algorithm.overlapped,
+                lookahead=algorithm.overlapped,  # Psyche's: see shoal.peer.algorithms.demo
             )
-            self.inner_steps = 1
             self.diloco = None
         else:
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-            self.inner_steps = inner_steps
+            self.optimizer = torch.optim.AdamW(
+                model.parameters(), lr=algorithm.lr, betas=(0.9, 0.95), weight_decay=0.1
+            )
             self.diloco = DiLoCo(
                 model,
                 self.optimizer,
                 exchange=exchange,
-                inner_steps=inner_steps,
-                mode=algorithm.removeprefix("diloco-"),
-                outer_lr=outer_lr,
-                outer_momentum=outer_momentum,
+                inner_steps=algorithm.inner_steps,
+                mode=algorithm.mode,
+                outer_lr=algorithm.outer_lr,
+                outer_momentum=algorithm.outer_momentum,
                 codec=codec,
-                butterfly=butterfly,
+                butterfly=algorithm.averaging == "butterfly",
             )
 
     @property
@@ -342,7 +327,7 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Tensors and plain values only (loadable with weights_only=True)."""
-        state = {"steps": self.steps, "algorithm": self.algorithm}
+        state = {"steps": self.steps, "algorithm": self.algorithm.name}
         if self.diloco is None:
             self.optimizer.unshift()  # the shared parameters, not the lookahead's guess
         state["model"] = self.model.state_dict()
@@ -352,8 +337,10 @@ class Trainer:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("algorithm") != self.algorithm:
-            raise ValueError(f"checkpoint of {state.get('algorithm')!r}, this peer runs {self.algorithm!r}")
+        if state.get("algorithm") != self.algorithm.name:
+            raise ValueError(
+                f"checkpoint of {state.get('algorithm')!r}, this peer runs {self.algorithm.name!r}"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.diloco is not None:

@@ -12,10 +12,11 @@ import math
 import re
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from shoal.peer.algorithms.configs import AVERAGING, DEFAULTS, AlgorithmConfig, DeMoConfig
 from shoal.peer.swarm.names import check_run_name
 
 ALGORITHMS = {
@@ -26,9 +27,7 @@ ALGORITHMS = {
     "diloco-delayed": "diloco-delayed",
     "diloco-eager": "diloco-eager",
 }
-OVERLAPPED = frozenset({"demo-overlap", "diloco-delayed", "diloco-eager"})
-"""Algorithms (ALGORITHMS' values) that exchange round r while round r + 1 computes: their coordinator
-runs with --overlap, announcing round r + 1 as soon as a peer reports round r."""
+"""What --algorithm accepts, and the algorithm (shoal.peer.algorithms.configs.DEFAULTS) each names."""
 DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d{1,3})?)$")
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -74,29 +73,38 @@ class JoinSettings:
     log_format: str = "human"
     compute_delay: float = 0.0
 
+    def algorithm_config(self) -> AlgorithmConfig:
+        """The algorithm this peer runs, typed, with its hyperparameters from these settings (the other
+        algorithm's are ignored; `lr` 0 is the algorithm's default)."""
+        if self.algorithm not in DEFAULTS:
+            raise ValueError(f"algorithm must be one of {', '.join(DEFAULTS)}; got {self.algorithm!r}")
+        named = DEFAULTS[self.algorithm]
+        lr = self.lr or named.lr
+        if isinstance(named, DeMoConfig):
+            return replace(named, lr=lr, topk=self.topk)
+        return replace(
+            named,
+            lr=lr,
+            inner_steps=self.inner_steps,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            averaging=self.averaging,
+        )
+
     def run_config(self) -> dict[str, str]:
         """What every peer of a run must share (hashed into its records; shoal.peer.swarm.membership)."""
-        config = {"model": self.model, "algorithm": self.algorithm, "lr": repr(self.learning_rate)}
+        algorithm = self.algorithm_config()
+        config = {"model": self.model, "algorithm": self.algorithm, "lr": repr(algorithm.lr)}
         config["seed"] = str(self.seed)
-        if self.algorithm.startswith("demo"):
-            return config | {"compression_topk": str(self.topk)}
-        momentum = self.outer_momentum
-        if momentum is None:
-            from shoal.peer.algorithms.diloco import OUTER_MOMENTUM  # torch: not before it is needed
-
-            momentum = OUTER_MOMENTUM[self.algorithm.removeprefix("diloco-")]
+        if isinstance(algorithm, DeMoConfig):
+            return config | {"compression_topk": str(algorithm.topk)}
         config |= {
-            "inner_steps": str(self.inner_steps),
-            "outer_lr": repr(self.outer_lr),
-            "outer_momentum": repr(momentum),
+            "inner_steps": str(algorithm.inner_steps),
+            "outer_lr": repr(algorithm.outer_lr),
+            "outer_momentum": repr(algorithm.outer_momentum),
         }
         # only where it is not the default, so that the runs from before the setting keep their hash
-        return config | {"averaging": self.averaging} if self.averaging != "gather" else config
-
-    @property
-    def learning_rate(self) -> float:
-        """`lr`, or the algorithm's default when it is 0."""
-        return self.lr or (2e-3 if self.algorithm.startswith("demo") else 1e-3)
+        return config | {"averaging": algorithm.averaging} if algorithm.averaging != "gather" else config
 
 
 def _text(value: Any) -> str:
@@ -190,7 +198,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "inner_steps": _int(1, 100_000),
     "outer_lr": _float(0.0, 10.0, open_low=True),
     "outer_momentum": _float(0.0, 0.999),
-    "averaging": _choice(("gather", "butterfly")),
+    "averaging": _choice(AVERAGING),
     "batch_size": _int(1, 65536),
     "max_micro_batches": _int(1, 4096),
     "seed": _int(0),
@@ -223,7 +231,7 @@ def resolve(
                 raise SettingsError(f"{where}: {error}") from None
             break
     settings = JoinSettings(**values)
-    if settings.averaging == "butterfly" and settings.algorithm.startswith("demo"):
+    if settings.averaging == "butterfly" and isinstance(settings.algorithm_config(), DeMoConfig):
         raise SettingsError("--averaging butterfly: DiLoCo only (DeMo's payloads are sparse)")
     return settings
 

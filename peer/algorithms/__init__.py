@@ -4,6 +4,8 @@
   `LoopbackExchange` (threads of one process) and `TorchDistributedExchange` (torch.distributed).
   The swarm's exchange (shoal.peer.swarm.exchange) implements the same interface over hivemind.
 - `demo`: the DeMo optimizer; `diloco`: DiLoCo (standard, delayed and eager outer updates).
+- `configs`: the algorithms as typed configs (`DeMoConfig`, `DiLoCoConfig`), what `--algorithm` parses
+  into; no torch.
 - `butterfly`: the pure core of butterfly averaging (pieces cut, averaged and reassembled).
 - `robust`: how a round bounds each contribution (docs/ROBUSTNESS.md).
 - `tile_groups`: parameters grouped into batches of equal DCT chunk plans.

@@ -52,17 +52,10 @@ from torch import nn
 
 from shoal.compression import Codec, DecodeLimits, DenseCodec, MalformedPayloadError, decode_tensor
 from shoal.peer.algorithms.butterfly import Pieces
+from shoal.peer.algorithms.configs import MODES, OUTER_MOMENTUM
 from shoal.peer.algorithms.exchange import Contribution, Exchange
 from shoal.peer.algorithms.robust import DILOCO, Robustness, Suspicion, add_screened_mean, report, sender_keys
 from shoal.protocol import Payload, parse_message
-
-MODES = ("standard", "delayed", "eager")
-OUTER_MOMENTUM = {"standard": 0.9, "delayed": 0.0, "eager": 0.0}
-"""The outer Nesterov momentum of each mode when none is given: DiLoCo's 0.9 in standard mode, none in
-the late modes. Momentum carries the stale part of each late update forward, round after round, and
-the late modes fall behind or diverge with it (BENCHMARKS.md: `shoal bench converge`, eager at outer
-lr 0.7 reaches 3.87 against standard's 2.51; `shoal bench wan`, 48 steps at lr 0.4: eager 3.89 against
-2.96)."""
 
 
 @dataclass(slots=True)

@@ -36,6 +36,7 @@ import torch
 
 from shoal.compression import DCTTopKCodec, DecodeLimits, DenseCodec, EncodedTensor, decode_tensor, values
 from shoal.compression.dct_topk import unpack
+from shoal.peer.algorithms.configs import AlgorithmConfig, DeMoConfig, DiLoCoConfig
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, run_loopback
@@ -45,7 +46,18 @@ from shoal.peer.model import TinyGPT
 from shoal.protocol import CodecId, Payload, ValueEncoding
 
 ATTACKS = ("none", "sign_flip", "sample_lie", "random")
-METHODS = ("demo_compact", "diloco_eager")
+METHODS: dict[str, AlgorithmConfig] = {
+    "demo_compact": DeMoConfig(lr=converge.QUICK.demo_lr, topk=4, value_bits=1),
+    "diloco_eager": DiLoCoConfig(
+        mode="eager",
+        lr=converge.QUICK.adamw_lr,
+        inner_steps=converge.QUICK.inner_steps,
+        outer_lr=converge.OUTER["eager"][0],
+        outer_momentum=converge.OUTER["eager"][1],
+    ),
+}
+"""Each method's algorithm, on the `shoal bench converge --quick` setting (DeMo there: momentum decay
+0.99, weight decay 0.1; DiLoCo: converge's inner AdamW)."""
 SCALE = 3.9
 """The attacks' scale: just under the 4x-median clip that was shoal's bound before screening."""
 LIED_SAMPLES = 1 << 40
@@ -168,6 +180,9 @@ class _Recorder(_Wrapped):
 def run(
     method: str, attack: str, workers: int, attackers: int, streams: TokenStreams, clean: float | None
 ) -> HostileResult:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    algorithm = METHODS[method]
     if attack == "honest_only":
         workers, attackers, attack = workers - attackers, 0, "none"
     config = replace(converge.QUICK, workers=workers)
@@ -183,7 +198,7 @@ def run(
         model.load_state_dict(initial)
         batches = [plan.batch(streams.train, step, rank) for step in range(config.steps)]
         recorder = _Recorder(loopback, hostile)
-        optimizer = _optimizer(method, model, config, recorder)
+        optimizer = _optimizer(algorithm, model, config, recorder)
         if rank in hostile:
             optimizer.exchange = Poisoned(loopback, attack, seed=rank)
         _train(optimizer, model, batches)
@@ -194,7 +209,7 @@ def run(
     wall = time.perf_counter() - start
     loss = converge.validation_loss(outcomes[0][0], streams, config)
     honest = [recorder for rank, (_, recorder) in enumerate(outcomes) if rank not in hostile]
-    rounds = config.steps if method.startswith("demo") else config.steps // config.inner_steps
+    rounds = config.steps // algorithm.inner_steps
     return HostileResult(
         method,
         attack,
@@ -209,29 +224,28 @@ def run(
     )
 
 
-def _optimizer(method: str, model: TinyGPT, config: converge.ConvergeConfig, exchange: Exchange):
-    if method == "demo_compact":
+def _optimizer(
+    algorithm: AlgorithmConfig, model: TinyGPT, config: converge.ConvergeConfig, exchange: Exchange
+) -> DeMo | DiLoCo:
+    if isinstance(algorithm, DeMoConfig):
         return DeMo(
             model.parameters(),
-            lr=config.demo_lr,
+            lr=algorithm.lr,
             exchange=exchange,
             weight_decay=0.1,
-            compression_topk=4,
-            value_bits=1,
+            compression_topk=algorithm.topk,
+            value_bits=algorithm.value_bits,
             compression_decay=0.99,
         )
-    if method == "diloco_eager":
-        lr, momentum = converge.OUTER["eager"]
-        return DiLoCo(
-            model,
-            converge._adamw(model, config),
-            exchange=exchange,
-            inner_steps=config.inner_steps,
-            mode="eager",
-            outer_lr=lr,
-            outer_momentum=momentum,
-        )
-    raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    return DiLoCo(
+        model,
+        converge._adamw(model, config),  # lr: config.adamw_lr, the algorithm's
+        exchange=exchange,
+        inner_steps=algorithm.inner_steps,
+        mode=algorithm.mode,
+        outer_lr=algorithm.outer_lr,
+        outer_momentum=algorithm.outer_momentum,
+    )
 
 
 def _train(optimizer, model: TinyGPT, batches) -> None:

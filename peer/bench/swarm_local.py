@@ -40,6 +40,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from hivemind.utils.crypto import RSAPrivateKey
 
+    from shoal.peer.algorithms.configs import DeMoConfig
     from shoal.peer.data import BatchPlan, stdlib_corpus
     from shoal.peer.model import GPTConfig, TinyGPT
     from shoal.peer.runtime import Trainer
@@ -72,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
         trainer = Trainer(
             model,
             exchange,
-            algorithm="demo",
+            algorithm=DeMoConfig(),
             batches=lambda step, _micro, _size: plan.batch(streams.train, step, args.index),
         )
         reports = trainer.run(args.rounds)

@@ -31,7 +31,6 @@ from pathlib import Path
 
 from shoal.peer.bench.netlab import NetLab, NetLabError, available, raise_on_sigterm
 from shoal.peer.bench.wan_worker import BUTTERFLY, METHODS, SWARM_METHODS
-from shoal.peer.settings import OVERLAPPED
 
 __all__ = ["METHODS", "QUICK", "WanConfig", "main", "parse_bandwidths", "run"]
 
@@ -170,7 +169,7 @@ def _start_coordinator(lab: NetLab, peers: int, method: str, scratch: Path, log_
     command += ["--listen", f"0.0.0.0:{COORDINATOR_PORT}", "--state", str(scratch / "coordinator.db")]
     command += ["--min-peers", str(peers), "--min-compute-s", "600", "--max-compute-s", "1200"]
     command += ["--max-exchange-s", "1200", "--heartbeat-timeout-s", "60"]
-    if SWARM_METHODS.get(method) in OVERLAPPED:
+    if method in SWARM_METHODS and SWARM_METHODS[method].overlapped:
         command.append("--overlap")  # peers compute round r + 1 while they exchange round r
     log = (log_dir / f"{method}-coordinator.log").open("a")
     coordinator = lab.popen(peers, command, stdout=subprocess.PIPE, stderr=log, text=True)

@@ -24,11 +24,13 @@ import json
 import math
 import os
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
+from shoal.peer.algorithms.configs import AlgorithmConfig, DeMoConfig, DiLoCoConfig
 from shoal.peer.data import BatchPlan, stdlib_corpus, validation_batches
 from shoal.peer.files import replace_text
 from shoal.peer.model import GPTConfig, TinyGPT
@@ -37,15 +39,20 @@ MODELS = {
     "tiny": GPTConfig.preset("tiny"),
     "5m": GPTConfig.preset("small", n_layer=7),  # ~5.6M parameters
 }
-SWARM_METHODS = {
-    "demo_compact": "demo",
-    "demo_overlap": "demo-overlap",
-    "diloco_standard": "diloco-standard",
-    "diloco_eager": "diloco-eager",
-    "diloco_standard_butterfly": "diloco-standard",
-    "diloco_eager_butterfly": "diloco-eager",
+SWARM_METHODS: dict[str, AlgorithmConfig] = {
+    "demo_compact": DeMoConfig(topk=4, value_bits=1),
+    "demo_overlap": DeMoConfig(overlapped=True, topk=4, value_bits=1),
+    "diloco_standard": DiLoCoConfig(mode="standard"),
+    "diloco_eager": DiLoCoConfig(mode="eager"),
+    "diloco_standard_butterfly": DiLoCoConfig(mode="standard", averaging="butterfly"),
+    "diloco_eager_butterfly": DiLoCoConfig(mode="eager", averaging="butterfly"),
 }
-BUTTERFLY = tuple(method for method in SWARM_METHODS if method.endswith("_butterfly"))
+"""The shoal methods, each the algorithm its peers run (DiLoCo's inner_steps: --inner-steps)."""
+BUTTERFLY = tuple(
+    method
+    for method, algorithm in SWARM_METHODS.items()
+    if isinstance(algorithm, DiLoCoConfig) and algorithm.averaging == "butterfly"
+)
 """Averaged piece by piece (shoal.peer.algorithms.butterfly) instead of every peer pulling every payload."""
 METHODS = ("compute_only", "ddp", *SWARM_METHODS)
 DDP_PORT = 29517
@@ -148,6 +155,8 @@ def _swarm(args, model, batch) -> dict:
     from shoal.peer.swarm.membership import record_validators
 
     algorithm = SWARM_METHODS[args.method]
+    if isinstance(algorithm, DiLoCoConfig):
+        algorithm = replace(algorithm, inner_steps=args.inner_steps)
     identity = RSAPrivateKey()
     first = Path(args.first)
     initial = [] if args.index == 0 else [_wait_for_text(first)]
@@ -164,29 +173,23 @@ def _swarm(args, model, batch) -> dict:
         run="wan",
         schedule=RoundSchedule(start_time=time.time(), round_seconds=600.0),
         identity=identity,
-        config={"model": args.model, "algorithm": algorithm},
+        config={"model": args.model, "algorithm": algorithm.name},
         coordinator=CoordinatorLink(args.coordinator, dht.peer_id.to_base58()),
         fetch_timeout=timedelta(seconds=120),
     )
-    inner = 1 if algorithm.startswith("demo") else args.inner_steps
     trainer = Trainer(
         model,
         exchange,
         algorithm=algorithm,
         batches=lambda step, _micro, _size: batch(step),
-        lr=2e-3 if algorithm.startswith("demo") else 1e-3,
-        topk=4,
-        value_bits=1,
-        inner_steps=inner,
         codec=DenseCodec(4),
-        butterfly=args.method in BUTTERFLY,
         batch_size=args.batch_size,
     )
     try:
         compute = planning = exchanging = 0.0
         started = None
         payloads = 0
-        for _ in range(math.ceil(args.steps / inner)):
+        for _ in range(math.ceil(args.steps / algorithm.inner_steps)):
             begin = time.perf_counter()
             exchange.plan_round()
             if started is None:  # round 0 starts once every peer has joined the coordinator

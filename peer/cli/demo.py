@@ -6,6 +6,7 @@ import os
 import sys
 
 from shoal.peer import settings as settings_module
+from shoal.peer.algorithms.configs import DEFAULTS, DeMoConfig
 from shoal.peer.cli.flags import positive_int
 
 HELP = "a local swarm of peer processes training the embedded model, no download"
@@ -66,7 +67,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return "--round-seconds must be in [0.5, 3600]"
     if args.slow_peer is not None and not 0 <= args.slow_peer < args.peers:
         return f"--slow-peer must be in [0, {args.peers - 1}]"
-    if args.averaging == "butterfly" and args.algorithm.startswith("demo"):
+    algorithm = DEFAULTS[settings_module.ALGORITHMS[args.algorithm]]
+    if args.averaging == "butterfly" and isinstance(algorithm, DeMoConfig):
         return "--averaging butterfly: DiLoCo only"
     if args.keep_logs and os.path.exists(args.keep_logs) and not _empty_folder(args.keep_logs):
         # the peers would resume from the checkpoints there, the coordinator from its state

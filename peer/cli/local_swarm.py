@@ -36,9 +36,10 @@ from pathlib import Path
 from statistics import fmean
 from typing import IO
 
+from shoal.peer.algorithms.configs import DEFAULTS
 from shoal.peer.files import replace_text
 from shoal.peer.progress import Progress
-from shoal.peer.settings import ALGORITHMS, OVERLAPPED
+from shoal.peer.settings import ALGORITHMS
 
 STARTUP_S = 8.0  # importing torch and hivemind, starting a DHT, loading the corpus; more per extra peer
 STARTUP_PER_PEER_S = 2.0
@@ -155,7 +156,7 @@ def run(
         )
         if coordinator:
             server, coordinator_address, coordinator_metrics = _start_coordinator(
-                logs, peers, round_seconds, overlap=ALGORITHMS[algorithm] in OVERLAPPED
+                logs, peers, round_seconds, overlap=DEFAULTS[ALGORITHMS[algorithm]].overlapped
             )
             common += ["--coordinator", coordinator_address]
             progress.message(f"coordinator on {coordinator_address}")

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import signal
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -24,10 +25,11 @@ import zstandard
 from hivemind.utils.crypto import RSAPrivateKey
 
 from shoal.compression import DenseCodec
+from shoal.peer.algorithms.configs import DEFAULTS, DeMoConfig
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data import BatchPlan, stdlib_corpus
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.runtime import ALGORITHMS, Trainer, stop_on_signals
+from shoal.peer.runtime import Trainer, stop_on_signals
 from shoal.peer.swarm.bootstrap import start_dht
 from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.membership import record_validators
@@ -89,7 +91,7 @@ def main() -> None:
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--die-after", type=int, default=None, help="kill -9 itself before this round")
     parser.add_argument("--topk", type=int, default=32, help="DeMo's compression_topk (in the run config)")
-    parser.add_argument("--algorithm", choices=ALGORITHMS, default="demo")
+    parser.add_argument("--algorithm", choices=list(DEFAULTS), default="demo")
     parser.add_argument("--hostile", action="store_true")
     parser.add_argument("--strike-limit", type=int, default=3)
     parser.add_argument("--checkpoint-dir", default=None)
@@ -124,13 +126,17 @@ def main() -> None:
         model = TinyGPT(config_model)
         streams = stdlib_corpus(max_bytes=2 << 20)
         plan = BatchPlan(seq_len=config_model.seq_len, batch_size=8, workers=args.peers)
+        named = DEFAULTS[args.algorithm]  # at the lr and inner steps these tests were written for
+        if isinstance(named, DeMoConfig):
+            algorithm = replace(named, lr=2e-3, topk=args.topk)
+        else:
+            algorithm = replace(named, lr=2e-3, inner_steps=5)
         trainer = Trainer(
             model,
             exchange,
-            algorithm=args.algorithm,
+            algorithm=algorithm,
             batches=lambda step, _micro, _size: plan.batch(streams.train, step, args.index),
-            topk=args.topk,
-            codec=None if args.algorithm.startswith("demo") else DenseCodec(8),
+            codec=None if isinstance(algorithm, DeMoConfig) else DenseCodec(8),
             checkpoints=CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None,
         )
         resumed = trainer.resume() if args.resume else False

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from shoal.peer.algorithms.configs import DeMoConfig
 from shoal.peer.algorithms.exchange import run_loopback
 from shoal.peer.models import ModelError, load_model
 from shoal.peer.runtime import Trainer
@@ -50,7 +51,12 @@ def test_two_workers_train_it_with_demo_and_agree(gpt2_dir):
             return tokens[:, :-1], tokens[:, 1:]
 
         trainer = Trainer(
-            loaded.module, exchange, algorithm="demo", batches=batches, loss_fn=loaded.loss_fn, batch_size=2
+            loaded.module,
+            exchange,
+            algorithm=DeMoConfig(),
+            batches=batches,
+            loss_fn=loaded.loss_fn,
+            batch_size=2,
         )
         reports = trainer.run(2)
         return [r.participants for r in reports], [p.detach().clone() for p in loaded.module.parameters()]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from shoal.peer.algorithms.configs import DeMoConfig, DiLoCoConfig
 from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.data import RoundSlices
 from shoal.peer.models import ModelError, load_model
@@ -59,7 +60,7 @@ def batches(step: int, micro: int, size: int):
 
 def trainer(**kwargs) -> Trainer:
     torch.manual_seed(0)
-    return Trainer(Linear(), LoopbackExchange.group(1)[0], algorithm="demo", batches=batches, **kwargs)
+    return Trainer(Linear(), LoopbackExchange.group(1)[0], algorithm=DeMoConfig(), batches=batches, **kwargs)
 
 
 def test_out_of_memory_halves_the_micro_batch_and_restarts_the_step():
@@ -146,7 +147,9 @@ def test_models_by_preset_factory_and_errors():
 
 def test_demo_overlap_checkpoints_the_shared_parameters_and_finish_applies_the_last_round():
     torch.manual_seed(0)
-    peer = Trainer(Linear(), LoopbackExchange.group(1)[0], algorithm="demo-overlap", batches=batches)
+    peer = Trainer(
+        Linear(), LoopbackExchange.group(1)[0], algorithm=DeMoConfig(overlapped=True), batches=batches
+    )
     peer.run(3)
     shared = [t.clone() for t in peer.optimizer.shared_state()]
     live = [p.detach().clone() for p in peer.model.parameters()]
@@ -158,4 +161,18 @@ def test_demo_overlap_checkpoints_the_shared_parameters_and_finish_applies_the_l
     )
     peer.finish()
     assert any(not torch.equal(p, t) for p, t in zip(peer.model.parameters(), shared, strict=True))
+    peer.close()
+
+
+def test_a_diloco_config_builds_its_outer_loop_and_its_name_goes_into_checkpoints():
+    algorithm = DiLoCoConfig(mode="eager", lr=1e-2, inner_steps=3, outer_lr=0.5)
+    peer = Trainer(Linear(), LoopbackExchange.group(1)[0], algorithm=algorithm, batches=batches)
+    assert (peer.inner_steps, peer.diloco.mode, peer.diloco.inner_steps) == (3, "eager", 3)
+    assert peer.optimizer.param_groups[0]["lr"] == 1e-2
+    assert peer.diloco.outer_optimizer.param_groups[0]["momentum"] == 0.0  # eager's (OUTER_MOMENTUM)
+    assert peer.diloco.outer_optimizer.param_groups[0]["lr"] == 0.5
+    peer.run(2)
+    assert peer.rounds_done == 2 and peer.state_dict()["algorithm"] == "diloco-eager"
+    with pytest.raises(ValueError, match="checkpoint of 'diloco-eager', this peer runs 'demo'"):
+        trainer().load_state_dict(peer.state_dict())
     peer.close()

@@ -1,0 +1,129 @@
+"""The algorithms as typed configs: `DeMoConfig` and `DiLoCoConfig`, one frozen record per algorithm
+with the hyperparameters a run chooses for it. A run's `--algorithm` string is parsed into one of them
+once (shoal.peer.settings: `JoinSettings.algorithm_config`); the code that depends on the algorithm
+reads the record (`isinstance(config, DeMoConfig)`, `config.overlapped`) instead of the string.
+
+    DEFAULTS["diloco-eager"]                    # DiLoCoConfig(mode="eager", ...), at its defaults
+    DiLoCoConfig(mode="standard").outer_momentum  # 0.9: the mode's (OUTER_MOMENTUM)
+    DeMoConfig(overlapped=True).name            # "demo-overlap", as --algorithm spells it
+
+No torch here, so that the settings parse and check the algorithm before torch loads
+(tests/unit/test_layers.py).
+"""
+
+import math
+from dataclasses import dataclass
+
+MODES = ("standard", "delayed", "eager")
+"""DiLoCo's outer updates (shoal.peer.algorithms.diloco): blocking, one round late, or one round late
+with this participant's own fresh share applied at once."""
+OUTER_MOMENTUM = {"standard": 0.9, "delayed": 0.0, "eager": 0.0}
+"""The outer Nesterov momentum of each mode when none is given: DiLoCo's 0.9 in standard mode, none in
+the late modes. Momentum carries the stale part of each late update forward, round after round, and
+the late modes fall behind or diverge with it (BENCHMARKS.md: `shoal bench converge`, eager at outer
+lr 0.7 reaches 3.87 against standard's 2.51; `shoal bench wan`, 48 steps at lr 0.4: eager 3.89 against
+2.96)."""
+AVERAGING = ("gather", "butterfly")
+"""How a DiLoCo round is averaged: every peer pulls every payload, or piece by piece
+(shoal.peer.algorithms.butterfly)."""
+VALUE_BITS = (32, 16, 8, 4, 1)
+"""The bits per value DeMo's codec can send (shoal.compression.values)."""
+
+
+def _positive(name: str, value: float) -> None:
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeMoConfig:
+    """DeMo (shoal.peer.algorithms.demo): every step exchanges the DCT top-k of the momentum and
+    applies the sign of the combined update."""
+
+    overlapped: bool = False
+    """Exchange each round on a background thread while the next one computes and apply it one step
+    late, with Psyche's lookahead (`--algorithm demo-overlap`); the coordinator runs with --overlap."""
+    lr: float = 2e-3
+    """The learning rate: the step size of the sign update."""
+    topk: int = 32
+    """DCT coefficients sent per chunk (DeMo's compression_topk)."""
+    value_bits: int = 32
+    """Bits per sent coefficient: 32, 16 (bf16), 8, 4, or 1 (signs only)."""
+
+    def __post_init__(self) -> None:
+        _positive("lr", self.lr)
+        if self.topk < 1:
+            raise ValueError(f"topk must be >= 1, got {self.topk}")
+        if self.value_bits not in VALUE_BITS:
+            raise ValueError(
+                f"value_bits must be one of {', '.join(map(str, VALUE_BITS))}; got {self.value_bits!r}"
+            )
+
+    @property
+    def name(self) -> str:
+        """The algorithm as `--algorithm`, run configs, checkpoints and logs spell it."""
+        return "demo-overlap" if self.overlapped else "demo"
+
+    @property
+    def inner_steps(self) -> int:
+        """Optimizer steps per round: DeMo exchanges in every step."""
+        return 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DiLoCoConfig:
+    """DiLoCo (shoal.peer.algorithms.diloco): `inner_steps` steps of an inner AdamW, then an outer SGD
+    step on the round's mean pseudo-gradient."""
+
+    mode: str = "standard"
+    """When the outer update lands: "standard" (blocking), "delayed" or "eager" (one round late, the
+    exchange overlapped with the next round's computation; eager applies this peer's own share at
+    once)."""
+    lr: float = 1e-3
+    """The inner AdamW's learning rate."""
+    inner_steps: int = 10
+    """H: inner steps per round, the last of them exchanging."""
+    outer_lr: float = 0.4
+    """The outer SGD's learning rate."""
+    outer_momentum: float | None = None
+    """The outer Nesterov momentum, in [0, 1); None: the mode's (OUTER_MOMENTUM), filled in when the
+    config is made, so that a config always holds the number it runs with."""
+    averaging: str = "gather"
+    """How a round is averaged: "gather" (every peer pulls every payload) or "butterfly" (piece by
+    piece, shoal.peer.algorithms.butterfly)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        _positive("lr", self.lr)
+        if self.inner_steps < 1:
+            raise ValueError(f"inner_steps must be >= 1, got {self.inner_steps}")
+        _positive("outer_lr", self.outer_lr)
+        if self.outer_momentum is None:
+            object.__setattr__(self, "outer_momentum", OUTER_MOMENTUM[self.mode])
+        elif not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        if self.averaging not in AVERAGING:
+            raise ValueError(f"averaging must be one of {', '.join(AVERAGING)}; got {self.averaging!r}")
+
+    @property
+    def name(self) -> str:
+        """The algorithm as `--algorithm`, run configs, checkpoints and logs spell it."""
+        return f"diloco-{self.mode}"
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether round r is exchanged while round r + 1 computes (delayed and eager); the coordinator
+        then runs with --overlap."""
+        return self.mode != "standard"
+
+
+AlgorithmConfig = DeMoConfig | DiLoCoConfig
+"""The algorithm a peer runs, with its hyperparameters."""
+
+DEFAULTS: dict[str, AlgorithmConfig] = {
+    config.name: config
+    for config in (DeMoConfig(), DeMoConfig(overlapped=True), *(DiLoCoConfig(mode=mode) for mode in MODES))
+}
+"""Each algorithm at its default hyperparameters, by its name (`config.name`): demo, demo-overlap,
+diloco-standard, diloco-delayed, diloco-eager. The alias `--algorithm diloco` is shoal.peer.settings'."""

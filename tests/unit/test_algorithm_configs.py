@@ -1,0 +1,109 @@
+"""The algorithms as typed configs (shoal.peer.algorithms.configs): each `--algorithm` string parses into
+one, bad values are refused naming the field, and a run's configuration hash is the one it was when the
+algorithm was a string."""
+
+import dataclasses
+
+import pytest
+
+from shoal.peer.algorithms.configs import DEFAULTS, OUTER_MOMENTUM, DeMoConfig, DiLoCoConfig
+from shoal.peer.settings import ALGORITHMS, JoinSettings, resolve
+from shoal.peer.swarm.membership import run_hash
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [
+        ("demo", DeMoConfig()),
+        ("demo-overlap", DeMoConfig(overlapped=True)),
+        ("diloco", DiLoCoConfig(mode="eager")),  # the alias
+        ("diloco-standard", DiLoCoConfig(mode="standard")),
+        ("diloco-delayed", DiLoCoConfig(mode="delayed")),
+        ("diloco-eager", DiLoCoConfig(mode="eager")),
+    ],
+)
+def test_each_algorithm_flag_parses_into_its_config(flag, expected):
+    config = resolve({"algorithm": flag}, {}).algorithm_config()
+    assert type(config) is type(expected) and config == expected
+    assert config.name == ALGORITHMS[flag]  # the string runs, checkpoints and logs keep using
+
+
+def test_every_flag_names_one_config_and_every_config_a_flag():
+    assert set(ALGORITHMS) == {*DEFAULTS, "diloco"}
+    assert set(ALGORITHMS.values()) == set(DEFAULTS)
+    assert all(config.name == name for name, config in DEFAULTS.items())
+
+
+def test_overlapped_algorithms_are_the_late_ones():
+    """The coordinator runs with --overlap for exactly these (shoal demo, shoal bench wan)."""
+    assert {name for name, config in DEFAULTS.items() if config.overlapped} == {
+        "demo-overlap",
+        "diloco-delayed",
+        "diloco-eager",
+    }
+
+
+def test_the_settings_fill_in_the_hyperparameters_and_lr_0_is_the_algorithms_default():
+    flags = {"topk": "8", "inner_steps": "20", "outer_lr": "0.7", "averaging": "butterfly"}
+    demo = resolve({"algorithm": "demo", **flags, "averaging": None}, {}).algorithm_config()
+    assert demo == DeMoConfig(lr=2e-3, topk=8)
+    diloco = resolve({"algorithm": "diloco-standard", "lr": "0", **flags}, {}).algorithm_config()
+    assert diloco == DiLoCoConfig(
+        mode="standard", lr=1e-3, inner_steps=20, outer_lr=0.7, outer_momentum=0.9, averaging="butterfly"
+    )
+    chosen = JoinSettings(algorithm="diloco-eager", lr=0.01, outer_momentum=0.5).algorithm_config()
+    assert (chosen.lr, chosen.outer_momentum) == (0.01, 0.5)
+
+
+@pytest.mark.parametrize("mode", list(OUTER_MOMENTUM))
+def test_outer_momentum_defaults_to_the_modes_and_a_config_holds_the_number(mode):
+    assert DiLoCoConfig(mode=mode).outer_momentum == OUTER_MOMENTUM[mode]
+    assert DiLoCoConfig(mode=mode, outer_momentum=0.0).outer_momentum == 0.0
+
+
+@pytest.mark.parametrize(
+    ("config", "changes", "field"),
+    [
+        (DeMoConfig, {"lr": 0.0}, "lr"),
+        (DeMoConfig, {"lr": float("nan")}, "lr"),
+        (DeMoConfig, {"topk": 0}, "topk"),
+        (DeMoConfig, {"value_bits": 3}, "value_bits"),
+        (DiLoCoConfig, {"mode": "lazy"}, "mode"),
+        (DiLoCoConfig, {"lr": -1e-3}, "lr"),
+        (DiLoCoConfig, {"inner_steps": 0}, "inner_steps"),
+        (DiLoCoConfig, {"outer_lr": float("inf")}, "outer_lr"),
+        (DiLoCoConfig, {"outer_momentum": 1.0}, "outer_momentum"),
+        (DiLoCoConfig, {"averaging": "allreduce"}, "averaging"),
+    ],
+)
+def test_bad_values_raise_naming_the_field_and_the_value(config, changes, field):
+    (value,) = changes.values()
+    with pytest.raises(ValueError, match=rf"^{field} must .*{value!r}"):
+        config(**changes)
+
+
+def test_configs_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DeMoConfig().topk = 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DiLoCoConfig().mode = "eager"
+
+
+def test_settings_built_with_an_unknown_algorithm_raise_naming_it():
+    with pytest.raises(ValueError, match=r"algorithm must be one of .*'adam'"):
+        JoinSettings(algorithm="adam").algorithm_config()
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "expected"),
+    [
+        ("demo", "86dc441b9f9ada4fc3002fa5d3f2b8f2eb6fc861c4bd55f51aa357fcb76318c9"),
+        ("demo-overlap", "6d04b094a81dc072ccedb2360ad10c49d63d51ab6c4b95bd9dab16d5eb4c8c53"),
+        ("diloco-standard", "3225f3e79b215d1bcfe7033e273b91583abc54ae5afb55d35d994195c5b38123"),
+        ("diloco-delayed", "9057d0dcdffef413f1cf5cf23863c345db62fd3d6486bd8e9677f1eba3e3ba2c"),
+        ("diloco-eager", "96fe1899df49bf50fbfa5f0aa241ad2c9290bd9458f0159c8a8fb4d0b48001e4"),
+    ],
+)
+def test_the_run_hash_is_the_one_from_before_the_typed_configs(algorithm, expected):
+    """Peers of an older shoal at the same settings must stay compatible: the hashes are pinned."""
+    assert run_hash(JoinSettings(algorithm=algorithm).run_config()) == expected
