@@ -330,8 +330,8 @@ def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMe
             exchange.counts.bytes_received,
             time.perf_counter(),
         )
-        plan = exchange.plan_round()
-        if settings.until_round is not None and plan.round > settings.until_round:
+        plan = exchange.plan_round(settings.until_round)
+        if plan is None or (settings.until_round is not None and plan.round > settings.until_round):
             break
         planned[:] = [plan]
         if plan.compute_seconds is not None:  # leave time to encode before the coordinator's deadline

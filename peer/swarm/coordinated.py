@@ -20,6 +20,7 @@ from hivemind.utils.logging import get_logger
 from shoal.peer.algorithms.butterfly import MIN_PARTICIPANTS, Part, Pieces
 from shoal.peer.algorithms.exchange import Averaged, Contribution
 from shoal.peer.swarm.coordinator_link import CallFailed, CoordinatorError
+from shoal.peer.swarm.pull import abandon
 from shoal.peer.swarm.records import Announcement, RoundPlan, RoundSchedule
 from shoal.peer.swarm.state import StateSnapshot
 from shoal.protocol import MalformedPayloadError
@@ -146,10 +147,8 @@ class CoordinatedRounds:
                 _, pending = await asyncio.wait(
                     fetches, timeout=max(0.0, plan.exchange_deadline - time.time())
                 )
-                for task in pending:
-                    task.cancel()
                 self.counts.rejected["missing"] += len(pending)
-                await asyncio.gather(*fetches, return_exceptions=True)
+                await abandon(fetches)
             contributions = await self._settle(number, announced, mine, snapshot)
             self.counts.codec_bytes_sent += mine.size * (len(announced) - 1) if me in announced else 0
         self.counts.coordinated_rounds += 1
@@ -212,9 +211,7 @@ class CoordinatedRounds:
         for k, task in pulls.items():
             if task.done() and not task.cancelled() and task.exception() is None:
                 slices[k] = task.result()
-            else:
-                task.cancel()
-        await asyncio.gather(*pulls.values(), return_exceptions=True)
+        await abandon(list(pulls.values()))
         for k in range(count):
             if k not in slices:  # its owner's mean did not come: average it here
                 self.counts.pieces_recomputed += 1
@@ -252,14 +249,13 @@ class CoordinatedRounds:
             if task.done() and not task.cancelled() and task.exception() is None:
                 parts.append(task.result())
                 continue
-            task.cancel()
             error = None if not task.done() or task.cancelled() else task.exception()
             if isinstance(error, MalformedPayloadError):
                 self.counts.rejected[error.reason] += 1
                 self._strike(author.owner, error.reason, number)
             else:
                 self.counts.rejected["missing"] += 1
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await abandon(tasks)
         return parts
 
     async def _owner_mean(

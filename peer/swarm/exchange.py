@@ -89,7 +89,7 @@ from shoal.peer.swarm.coordinator_link import CoordinatorLink
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.membership import SHOAL_VERSION, PeerRecord, incompatibility, owner_subkey, run_hash
 from shoal.peer.swarm.names import final_key, handler, peers_key, round_key
-from shoal.peer.swarm.pull import Puller, chunks
+from shoal.peer.swarm.pull import Puller, abandon, chunks
 from shoal.peer.swarm.records import Announcement, RoundPlan, RoundSchedule, peer_records
 from shoal.peer.swarm.state import (
     StateSnapshot,
@@ -291,17 +291,23 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             self._next_round = max(self._next_round, round_number + 1)
             return round_number
 
-    def plan_round(self) -> RoundPlan:
+    def plan_round(self, last_round: int | None = None) -> RoundPlan | None:
         """The round the next computation is for. With a reachable coordinator: the next round it
         announces (waiting for it), with its compute budget, data seed and this peer's slot; the next
         `gather` then aggregates exactly the participant set the coordinator decides. Otherwise: the
         round in progress on the clock, uncoordinated, or the next one while an overlapped optimizer still
-        gathers that one; the next `gather` joins it (or, late, the round in progress then)."""
+        gathers that one; the next `gather` joins it (or, late, the round in progress then).
+
+        `last_round`: the run ends after it (`--until-round`). None once the clock, at the coordinator's
+        last pace, is a round past it and no plan came: the coordinator announces no more rounds (the
+        others have left), and a peer it keeps out, evicted, would otherwise wait for one forever."""
         while True:  # in slices, so that a stop (Ctrl-C) is noticed by the caller's signal handler
             plan = self._call(self._plan(wait=1.0))
             if plan is not None:
                 self._plans.append(plan)
                 return plan
+            if last_round is not None and self.schedule.round_at(time.time()) > last_round + 1:
+                return None
 
     def gather(
         self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None
@@ -779,8 +785,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         for owner, task in fetches.items():
             if not task.done():
                 self._unserved(round_number, announced[owner], since=announced_at[owner], deadline=deadline)
-            task.cancel()
-        await asyncio.gather(*fetches.values(), return_exceptions=True)
+        await abandon(list(fetches.values()))
         return announced, compatible
 
     def _unserved(

@@ -27,7 +27,7 @@ import hashlib
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.utils.asyncio import aiter_with_timeout
@@ -41,6 +41,29 @@ from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, StateRequest
 MAX_BYTES_IN_FLIGHT = 1 << 20
 CHUNK_BYTES = 1 << 20  # libp2p unary messages stop at 4 MiB; streamed chunks of 1 MiB are fastest here
 TRANSIENT = (TimeoutError, P2PDaemonError, P2PHandlerError, OSError, asyncio.IncompleteReadError)
+CANCEL_GRACE_S = 1.0  # pulls cancelled at a round's deadline get this long to end, no longer
+
+
+async def abandon(tasks: Collection[asyncio.Task]) -> int:
+    """Cancels the pulls still running at a round's deadline and waits at most CANCEL_GRACE_S for them
+    to end. A pull inside a libp2p call that does not give way to its cancellation (seen when its
+    peer left mid-dial: `wait_for` then waits for the daemon's answer) is left to end on its own rather
+    than hold the round, and every peer of it, forever. Returns how many were left running."""
+    for task in tasks:
+        task.cancel()
+        task.add_done_callback(_retrieve)
+    if not tasks:
+        return 0
+    _, running = await asyncio.wait(tasks, timeout=CANCEL_GRACE_S)
+    return len(running)
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Reads a finished pull's outcome, so that an abandoned one's error is not reported as unhandled."""
+    if not task.cancelled():
+        task.exception()
+
+
 """Failures that say nothing about the source's honesty: try another, or again later."""
 
 

@@ -2,11 +2,12 @@
 round pulls in (shoal.peer.swarm.coordinated.pull_order)."""
 
 import asyncio
+import time
 
 import pytest
 
 from shoal.peer.swarm.coordinated import pull_order
-from shoal.peer.swarm.pull import InFlight
+from shoal.peer.swarm.pull import CANCEL_GRACE_S, InFlight, abandon
 from shoal.peer.swarm.records import Announcement
 
 pytestmark = pytest.mark.timeout(30)
@@ -165,3 +166,32 @@ def test_each_peer_pulls_starting_after_itself_so_no_author_serves_two_at_first(
     for step in range(3):  # at every step of serial pulling, each author serves exactly one peer
         assert sorted(order[step] for order in orders.values()) == owners
     assert [a.owner for a in pull_order(decided, b"stranger")] == owners
+
+
+def test_pulls_cancelled_at_the_deadline_do_not_hold_the_round_past_a_grace():
+    """A pull inside a call that does not give way to its cancellation is left to end on its own; the
+    round goes on after CANCEL_GRACE_S, and the pulls that obey are cancelled."""
+
+    async def obeys() -> None:
+        await asyncio.sleep(60)
+
+    async def ignores() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(3)  # as a libp2p dial to a peer that left, which wait_for waits out
+
+    async def round_end() -> tuple[int, float, list[asyncio.Task]]:
+        tasks = [asyncio.create_task(obeys()), asyncio.create_task(ignores())]
+        await asyncio.sleep(0.01)
+        started = time.monotonic()
+        left = await abandon(tasks)
+        elapsed = time.monotonic() - started
+        for task in tasks:
+            task.cancel()
+        return left, elapsed, tasks
+
+    left, elapsed, tasks = asyncio.run(round_end())
+    assert left == 1
+    assert CANCEL_GRACE_S <= elapsed < CANCEL_GRACE_S + 1
+    assert tasks[0].cancelled()
