@@ -235,12 +235,7 @@ def _train(settings, progress, dht, identity, schedule, workload: Workload, cred
             algorithm=algorithm,
             batches=batches,
             codec=DenseCodec(8) if isinstance(algorithm, DiLoCoConfig) else None,
-            # a checkpoint that cannot be written is a warning: training goes on (shoal.peer.checkpoint)
-            checkpoints=CheckpointStore(
-                settings.checkpoint_dir, warn=lambda text: progress.message(f"warning: {text}")
-            )
-            if settings.checkpoint_dir
-            else None,
+            checkpoints=_checkpoint_store(settings, progress),
             checkpoint_every=settings.checkpoint_every,
             loss_fn=loaded.loss_fn,
             batch_size=settings.batch_size,
@@ -267,6 +262,14 @@ def _train(settings, progress, dht, identity, schedule, workload: Workload, cred
             trainer.close()
         # the others may still be pulling this peer's last payload: serve it for up to a round more
         exchange.close(drain=timedelta(seconds=min(DRAIN_MAX_S, settings.round_seconds)))
+
+
+def _checkpoint_store(settings: JoinSettings, progress: Progress) -> CheckpointStore | None:
+    """--checkpoint-dir's store, if set. A checkpoint that cannot be written is a warning, and training
+    goes on (shoal.peer.checkpoint)."""
+    if not settings.checkpoint_dir:
+        return None
+    return CheckpointStore(settings.checkpoint_dir, warn=lambda text: progress.message(f"warning: {text}"))
 
 
 CLOCK_FILE = "clock.json"

@@ -149,25 +149,14 @@ def _swarm(args, model, batch) -> dict:
 
     from shoal.compression import DenseCodec
     from shoal.peer.runtime import Trainer
-    from shoal.peer.swarm.bootstrap import start_dht
     from shoal.peer.swarm.coordinator_link import CoordinatorLink
     from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
-    from shoal.peer.swarm.membership import record_validators
 
     algorithm = SWARM_METHODS[args.method]
     if isinstance(algorithm, DiLoCoConfig):
         algorithm = replace(algorithm, inner_steps=args.inner_steps)
     identity = RSAPrivateKey()
-    first = Path(args.first)
-    initial = [] if args.index == 0 else [_wait_for_text(first)]
-    dht = start_dht(
-        initial,
-        host_maddrs=[f"/ip4/{args.address}/tcp/0"],
-        record_validators=record_validators("wan", identity),
-    )
-    if args.index == 0:
-        address = next(str(a) for a in dht.get_visible_maddrs() if f"/ip4/{args.address}/" in str(a))
-        replace_text(first, address)
+    dht = _join_dht(args, identity)
     exchange = SwarmExchange(
         dht,
         run="wan",
@@ -231,6 +220,25 @@ def _swarm(args, model, batch) -> dict:
         trainer.close()
         exchange.close()
         dht.shutdown()
+
+
+def _join_dht(args, identity):
+    """The DHT of the run: peer 0 starts it and writes its address to `args.first`, the others join
+    through that address."""
+    from shoal.peer.swarm.bootstrap import start_dht
+    from shoal.peer.swarm.membership import record_validators
+
+    first = Path(args.first)
+    initial = [] if args.index == 0 else [_wait_for_text(first)]
+    dht = start_dht(
+        initial,
+        host_maddrs=[f"/ip4/{args.address}/tcp/0"],
+        record_validators=record_validators("wan", identity),
+    )
+    if args.index == 0:
+        address = next(str(a) for a in dht.get_visible_maddrs() if f"/ip4/{args.address}/" in str(a))
+        replace_text(first, address)
+    return dht
 
 
 def _swarm_time(

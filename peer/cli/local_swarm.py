@@ -137,15 +137,7 @@ def run(
             flags = (*flags, "--compute-delay", repr(2 * round_seconds))
         command = [sys.executable, "-m", "shoal.peer.cli", "join", *common, *flags]
         command += ["--checkpoint-dir", str(logs / f"peer{index}-checkpoints")]
-        env = {**os.environ, "OMP_NUM_THREADS": threads}
-        # appending, the peer's stderr and the JSON lines copied by _read share the file without
-        # overwriting each other
-        log = (logs / f"peer{index}.log").open("a")
-        process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True
-        )
-        processes.append(process)
-        threading.Thread(target=_read, args=(index, process.stdout, events, log), daemon=True).start()
+        processes.append(_start_peer(index, command, logs, threads, events))
 
     server = None
     failed = False
@@ -185,23 +177,45 @@ def run(
             _stop(server)
         if not keep_logs and not failed:
             shutil.rmtree(logs, ignore_errors=True)
+    demo = {"peers": peers, "rounds": rounds, "algorithm": algorithm, "round_seconds": round_seconds}
+    demo |= {"coordinator": coordinator, "wall_s": time.perf_counter() - started}
+    return _summary(summaries, demo, slow_peer=slow_peer, stragglers=stragglers)
+
+
+def _start_peer(
+    index: int, command: list[str], logs: Path, threads: str, events: queue.Queue
+) -> subprocess.Popen:
+    """Peer `index`, its JSON lines copied to `events` and its log by a reader thread."""
+    env = {**os.environ, "OMP_NUM_THREADS": threads}
+    # appending, the peer's stderr and the JSON lines copied by _read share the file without
+    # overwriting each other
+    log = (logs / f"peer{index}.log").open("a")
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True
+    )
+    threading.Thread(target=_read, args=(index, process.stdout, events, log), daemon=True).start()
+    return process
+
+
+def _summary(summaries: dict, demo: dict, *, slow_peer: int | None, stragglers: int) -> dict:
+    """The demo's JSON summary, from the peers' own summaries (and their losses by round)."""
     losses = summaries.pop("losses")
     honest = {i: s for i, s in summaries.items() if i != slow_peer}
     hashes = {s["param_hash"] for s in honest.values()}
     return {
-        "peers": peers,
-        "rounds": rounds,
+        "peers": demo["peers"],
+        "rounds": demo["rounds"],
         "initial_loss": fmean(losses[min(losses)]),
         "final_loss": fmean(losses[max(losses)]),
         "param_hash_agree": len(hashes) == 1,
         "bytes_sent_per_peer_per_round": fmean(
             s["bytes_sent"] / max(s["rounds"], 1) for s in summaries.values()
         ),
-        "wall_s": time.perf_counter() - started,
-        "algorithm": algorithm,
-        "round_seconds": round_seconds,
+        "wall_s": demo["wall_s"],
+        "algorithm": demo["algorithm"],
+        "round_seconds": demo["round_seconds"],
         "resyncs": sum(s["resyncs"] for s in summaries.values()),
-        "coordinator": coordinator,
+        "coordinator": demo["coordinator"],
         "stragglers_excluded": stragglers,
         "coordinated_rounds": sum(s["coordinated_rounds"] for s in summaries.values()),
         "butterfly_rounds": sum(s["butterfly_rounds"] for s in summaries.values()),

@@ -5,13 +5,16 @@ A peer reports its payload (digest, size, samples, state) to the coordinator ins
 in the DHT, waits for the round's decision, and pulls exactly the decided participants' payloads, so
 that every participant aggregates the same set. Should the coordinator stop answering, the round is
 announced in the DHT and finishes uncoordinated, and the plans fall back to the clock of its last
-round. Mixed into SwarmExchange, whose state and helpers these methods use.
+round. A part of SwarmExchange (`exchange.rounds`), composed, not mixed in: `SwarmHost` declares
+what it uses of the exchange.
 """
 
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from datetime import timedelta
+from typing import Protocol
 
 import grpc
 import torch
@@ -19,8 +22,9 @@ from hivemind.utils.logging import get_logger
 
 from shoal.peer.algorithms.butterfly import MIN_PARTICIPANTS, Part, Pieces
 from shoal.peer.algorithms.exchange import Averaged, Contribution
-from shoal.peer.swarm.coordinator_link import CallFailed, CoordinatorError
-from shoal.peer.swarm.pull import abandon
+from shoal.peer.swarm.coordinator_link import CallFailed, CoordinatorError, CoordinatorLink
+from shoal.peer.swarm.counters import SwarmCounters
+from shoal.peer.swarm.pull import Puller, abandon
 from shoal.peer.swarm.records import Announcement, RoundPlan, RoundSchedule
 from shoal.peer.swarm.state import StateSnapshot
 from shoal.protocol import MalformedPayloadError
@@ -30,12 +34,55 @@ from shoal.protocol.swarm_pb2 import PayloadRequest
 logger = get_logger(__name__)
 
 
-class CoordinatedRounds:
-    """SwarmExchange's rounds under a coordinator (see the module docstring)."""
+class SwarmHost(Protocol):
+    """What CoordinatedRounds uses of its SwarmExchange (shoal.peer.swarm.exchange): its identity and
+    clock, its counters, the payloads it holds and serves, and the steps of an uncoordinated round that
+    a coordinated one shares (hold, fetch, collect, agree, settle)."""
 
-    async def _plan(self, wait: float) -> RoundPlan | None:
+    peer_id: str
+    coordinator: CoordinatorLink | None
+    schedule: RoundSchedule
+    """Written too: plans follow the coordinator's pace, for use if it goes away."""
+    synced: bool
+    counts: SwarmCounters
+    max_payload_bytes: int
+    fetch_timeout_s: float
+    _held: dict[tuple[int, bytes], bytes]
+    _means: dict[tuple[int, int], bytes]
+    _mean_ready: dict[tuple[int, int], asyncio.Event]
+    _pullers: set[str]
+    _expected_pullers: set[str]
+    _next_round: int
+    _puller: Puller
+
+    def _take_round(self, planned: int | None, *, coordinated: bool = False) -> int: ...
+    def _strike(self, owner: bytes, reason: str, round_number: int | None) -> None: ...
+    def _cut(self, round_number: int, count: int, *, limited: bool = False) -> list[bytes] | None: ...
+    def _cuttable_from(self, round_number: int, digest: bytes) -> None: ...
+    def _count_stragglers(self, expected: int, participants: int) -> None: ...
+    async def _slot(self) -> tuple[int, int]: ...
+    async def _hold(self, *args, **kwargs) -> Announcement: ...
+    async def _announce(self, round_number: int, mine: Announcement) -> None: ...
+    async def _fetch(self, *args, **kwargs) -> None: ...
+    async def _collect(self, *args, **kwargs) -> tuple[dict[bytes, Announcement], set[bytes]]: ...
+    async def _agree(self, *args, **kwargs) -> list[bytes]: ...
+    async def _settle(self, *args, **kwargs) -> list[Contribution]: ...
+
+
+class CoordinatedRounds:
+    """A SwarmExchange's rounds under a coordinator (see the module docstring): `plan` and `round`.
+
+    It holds only its own state (the round after the last coordinated plan) and reaches its exchange
+    through `swarm`, whose members it uses are declared by `SwarmHost`.
+    """
+
+    def __init__(self, swarm: "SwarmHost"):
+        self.swarm = swarm
+        self._planned = 0  # the round after the last coordinated plan
+
+    async def plan(self, wait: float) -> RoundPlan | None:
         """The next round's plan; None if a reachable coordinator announced none within `wait`."""
-        link = self.coordinator
+        link = self.swarm.coordinator
         if link is not None and not link.started:  # joins when ready to compute: round 0 waits for it
             await link.start()
             if not await link.wait_connected(timedelta(seconds=10)) and link.refusal is None:
@@ -43,7 +90,7 @@ class CoordinatedRounds:
         if link is not None and link.refusal is not None:
             raise CoordinatorError(link.refusal)
         if link is not None and link.connected:
-            announced = await link.next_announcement(max(self._next_round, self._planned), wait)
+            announced = await link.next_announcement(max(self.swarm._next_round, self._planned), wait)
             if announced is None and link.connected:
                 return None
             if announced is not None:
@@ -51,11 +98,11 @@ class CoordinatedRounds:
                 # should the coordinator go away, rounds go on at the pace of its last one
                 length = max(announced.exchange_deadline - announced.announced_at, 0.5)
                 start = announced.exchange_deadline - (announced.round + 1) * length
-                self.schedule = RoundSchedule(start_time=start, round_seconds=length)
-                if self.peer_id in announced.peers:
-                    slot = (announced.peers.index(self.peer_id), len(announced.peers))
+                self.swarm.schedule = RoundSchedule(start_time=start, round_seconds=length)
+                if self.swarm.peer_id in announced.peers:
+                    slot = (announced.peers.index(self.swarm.peer_id), len(announced.peers))
                 else:  # not expected this round (just joined, or evicted): computes, and only applies it
-                    slot = await self._slot()
+                    slot = await self.swarm._slot()
                 return RoundPlan(
                     round=announced.round,
                     coordinated=True,
@@ -65,14 +112,14 @@ class CoordinatedRounds:
                     exchange_deadline=announced.exchange_deadline,
                     expected=len(announced.peers),
                 )
-        number = self._take_round(None)  # the gather joins it, unless the computation runs past its deadline
+        # the gather joins it, unless the computation runs past its deadline
+        number = self.swarm._take_round(None)
         if link is not None:  # busy with it uncoordinated: the coordinator, once back, continues after it
             link.progress.round = max(link.progress.round, number)
-        return RoundPlan(
-            round=number, coordinated=False, compute_seconds=None, data_seed=None, slot=await self._slot()
-        )
+        slot = await self.swarm._slot()
+        return RoundPlan(round=number, coordinated=False, compute_seconds=None, data_seed=None, slot=slot)
 
-    async def _coordinated_round(
+    async def round(
         self,
         plan: RoundPlan,
         payload: bytes,
@@ -85,17 +132,17 @@ class CoordinatedRounds:
         deadline; with `pieces` and enough participants, averages it piece by piece instead (`_butterfly`).
         If the coordinator stops answering, the round finishes uncoordinated (it is announced in the DHT as
         well)."""
-        link, number = self.coordinator, plan.round
-        mine = await self._hold(number, payload, samples, snapshot, coordinated=True)
+        link, number = self.swarm.coordinator, plan.round
+        mine = await self.swarm._hold(number, payload, samples, snapshot, coordinated=True)
         if pieces is not None:  # owners may ask for their piece as soon as the round is decided
-            self._cuttable_from(number, mine.digest)
+            self.swarm._cuttable_from(number, mine.digest)
         request = ReportRequest(
             round=number,
             digest=mine.digest,
             size=mine.size,
             samples=samples,
             state=mine.state,
-            synced=self.synced,
+            synced=self.swarm.synced,
         )
         report = await link.report(request)
         unreachable = isinstance(report, CallFailed) and report.unreachable
@@ -105,33 +152,19 @@ class CoordinatedRounds:
                 f"round {number}: no participant set from the coordinator ({result}); finishing the round "
                 "with the payloads announced in the DHT"
             )
-            await self._announce(number, mine)
-            announced, _ = await self._collect(number, mine, plan.exchange_deadline)
-            return await self._settle(number, announced, mine, snapshot)
+            await self.swarm._announce(number, mine)
+            announced, _ = await self.swarm._collect(number, mine, plan.exchange_deadline)
+            return await self.swarm._settle(number, announced, mine, snapshot)
         if isinstance(report, ReportReply) and not report.included:
-            self.counts.late += 1
+            self.swarm.counts.late += 1
         elif not isinstance(report, ReportReply):
             logger.warning(
                 f"round {number}: the coordinator left this peer's payload out ({report}); applying the "
                 "others' update, and taking part from a later round"
             )
         started = time.time()
-        me = self.peer_id.encode()
-        announced: dict[bytes, Announcement] = {}
-        for participant in result.participants:
-            owner = participant.peer_id.encode()
-            value = {
-                "peer": participant.peer_id,
-                "digest": participant.digest,
-                "size": participant.size,
-                "samples": participant.samples,
-                "state": participant.state,
-                "synced": participant.synced,
-            }
-            try:
-                announced[owner] = Announcement.parse(owner, value, self.max_payload_bytes)
-            except MalformedPayloadError as error:  # every peer drops it alike: the set stays the same
-                self.counts.rejected[error.reason] += 1
+        me = self.swarm.peer_id.encode()
+        announced = decided(result, self.swarm.max_payload_bytes, self.swarm.counts.rejected)
         mine = Announcement(me, mine.peer, mine.digest, mine.size, mine.samples, mine.state, mine.synced)
         if pieces is not None and len(announced) >= MIN_PARTICIPANTS:
             contributions = await self._butterfly(
@@ -139,20 +172,20 @@ class CoordinatedRounds:
             )
         else:
             fetches = [
-                asyncio.create_task(self._fetch(number, a, announced))
+                asyncio.create_task(self.swarm._fetch(number, a, announced))
                 for a in pull_order(list(announced.values()), me)
-                if (number, a.digest) not in self._held
+                if (number, a.digest) not in self.swarm._held
             ]
             if fetches:
                 _, pending = await asyncio.wait(
                     fetches, timeout=max(0.0, plan.exchange_deadline - time.time())
                 )
-                self.counts.rejected["missing"] += len(pending)
+                self.swarm.counts.rejected["missing"] += len(pending)
                 await abandon(fetches)
-            contributions = await self._settle(number, announced, mine, snapshot)
-            self.counts.codec_bytes_sent += mine.size * (len(announced) - 1) if me in announced else 0
-        self.counts.coordinated_rounds += 1
-        self._count_stragglers(max(plan.expected, len(result.participants)), len(result.participants))
+            contributions = await self.swarm._settle(number, announced, mine, snapshot)
+            self.swarm.counts.codec_bytes_sent += mine.size * (len(announced) - 1) if me in announced else 0
+        self.swarm.counts.coordinated_rounds += 1
+        self.swarm._count_stragglers(max(plan.expected, len(result.participants)), len(result.participants))
         link.progress.round, link.progress.exchange_s = number, time.time() - started
         with contextlib.suppress(grpc.aio.AioRpcError):
             await link.heartbeat()  # finished: the coordinator may start the next round
@@ -173,15 +206,15 @@ class CoordinatedRounds:
         serves their mean; then it pulls every other owner's mean. A mean that has not come by the
         deadline is averaged here from its parts (`_recompute`), so a lost owner costs time, not the
         piece."""
-        owners = await self._agree(announced, mine, snapshot)
+        owners = await self.swarm._agree(announced, mine, snapshot)
         count = len(owners)
         index = owners.index(mine.owner) if mine.owner in owners else None
-        cuts = self._cut(number, count) or []  # ready before the owners ask
-        for old in [key for key in self._means if key[0] < number - 1]:
-            del self._means[old]
-        for old in [key for key in self._mean_ready if key[0] < number]:
-            del self._mean_ready[old]
-        self._pullers, self._expected_pullers = set(), set()
+        cuts = self.swarm._cut(number, count) or []  # ready before the owners ask
+        for old in [key for key in self.swarm._means if key[0] < number - 1]:
+            del self.swarm._means[old]
+        for old in [key for key in self.swarm._mean_ready if key[0] < number]:
+            del self.swarm._mean_ready[old]
+        self.swarm._pullers, self.swarm._expected_pullers = set(), set()
         slices: dict[int, list[torch.Tensor]] = {}
         clipped = 0
         if index is not None:
@@ -189,17 +222,18 @@ class CoordinatedRounds:
                 a for a in pull_order([announced[o] for o in owners], mine.owner) if a.owner != mine.owner
             ]
             parts = await self._parts(number, index, count, others, deadline, pieces)
-            self.counts.codec_bytes_sent += sum(len(piece) for k, piece in enumerate(cuts) if k != index)
+            sent = sum(len(piece) for k, piece in enumerate(cuts) if k != index)
+            self.swarm.counts.codec_bytes_sent += sent
             parts.append(Part(mine.owner, mine.samples, cuts[index]))
             parts.sort(key=lambda part: owners.index(part.sender))
             mean = await asyncio.to_thread(pieces.mean, index, count, parts, feedback=True)
             for sender, reason in mean.rejected:
-                self.counts.rejected[reason] += 1
-                self._strike(sender, reason, number)
-            self._means[(number, index)] = mean.data
-            self._mean_ready.setdefault((number, index), asyncio.Event()).set()
-            self._expected_pullers = {a.peer for o, a in announced.items() if o != mine.owner}
-            self.counts.codec_bytes_sent += len(mean.data) * (len(announced) - 1)
+                self.swarm.counts.rejected[reason] += 1
+                self.swarm._strike(sender, reason, number)
+            self.swarm._means[(number, index)] = mean.data
+            self.swarm._mean_ready.setdefault((number, index), asyncio.Event()).set()
+            self.swarm._expected_pullers = {a.peer for o, a in announced.items() if o != mine.owner}
+            self.swarm.counts.codec_bytes_sent += len(mean.data) * (len(announced) - 1)
             slices[index], clipped = mean.tensors, mean.clipped
         order = [(index + step) % count for step in range(1, count)] if index is not None else range(count)
         pulls = {
@@ -214,10 +248,10 @@ class CoordinatedRounds:
         await abandon(list(pulls.values()))
         for k in range(count):
             if k not in slices:  # its owner's mean did not come: average it here
-                self.counts.pieces_recomputed += 1
+                self.swarm.counts.pieces_recomputed += 1
                 mean = await self._recompute(number, k, count, owners, announced, mine, pieces)
                 slices[k] = mean.tensors
-        self.counts.butterfly_rounds += 1
+        self.swarm.counts.butterfly_rounds += 1
         return Averaged(
             pieces=[slices[k] for k in range(count)],
             samples=sum(announced[o].samples for o in owners),
@@ -238,7 +272,7 @@ class CoordinatedRounds:
 
         async def pull(author: Announcement) -> Part:
             request = PayloadRequest(round=number, digest=author.digest, shard=index, shards=count)
-            data = await self._puller.piece(author.peer, request, pieces.max_bytes(index, count))
+            data = await self.swarm._puller.piece(author.peer, request, pieces.max_bytes(index, count))
             return Part(author.owner, author.samples, data)
 
         tasks = [asyncio.create_task(pull(a)) for a in authors]
@@ -251,10 +285,10 @@ class CoordinatedRounds:
                 continue
             error = None if not task.done() or task.cancelled() else task.exception()
             if isinstance(error, MalformedPayloadError):
-                self.counts.rejected[error.reason] += 1
-                self._strike(author.owner, error.reason, number)
+                self.swarm.counts.rejected[error.reason] += 1
+                self.swarm._strike(author.owner, error.reason, number)
             else:
-                self.counts.rejected["missing"] += 1
+                self.swarm.counts.rejected["missing"] += 1
         await abandon(tasks)
         return parts
 
@@ -264,12 +298,13 @@ class CoordinatedRounds:
         """Owner `index`'s mean of its piece, decoded; a malformed one strikes the owner and is averaged
         here instead (raises)."""
         request = PayloadRequest(round=number, digest=owner.digest, shard=index, shards=count, reduced=True)
-        data = await self._puller.piece(owner.peer, request, pieces.max_bytes(index, count), observe=False)
+        limit = pieces.max_bytes(index, count)
+        data = await self.swarm._puller.piece(owner.peer, request, limit, observe=False)
         try:
             return await asyncio.to_thread(pieces.decode, index, count, data)
         except MalformedPayloadError as error:
-            self.counts.rejected[error.reason] += 1
-            self._strike(owner.owner, error.reason, number)
+            self.swarm.counts.rejected[error.reason] += 1
+            self.swarm._strike(owner.owner, error.reason, number)
             raise
 
     async def _recompute(
@@ -285,8 +320,9 @@ class CoordinatedRounds:
         """Piece `index`'s mean, averaged here from the parts that come within the fetch timeout (the
         owner's mean did not come)."""
         authors = [announced[o] for o in owners if o != mine.owner]
-        parts = await self._parts(number, index, count, authors, time.time() + self.fetch_timeout_s, pieces)
-        if mine.owner in owners and (cuts := self._cut(number, count)) is not None:
+        deadline = time.time() + self.swarm.fetch_timeout_s
+        parts = await self._parts(number, index, count, authors, deadline, pieces)
+        if mine.owner in owners and (cuts := self.swarm._cut(number, count)) is not None:
             parts.append(Part(mine.owner, mine.samples, cuts[index]))
         parts.sort(key=lambda part: owners.index(part.sender))
         return await asyncio.to_thread(pieces.mean, index, count, parts)
@@ -299,3 +335,25 @@ def pull_order(participants: list[Announcement], me: bytes) -> list[Announcement
     owners = [a.owner for a in participants]
     start = owners.index(me) + 1 if me in owners else 0
     return participants[start:] + participants[:start]
+
+
+def decided(result: RoundResultReply, max_bytes: int, rejected: Counter[str]) -> dict[bytes, Announcement]:
+    """The participants the coordinator decided, as announcements by owner (their peer id). One that
+    breaks the limits is dropped and counted in `rejected`: every peer drops it alike, so the set stays
+    the same everywhere."""
+    announced: dict[bytes, Announcement] = {}
+    for participant in result.participants:
+        owner = participant.peer_id.encode()
+        value = {
+            "peer": participant.peer_id,
+            "digest": participant.digest,
+            "size": participant.size,
+            "samples": participant.samples,
+            "state": participant.state,
+            "synced": participant.synced,
+        }
+        try:
+            announced[owner] = Announcement.parse(owner, value, max_bytes)
+        except MalformedPayloadError as error:
+            rejected[error.reason] += 1
+    return announced

@@ -120,7 +120,7 @@ FINAL_WAIT_ROUNDS = 2  # at a run's end, peers wait this many round lengths for 
 ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,250}:[0-9]{1,5}")  # a coordinator's HOST:PORT in a record
 
 
-class SwarmExchange(CoordinatedRounds, Exchange):
+class SwarmExchange(Exchange):
     """Exchange over a hivemind swarm; see the module docstring.
 
     Args:
@@ -175,18 +175,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self.records_interval_s = max(1.0, self.poll_interval_s)
         self.peer_id = dht.peer_id.to_base58()
         self.owner = owner_subkey(identity)
-        self.record = PeerRecord(
-            peer_id=self.peer_id,
-            version=SHOAL_VERSION,
-            run_hash=run_hash(config),
-            config=dict(config),
-            device=device,
-            throughput=0.0,
-            round=0,
-            start_time=float(schedule.start_time),
-            round_seconds=float(schedule.round_seconds),
-            coordinator=coordinator.address[:256] if coordinator is not None else "",
-        )
+        self.record = _first_record(self.peer_id, config, device, schedule, coordinator)
         self.strike_limit, self.ban_rounds, self.keep_states = strike_limit, ban_rounds, keep_states
         self.counts = SwarmCounters()
         self.strikes: Counter[bytes] = Counter()
@@ -205,10 +194,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self.last_round: int | None = None
         """The round of the last `gather`."""
         self.coordinator = coordinator
-        self._plans: deque[RoundPlan] = (
-            deque()
-        )  # planned, not yet gathered (DiLoCo gathers in the background)
-        self._planned = 0  # the round after the last coordinated plan
+        self._plans: deque[RoundPlan] = deque()  # planned, not yet gathered (DiLoCo: in the background)
         self._handler = handler(run, "payload")
         self._channel_handler = handler(run, "payloads")
         self._state_handler = handler(run, "state")
@@ -230,6 +216,8 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self._part_served_at = -math.inf  # monotonic time this peer last served a piece of its payload
         self._next_round = 0  # rounds before it are taken by a plan or a gather (`_take_round`)
         self._rounds_lock = threading.Lock()
+        self.rounds = CoordinatedRounds(self)
+        """The rounds under a coordinator (shoal.peer.swarm.coordinated)."""
         self._participants = [self.owner]
         self._me = self.owner  # this peer's key among the participants (its peer id under a coordinator)
         self._members: list[bytes] = []  # compatible peers seen in the last round, by public key
@@ -302,7 +290,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         last pace, is a round past it and no plan came: the coordinator announces no more rounds (the
         others have left), and a peer it keeps out, evicted, would otherwise wait for one forever."""
         while True:  # in slices, so that a stop (Ctrl-C) is noticed by the caller's signal handler
-            plan = self._call(self._plan(wait=1.0))
+            plan = self._call(self.rounds.plan(wait=1.0))
             if plan is not None:
                 self._plans.append(plan)
                 return plan
@@ -337,7 +325,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         self._adopted = None
         snapshot = None if state is None else (StateSnapshot.capture(state, round_number), list(state))
         if coordinated:
-            return self._call(self._coordinated_round(plan, bytes(payload), samples, snapshot, pieces))
+            return self._call(self.rounds.round(plan, bytes(payload), samples, snapshot, pieces))
         contributions = self._call(self._round(round_number, bytes(payload), samples, snapshot))
         if self.coordinator is not None:  # once it is back, the coordinator continues after this round
             self.coordinator.progress.round = max(self.coordinator.progress.round, round_number)
@@ -696,7 +684,7 @@ class SwarmExchange(CoordinatedRounds, Exchange):
         coordinated: bool = False,
     ) -> Announcement:
         """Serves this peer's payload (and state snapshot) for the round and, uncoordinated, announces
-        it in the DHT. A coordinator is told of it instead (`_coordinated_round`), and the record is
+        it in the DHT. A coordinator is told of it instead (`CoordinatedRounds.round`), and the record is
         then only kept alive: it serves `shoal status` and the fallback's data slots, and rewriting it
         and an announcement every round was most of a small payload's wire traffic (BENCHMARKS.md)."""
         digest = hashlib.sha256(payload).digest()
@@ -939,6 +927,28 @@ class SwarmExchange(CoordinatedRounds, Exchange):
             self._strike(announcement.owner, "replayed", round_number)
             return
         self._held[(round_number, announcement.digest)] = data
+
+
+def _first_record(
+    peer_id: str,
+    config: Mapping[str, str],
+    device: str,
+    schedule: RoundSchedule,
+    coordinator: CoordinatorLink | None,
+) -> PeerRecord:
+    """This peer's record before its first round: who it is, what it runs, on what clock."""
+    return PeerRecord(
+        peer_id=peer_id,
+        version=SHOAL_VERSION,
+        run_hash=run_hash(config),
+        config=dict(config),
+        device=device,
+        throughput=0.0,
+        round=0,
+        start_time=float(schedule.start_time),
+        round_seconds=float(schedule.round_seconds),
+        coordinator=coordinator.address[:256] if coordinator is not None else "",
+    )
 
 
 def content_digest(data: bytes) -> bytes | None:

@@ -81,7 +81,7 @@ class HostileExchange(SwarmExchange):
             yield chunk
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     for name in ("--initial-peer", "--out"):
         parser.add_argument(name, required=True)
@@ -96,7 +96,37 @@ def main() -> None:
     parser.add_argument("--strike-limit", type=int, default=3)
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--resume", action="store_true")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def report_of(model, trainer, exchange, schedule, reports, *, resumed: bool, stopped: bool) -> dict:
+    """What the test reads of this peer: its parameters' hash, rounds, losses, counters."""
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    optimizer_rejected = (
+        dict(trainer.optimizer.rejected)
+        if trainer.diloco is None
+        else ({"diloco": trainer.diloco.stats.rejected} if trainer.diloco.stats.rejected else {})
+    )
+    report = {
+        "param_hash": digest,
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+        "rounds": [r.round for r in reports],
+        "losses": [r.loss for r in reports],
+        "participants": [r.participants for r in reports],
+        "lateness": [r.finished_at - schedule.deadline(r.round) for r in reports],
+        "rejected": dict(exchange.counts.rejected) | optimizer_rejected,
+        "received": exchange.counts.bytes_received,
+        "refused": exchange.refused,
+        "resyncs": exchange.counts.resyncs,
+        "banned": len(exchange.banned),
+        "resumed": resumed,
+        "stopped": stopped,
+    }
+    return report
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
     stop = stop_on_signals()
     identity = RSAPrivateKey()
@@ -153,29 +183,7 @@ def main() -> None:
         if not stopped:
             trainer.finish()
         trainer.close()
-        digest = hashlib.sha256(
-            b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-        ).hexdigest()
-        optimizer_rejected = (
-            dict(trainer.optimizer.rejected)
-            if trainer.diloco is None
-            else ({"diloco": trainer.diloco.stats.rejected} if trainer.diloco.stats.rejected else {})
-        )
-        report = {
-            "param_hash": digest,
-            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
-            "rounds": [r.round for r in reports],
-            "losses": [r.loss for r in reports],
-            "participants": [r.participants for r in reports],
-            "lateness": [r.finished_at - schedule.deadline(r.round) for r in reports],
-            "rejected": dict(exchange.counts.rejected) | optimizer_rejected,
-            "received": exchange.counts.bytes_received,
-            "refused": exchange.refused,
-            "resyncs": exchange.counts.resyncs,
-            "banned": len(exchange.banned),
-            "resumed": resumed,
-            "stopped": stopped,
-        }
+        report = report_of(model, trainer, exchange, schedule, reports, resumed=resumed, stopped=stopped)
         with open(args.out, "w") as out:
             json.dump(report, out)
     finally:

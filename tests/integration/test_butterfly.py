@@ -21,8 +21,7 @@ from shoal.peer.model import GPTConfig, TinyGPT
 from shoal.peer.swarm.exchange import MAX_PIECES, PARTS_QUIET_S, SwarmExchange
 from shoal.protocol import Payload
 from shoal.protocol.swarm_pb2 import PayloadRequest
-from tests.integration.test_cli_swarm import ROOT, events, free_port, kill, shoal, start, wait_for
-from tests.integration.test_relay import swarm
+from tests.integration.harness import ROOT, events, free_port, kill, shoal, start, swarm, wait_for
 
 
 def int8_payload_bytes() -> int:

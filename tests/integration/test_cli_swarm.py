@@ -2,59 +2,15 @@
 `shoal status`, an unreachable bootstrap peer, SIGTERM leaving a loadable checkpoint (real
 processes on 127.0.0.1, OS-chosen ports)."""
 
-import contextlib
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from shoal.peer.checkpoint import CheckpointStore
-
-ROOT = Path(__file__).resolve().parents[2]
-SHOAL = [sys.executable, "-m", "shoal.peer.cli"]
-
-
-def start(*args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([*SHOAL, *args], cwd=ROOT, env=env, start_new_session=True, text=True, **kwargs)
-
-
-def kill(process: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
-def shoal(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*SHOAL, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def events(path: Path) -> list[dict]:
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.startswith("{")]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_for(path: Path, predicate, timeout_s: float) -> dict:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        for event in events(path):
-            if predicate(event):
-                return event
-        time.sleep(0.5)
-    raise TimeoutError(f"no matching event in {path}: {path.read_text()[-2000:] if path.exists() else ''}")
+from tests.integration.harness import free_port, kill, shoal, start, wait_for
 
 
 @pytest.mark.timeout(240)

@@ -32,6 +32,7 @@ from shoal.coordinator.server import MAX_REQUEST_BYTES, Coordinator
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
 from shoal.protocol import coordinator_pb2 as pb
 from shoal.protocol import coordinator_pb2_grpc
+from tests.integration.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 A, B, C = (f"12D3KooW{c * 44}" for c in "ABC")
@@ -107,12 +108,6 @@ def report(peer_id: str, number: int, digest: bytes = DIGEST) -> pb.ReportReques
 def members(coordinator_stub, **kwargs) -> list[str]:
     status = coordinator_stub.SwarmStatus(pb.SwarmStatusRequest(), timeout=CALL_S, **kwargs)
     return [m.peer_id for m in status.members]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def self_signed(tmp_path: Path) -> tuple[Path, Path]:

@@ -14,7 +14,7 @@ import pytest
 
 from shoal.coordinator.policy import Policy
 from shoal.protocol import coordinator_pb2, coordinator_pb2_grpc
-from tests.integration.test_cli_swarm import events, free_port, kill, shoal, start, wait_for
+from tests.integration.harness import events, free_port, kill, shoal, start, wait_for
 
 GRACE_S = Policy().report_grace_s  # the coordinator's, with the defaults the demo keeps
 

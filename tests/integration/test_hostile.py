@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_cli_swarm import events, free_port
+from tests.integration.harness import events, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HONEST = [sys.executable, "-m", "shoal.peer.cli"]

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.integration.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -34,12 +35,6 @@ def _require(tool: str) -> str:
             pytest.fail(f"{tool} is not installed (.ci/run installs Debian's prometheus package)")
         pytest.skip(f"{tool} is not installed (apt-get install prometheus)")
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 10) -> bytes:
@@ -109,7 +104,7 @@ def monitored_demo(tmp_path):
         env=env,
         start_new_session=True,
     )
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [
             prometheus,

@@ -1,23 +1,17 @@
 """Payloads reach every participant even when their origin serves them only once: peers re-serve
 what they pulled, and a puller falls back to them (real DHTs and libp2p streams, in one process)."""
 
-import contextlib
 import hashlib
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
 import torch
-from hivemind.utils.crypto import RSAPrivateKey
 
-from shoal.peer.swarm.bootstrap import start_dht
-from shoal.peer.swarm.exchange import PROBE_MAX_BYTES, RoundSchedule, SwarmExchange
-from shoal.peer.swarm.membership import record_validators
+from shoal.peer.swarm.exchange import PROBE_MAX_BYTES, SwarmExchange
 from shoal.protocol.swarm_pb2 import PayloadRequest, ProbeRequest
-
-CONFIG = {"model": "tiny", "algorithm": "demo"}
+from tests.integration.harness import swarm
 
 
 class ServesOnce(SwarmExchange):
@@ -34,37 +28,6 @@ class ServesOnce(SwarmExchange):
         self.served.add(key)
         async for chunk in super()._serve(request, context):
             yield chunk
-
-
-@contextlib.contextmanager
-def swarm(kinds: list[type[SwarmExchange]], round_seconds: float = 6) -> Iterator[tuple[list, RoundSchedule]]:
-    """(exchanges, the schedule): one exchange of each kind, in this process; all closed on exit."""
-    identities = [RSAPrivateKey() for _ in kinds]
-    dhts = [
-        start_dht(
-            [], host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=record_validators("r", identities[0])
-        )
-    ]
-    initial = [str(a) for a in dhts[0].get_visible_maddrs()]
-    for identity in identities[1:]:
-        dhts.append(
-            start_dht(
-                initial,
-                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                record_validators=record_validators("r", identity),
-            )
-        )
-    schedule = RoundSchedule(start_time=time.time() + 2, round_seconds=round_seconds)
-    exchanges = []
-    try:
-        for kind, dht, identity in zip(kinds, dhts, identities, strict=True):
-            exchanges.append(kind(dht, run="r", schedule=schedule, identity=identity, config=CONFIG))
-        yield exchanges, schedule
-    finally:
-        for exchange in exchanges:
-            exchange.close()
-        for dht in dhts:
-            dht.shutdown()
 
 
 @pytest.mark.timeout(90)

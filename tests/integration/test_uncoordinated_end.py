@@ -6,10 +6,7 @@ plans the next round meanwhile. Every peer must compute each round once, report 
 apply the same means and stop after round R, so that all of them end on the same parameter hash.
 """
 
-import contextlib
-import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,16 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.harness import events, kill
+
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = 4
 UNTIL_ROUND = 4
 ROUND_SECONDS = 3.0
 STARTUP_S = 30.0  # the joiners import torch and start a DHT on a busy 2-core machine before round 0
-
-
-def events(path: Path) -> list[dict]:
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.startswith("{")]
 
 
 def wait_for_address(path: Path, process: subprocess.Popen, timeout_s: float) -> str:
@@ -38,12 +32,6 @@ def wait_for_address(path: Path, process: subprocess.Popen, timeout_s: float) ->
         time.sleep(0.3)
     log = path.read_text()[-2000:] if path.exists() else ""
     raise TimeoutError(f"the first peer printed no address: {log}")
-
-
-def kill(process: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
 
 
 @pytest.mark.timeout(150)

@@ -1,0 +1,93 @@
+"""What integration tests start, stop and watch: `shoal` processes (each in its own session, so that a
+kill ends its DHT process and p2pd too), their JSON-lines logs, free ports, and swarms of real
+SwarmExchanges in this process (`swarm`)."""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from hivemind.utils.crypto import RSAPrivateKey
+
+from shoal.peer.swarm.bootstrap import start_dht
+from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
+from shoal.peer.swarm.membership import record_validators
+
+ROOT = Path(__file__).resolve().parents[2]
+SHOAL = [sys.executable, "-m", "shoal.peer.cli"]
+
+
+def start(*args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([*SHOAL, *args], cwd=ROOT, env=env, start_new_session=True, text=True, **kwargs)
+
+
+def kill(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def shoal(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*SHOAL, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def events(path: Path) -> list[dict]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for(path: Path, predicate, timeout_s: float) -> dict:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for event in events(path):
+            if predicate(event):
+                return event
+        time.sleep(0.5)
+    raise TimeoutError(f"no matching event in {path}: {path.read_text()[-2000:] if path.exists() else ''}")
+
+
+CONFIG = {"model": "tiny", "algorithm": "demo"}
+
+
+@contextlib.contextmanager
+def swarm(kinds: list[type[SwarmExchange]], round_seconds: float = 6) -> Iterator[tuple[list, RoundSchedule]]:
+    """(exchanges, the schedule): one exchange of each kind, in this process; all closed on exit."""
+    identities = [RSAPrivateKey() for _ in kinds]
+    dhts = [
+        start_dht(
+            [], host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=record_validators("r", identities[0])
+        )
+    ]
+    initial = [str(a) for a in dhts[0].get_visible_maddrs()]
+    for identity in identities[1:]:
+        dhts.append(
+            start_dht(
+                initial,
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                record_validators=record_validators("r", identity),
+            )
+        )
+    schedule = RoundSchedule(start_time=time.time() + 2, round_seconds=round_seconds)
+    exchanges = []
+    try:
+        for kind, dht, identity in zip(kinds, dhts, identities, strict=True):
+            exchanges.append(kind(dht, run="r", schedule=schedule, identity=identity, config=CONFIG))
+        yield exchanges, schedule
+    finally:
+        for exchange in exchanges:
+            exchange.close()
+        for dht in dhts:
+            dht.shutdown()
