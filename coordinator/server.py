@@ -311,7 +311,8 @@ class Coordinator:
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_concurrent_streams", 1000),
                 ("grpc.so_reuseport", 0),  # a second coordinator on a port in use must fail, not share it
-                ("grpc.http2.bdp_probe", 0),  # small calls: no bandwidth-estimation pings (peer/swarm/coordinator_link.py)
+                # small calls: no bandwidth-estimation pings (peer/swarm/coordinator_link.py)
+                ("grpc.http2.bdp_probe", 0),
             ],
             maximum_concurrent_rpcs=4 * self.policy.max_members + 100,
         )
