@@ -308,22 +308,27 @@ class Trainer:
             self.optimizer.phase_seconds if self.diloco is None else self.diloco.stats.phase_seconds
         )
 
+    @property
+    def _synchronizer(self) -> DeMo | DiLoCo:
+        """The optimizer that talks to the swarm: DeMo itself, or DiLoCo around the inner optimizer."""
+        return self.optimizer if self.diloco is None else self.diloco
+
     def finish(self) -> None:
         """Ends training: an overlapped algorithm applies the round still in flight; every peer lands
         on the shared state."""
-        (self.optimizer if self.diloco is None else self.diloco).finish()
+        self._synchronizer.finish()
 
     def close(self) -> None:
-        (self.optimizer if self.diloco is None else self.diloco).close()
+        self._synchronizer.close()
 
     def shared_state(self) -> list[torch.Tensor]:
         """What every peer of the swarm holds alike (DeMo: the parameters; DiLoCo: the consensus
         parameters and their outer momentum)."""
-        return (self.optimizer if self.diloco is None else self.diloco).shared_state()
+        return self._synchronizer.shared_state()
 
     def load_shared_state(self, tensors: list[torch.Tensor]) -> None:
         """Takes the swarm's shared state (same order and shapes as `shared_state`)."""
-        (self.optimizer if self.diloco is None else self.diloco).load_shared_state(tensors)
+        self._synchronizer.load_shared_state(tensors)
 
     def state_dict(self) -> dict:
         """Tensors and plain values only (loadable with weights_only=True)."""

@@ -41,7 +41,9 @@ def remember_the_optimizer() -> None:
     diloco.DiLoCo._round = round_
 
 
-def scored_mean(batch: tuple[torch.Tensor, torch.Tensor], dropped: Counter, seconds: list[float]):
+def scored_mean(
+    batch: tuple[torch.Tensor, torch.Tensor], attackers: int, dropped: Counter, seconds: list[float]
+):
     """An `add_screened_mean` that keeps the contributions whose outer step alone lowers the loss of
     `batch`. `dropped` counts what it left out, the attackers' apart from the honest ones (attackers
     are the last ranks, and contributions come in rank order); `seconds`, what scoring took."""
@@ -73,7 +75,7 @@ def scored_mean(batch: tuple[torch.Tensor, torch.Tensor], dropped: Counter, seco
                 mean.add_(t.float(), alpha=weights[i] / total)
         count = len(contributions)
         for i in set(range(count)) - set(keep):
-            dropped["attacker" if i >= count - dropped["attackers_per_round"] else "honest"] += 1
+            dropped["attacker" if i >= count - attackers else "honest"] += 1
         seconds.append(time.perf_counter() - started)
         verdict = robust.Screened.of(weights, [1.0] * count, [None] * count, robust.NONE)
         return total, verdict
@@ -94,9 +96,10 @@ def main() -> None:
     remember_the_optimizer()
     clean = None
     for attack in ("none", "sign_flip", "sample_lie", "random"):
-        dropped: Counter = Counter(attackers_per_round=0 if attack == "none" else args.attackers)
+        dropped: Counter = Counter()
         seconds: list[float] = []
-        diloco.add_screened_mean = scored_mean(batch, dropped, seconds)
+        attackers = 0 if attack == "none" else args.attackers
+        diloco.add_screened_mean = scored_mean(batch, attackers, dropped, seconds)
         result = hostile.run("diloco_eager", attack, args.workers, args.attackers, streams, clean)
         clean = clean or result.final_val_loss
         row = {"aggregation": "loss_change", "attack": attack}

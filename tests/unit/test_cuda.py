@@ -25,7 +25,7 @@ from shoal.peer.algorithms.exchange import run_loopback as run_workers
 from shoal.peer.algorithms.robust import DEMO, NONE
 from shoal.peer.model import GPTConfig, TinyGPT
 from tests import demo_reference
-from tests.unit.test_demo import SHAPES, make_grads
+from tests.unit.test_demo import SHAPES, make_grads, train_workers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -57,18 +57,9 @@ def test_dense_codec_from_the_gpu_round_trips_within_its_bound(value_bits):
 
 
 def demo_on(device, initial, grads, **settings):
-    settings.setdefault("robust", NONE)
-
-    def work(rank, exchange):
-        params = [torch.nn.Parameter(p.clone().to(device)) for p in initial]
-        optimizer = DeMo(params, exchange=exchange, **settings)
-        for step_grads in grads:
-            for p, g in zip(params, step_grads[rank], strict=True):
-                p.grad = g.to(device=device, dtype=p.dtype)
-            optimizer.step()
-        return [p.detach().cpu() for p in params]
-
-    return run_workers(len(grads[0]), work)
+    """Every worker's final parameters, on the CPU (test_demo's loopback workers, on `device`)."""
+    results = train_workers(initial, grads, dtype=initial[0].dtype, device=device, **settings)
+    return [[p.cpu() for p in params] for params, _ in results]
 
 
 @pytest.mark.parametrize("workers", [1, 3])

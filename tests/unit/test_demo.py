@@ -27,17 +27,17 @@ def make_grads(steps: int, workers: int, seed: int = 0) -> list[list[list[torch.
     ]
 
 
-def train_workers(initial, grads, dtype=torch.float64, **demo_kwargs):
-    """Every worker's final params and optimizer, each worker a loopback thread; unscreened
-    (the reference semantics) unless `robust` says otherwise."""
+def train_workers(initial, grads, dtype=torch.float64, device="cpu", **demo_kwargs):
+    """Every worker's final params (on `device`) and optimizer, each worker a loopback thread;
+    unscreened (the reference semantics) unless `robust` says otherwise."""
     demo_kwargs.setdefault("robust", NONE)
 
     def work(rank, exchange):
-        params = [torch.nn.Parameter(p.clone().to(dtype)) for p in initial]
+        params = [torch.nn.Parameter(p.clone().to(device=device, dtype=dtype)) for p in initial]
         opt = DeMo(params, exchange=exchange, **demo_kwargs)
         for step_grads in grads:
             for p, g in zip(params, step_grads[rank], strict=True):
-                p.grad = g.to(dtype)
+                p.grad = g.to(device=device, dtype=dtype)
             opt.step()
         return [p.detach() for p in params], opt
 
