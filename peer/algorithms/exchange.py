@@ -21,9 +21,12 @@ hivemind swarm (`shoal.peer.swarm.exchange.SwarmExchange`). Payloads are bytes (
 pickled, and their size is what really crosses the wire.
 """
 
+import math
+import struct
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +34,9 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from shoal.compression import DecodeLimits, DenseCodec, decode_tensor
+from shoal.protocol import EncodedTensor, MalformedPayloadError, parse_message
 
 if TYPE_CHECKING:
     from shoal.peer.algorithms.butterfly import Pieces
@@ -158,6 +164,40 @@ class LoopbackExchange(Exchange):
         for value, w in entries:  # rank order: the same float sum on every worker
             result.add_(value, alpha=w / total)
         return result
+
+
+def mean_by_gather(
+    exchange: Exchange, tensor: torch.Tensor, weight: float, rejected: Counter[str]
+) -> torch.Tensor:
+    """`mean` for an exchange that moves only bytes (the swarm): every participant gathers the others'
+    tensors at float32 with their weights; a malformed one is left out, its reason counted in
+    `rejected`."""
+    message = DenseCodec(32, zstd=False).encode(tensor.detach().float().cpu()).SerializeToString()
+    contributions = exchange.gather(struct.pack("<d", weight) + message, samples=0)
+    limits = DecodeLimits(max_numel=max(tensor.numel(), 1))
+    total, result = 0.0, torch.zeros_like(tensor, dtype=torch.float32)
+    for contribution in contributions:  # rank order: the same float sums everywhere
+        try:
+            other_weight, other = _weighted_tensor(contribution.payload, tensor.shape, limits)
+        except MalformedPayloadError as error:
+            rejected[error.reason] += 1
+            continue
+        result.add_(other.to(result.device), alpha=other_weight)
+        total += other_weight
+    return (result / max(total, 1e-30)).to(tensor.dtype)
+
+
+def _weighted_tensor(data: bytes, shape: torch.Size, limits: DecodeLimits) -> tuple[float, torch.Tensor]:
+    if len(data) < 8:
+        raise MalformedPayloadError("unparsable", "mean contribution shorter than its weight")
+    (weight,) = struct.unpack("<d", data[:8])
+    if not (math.isfinite(weight) and weight >= 0):
+        raise MalformedPayloadError("bad_samples", f"weight {weight}")
+    message = parse_message(EncodedTensor, data[8:], max_bytes=len(data))
+    tensor = decode_tensor(message, limits=limits)
+    if tensor.shape != shape:
+        raise MalformedPayloadError("wrong_structure", f"shape {list(tensor.shape)}, expected {list(shape)}")
+    return weight, tensor
 
 
 def run_loopback(

@@ -7,6 +7,19 @@ that every participant aggregates the same set. Should the coordinator stop answ
 announced in the DHT and finishes uncoordinated, and the plans fall back to the clock of its last
 round. A part of SwarmExchange (`exchange.rounds`), composed, not mixed in: `SwarmHost` declares
 what it uses of the exchange.
+
+Butterfly averaging (`average`, DiLoCo's dense pseudo-gradients, shoal.peer.algorithms.butterfly): in a
+coordinated round of at least `butterfly.MIN_PARTICIPANTS`, pulling every payload becomes a reduce-
+scatter and an all-gather. The participants that count (the exchange's state agreement, decided before
+any byte moves: the coordinator's set and the states it announced) each own one piece; an owner pulls
+its piece of every payload from its author (`PayloadRequest.shards`), averages it (clipped, sample-
+weighted) and serves the mean (`reduced`); every participant then pulls the other means. Pieces carry no
+digest: the puller validates shape and values, and a malformed one strikes its sender. A mean that is
+malformed or not there by the deadline is averaged by the puller itself from the pieces of the payloads.
+An owner that serves a well-formed but false mean is not caught (as in any butterfly all-reduce): if it
+tells every peer the same it skews that piece for all, if not the state check of the next round finds
+the split and re-syncs the minority. Runs that cannot trust their peers keep the gather (`--averaging
+gather`, the default), where every peer clips every contribution itself.
 """
 
 import asyncio
@@ -26,6 +39,7 @@ from shoal.peer.swarm.coordinator_link import CallFailed, CoordinatorError, Coor
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.pull import Puller, abandon
 from shoal.peer.swarm.records import Announcement, RoundPlan, RoundSchedule
+from shoal.peer.swarm.server import PayloadServer
 from shoal.peer.swarm.state import StateSnapshot
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.coordinator_pb2 import ReportReply, ReportRequest, RoundResultReply
@@ -47,19 +61,12 @@ class SwarmHost(Protocol):
     counts: SwarmCounters
     max_payload_bytes: int
     fetch_timeout_s: float
-    _held: dict[tuple[int, bytes], bytes]
-    _means: dict[tuple[int, int], bytes]
-    _mean_ready: dict[tuple[int, int], asyncio.Event]
-    _pullers: set[str]
-    _expected_pullers: set[str]
+    server: PayloadServer
     _next_round: int
     _puller: Puller
 
     def _take_round(self, planned: int | None, *, coordinated: bool = False) -> int: ...
     def _strike(self, owner: bytes, reason: str, round_number: int | None) -> None: ...
-    def _cut(self, round_number: int, count: int, *, limited: bool = False) -> list[bytes] | None: ...
-    def _cuttable_from(self, round_number: int, digest: bytes) -> None: ...
-    def _count_stragglers(self, expected: int, participants: int) -> None: ...
     async def _slot(self) -> tuple[int, int]: ...
     async def _hold(self, *args, **kwargs) -> Announcement: ...
     async def _announce(self, round_number: int, mine: Announcement) -> None: ...
@@ -135,7 +142,7 @@ class CoordinatedRounds:
         link, number = self.swarm.coordinator, plan.round
         mine = await self.swarm._hold(number, payload, samples, snapshot, coordinated=True)
         if pieces is not None:  # owners may ask for their piece as soon as the round is decided
-            self.swarm._cuttable_from(number, mine.digest)
+            self.swarm.server.cuttable_from(number, mine.digest)
         request = ReportRequest(
             round=number,
             digest=mine.digest,
@@ -174,7 +181,7 @@ class CoordinatedRounds:
             fetches = [
                 asyncio.create_task(self.swarm._fetch(number, a, announced))
                 for a in pull_order(list(announced.values()), me)
-                if (number, a.digest) not in self.swarm._held
+                if not self.swarm.server.holds(number, a.digest)
             ]
             if fetches:
                 _, pending = await asyncio.wait(
@@ -185,7 +192,7 @@ class CoordinatedRounds:
             contributions = await self.swarm._settle(number, announced, mine, snapshot)
             self.swarm.counts.codec_bytes_sent += mine.size * (len(announced) - 1) if me in announced else 0
         self.swarm.counts.coordinated_rounds += 1
-        self.swarm._count_stragglers(max(plan.expected, len(result.participants)), len(result.participants))
+        self.swarm.counts.count_round(max(plan.expected, len(result.participants)), len(result.participants))
         link.progress.round, link.progress.exchange_s = number, time.time() - started
         with contextlib.suppress(grpc.aio.AioRpcError):
             await link.heartbeat()  # finished: the coordinator may start the next round
@@ -209,12 +216,8 @@ class CoordinatedRounds:
         owners = await self.swarm._agree(announced, mine, snapshot)
         count = len(owners)
         index = owners.index(mine.owner) if mine.owner in owners else None
-        cuts = self.swarm._cut(number, count) or []  # ready before the owners ask
-        for old in [key for key in self.swarm._means if key[0] < number - 1]:
-            del self.swarm._means[old]
-        for old in [key for key in self.swarm._mean_ready if key[0] < number]:
-            del self.swarm._mean_ready[old]
-        self.swarm._pullers, self.swarm._expected_pullers = set(), set()
+        cuts = self.swarm.server.cut(number, count) or []  # ready before the owners ask
+        self.swarm.server.averaging(number)
         slices: dict[int, list[torch.Tensor]] = {}
         clipped = 0
         if index is not None:
@@ -230,9 +233,8 @@ class CoordinatedRounds:
             for sender, reason in mean.rejected:
                 self.swarm.counts.rejected[reason] += 1
                 self.swarm._strike(sender, reason, number)
-            self.swarm._means[(number, index)] = mean.data
-            self.swarm._mean_ready.setdefault((number, index), asyncio.Event()).set()
-            self.swarm._expected_pullers = {a.peer for o, a in announced.items() if o != mine.owner}
+            others = {a.peer for o, a in announced.items() if o != mine.owner}
+            self.swarm.server.publish_mean(number, index, mean.data, others)
             self.swarm.counts.codec_bytes_sent += len(mean.data) * (len(announced) - 1)
             slices[index], clipped = mean.tensors, mean.clipped
         order = [(index + step) % count for step in range(1, count)] if index is not None else range(count)
@@ -322,7 +324,7 @@ class CoordinatedRounds:
         authors = [announced[o] for o in owners if o != mine.owner]
         deadline = time.time() + self.swarm.fetch_timeout_s
         parts = await self._parts(number, index, count, authors, deadline, pieces)
-        if mine.owner in owners and (cuts := self.swarm._cut(number, count)) is not None:
+        if mine.owner in owners and (cuts := self.swarm.server.cut(number, count)) is not None:
             parts.append(Part(mine.owner, mine.samples, cuts[index]))
         parts.sort(key=lambda part: owners.index(part.sender))
         return await asyncio.to_thread(pieces.mean, index, count, parts)

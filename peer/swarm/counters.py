@@ -43,6 +43,27 @@ class SwarmCounters:
     rejoins: int = 0
     """Times this peer, alone in its run, dialled its initial peers again."""
 
+    def count_round(self, expected: int, participants: int) -> None:
+        """A round ended with `participants` of the `expected` peers (this one included)."""
+        self.peers_seen = expected
+        self.round_stragglers = max(0, expected - participants)
+        self.stragglers += self.round_stragglers
+
+    def snapshot(self, **extra: object) -> dict:
+        """A copy for another thread (the metrics endpoint), with what the exchange adds (`extra`)."""
+        copied = {"sent": dict(self.sent), "received": dict(self.received), "rejected": dict(self.rejected)}
+        totals = {
+            "strikes": self.strikes_total,
+            "resyncs": self.resyncs,
+            "stragglers": self.stragglers,
+            "late": self.late,
+            "coordinated_rounds": self.coordinated_rounds,
+            "dht_stores": self.dht_stores,
+            "butterfly_rounds": self.butterfly_rounds,
+            "pieces_recomputed": self.pieces_recomputed,
+        }
+        return copied | totals | extra
+
     @property
     def bytes_sent(self) -> int:
         """Payload, state and probe bytes this peer's handlers served (the DHT's not included)."""

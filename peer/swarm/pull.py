@@ -29,18 +29,23 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Mapping
 
+import torch
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.logging import get_logger
 
 from shoal.peer.swarm.channels import Channels
 from shoal.peer.swarm.records import Announcement
-from shoal.peer.swarm.state import MAX_CHUNK_BYTES
+from shoal.peer.swarm.state import MAX_CHUNK_BYTES, StateUnavailable, download, restore, state_size
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, StateRequest
+
+logger = get_logger(__name__)
 
 MAX_BYTES_IN_FLIGHT = 1 << 20
 CHUNK_BYTES = 1 << 20  # libp2p unary messages stop at 4 MiB; streamed chunks of 1 MiB are fastest here
 TRANSIENT = (TimeoutError, P2PDaemonError, P2PHandlerError, OSError, asyncio.IncompleteReadError)
+"""Failures that say nothing about the source's honesty: try another, or again later."""
 CANCEL_GRACE_S = 1.0  # pulls cancelled at a round's deadline get this long to end, no longer
 
 
@@ -62,9 +67,6 @@ def _retrieve(task: asyncio.Task) -> None:
     """Reads a finished pull's outcome, so that an abandoned one's error is not reported as unhandled."""
     if not task.cancelled():
         task.exception()
-
-
-"""Failures that say nothing about the source's honesty: try another, or again later."""
 
 
 class NotHeld(TimeoutError):
@@ -159,6 +161,35 @@ class Puller:
             # the byte budget meanwhile, so that the means that are ready come in first
             await asyncio.sleep(min(0.5, 0.05 * 2**cycle))
             cycle += 1
+
+    def new_round(self, round_number: int) -> None:
+        """Forgets the refusals of rounds before the last."""
+        self.refused_by_author = {key for key in self.refused_by_author if key[0] >= round_number - 1}
+
+    async def state(
+        self, digest: bytes, sources: list[str], like: list[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
+        """The shared state `digest` (shoal.peer.swarm.state), pulled from `sources` in pieces and restored
+        in tensors like `like`; None, counted as `resync_failed`, if it could not be had."""
+        started = time.perf_counter()
+        try:
+            _, data = await download(
+                digest,
+                sources,
+                self.state_piece,
+                expected_size=state_size(like),
+                transient=(P2PDaemonError, P2PHandlerError),
+                rejected=self.rejected,
+            )
+            state = restore(data, like)
+        except (StateUnavailable, MalformedPayloadError) as error:
+            self.rejected["resync_failed"] += 1
+            logger.warning(f"could not re-sync with the swarm's state: {error}")
+            return None
+        self.received["state"] += len(data)
+        elapsed = time.perf_counter() - started
+        logger.info(f"re-synced {len(data)} bytes of state from {len(sources)} peers in {elapsed:.1f} s")
+        return state
 
     async def state_piece(self, source: str, request: StateRequest) -> bytes:
         data = await self.pull(source, self.state_handler, request, MAX_CHUNK_BYTES + CHUNK_BYTES)

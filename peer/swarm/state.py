@@ -21,12 +21,16 @@ import math
 import sys
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from shoal.protocol import MalformedPayloadError, parse_message
 from shoal.protocol.swarm_pb2 import StateManifest, StateRequest
+
+if TYPE_CHECKING:
+    from shoal.peer.swarm.records import Announcement
 
 CHUNK_BYTES = 1 << 20
 DIGEST_BYTES = 32
@@ -201,3 +205,47 @@ def majority(states: dict[bytes, tuple[bytes, bool]]) -> bytes | None:
     if not votes:
         return None
     return min(votes, key=lambda digest: (-votes[digest], digest))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whose contributions count in a round, from the announcements of the payloads held (`decide`)."""
+
+    counted: list[bytes]
+    """The owners whose contributions count, in key order."""
+    copies: list[bytes] = field(default_factory=list)
+    """Owners that announced a payload a smaller key announced too (copying one is free, so the
+    copier cannot be told from the author: left out, not struck)."""
+    stale: list[bytes] = field(default_factory=list)
+    """Other owners whose contribution was computed on another state than the majority's."""
+    compared: bool = False
+    """Whether states were compared (asked for, and someone's contribution is held)."""
+    agreed: bytes | None = None
+    """The majority's state (None: states not compared, or no one announced one)."""
+    behind: bool = False
+    """Whether this peer's own state is not the majority's: it re-syncs, from `sources` (peer ids)."""
+    sources: list[str] = field(default_factory=list)
+
+
+def decide(announced: "dict[bytes, Announcement]", mine: "Announcement", *, compare_states: bool) -> Decision:
+    """The round's decision on this peer (its announcement `mine`), the same on every peer holding the
+    same announcements: one contribution per distinct payload, for the smallest key, and, with
+    `compare_states`, only those computed on the majority's state (`majority`)."""
+    held = sorted(announced)
+    first_owner: dict[bytes, bytes] = {}
+    for owner in held:
+        first_owner.setdefault(announced[owner].digest, owner)
+    copies = [owner for owner in held if first_owner[announced[owner].digest] != owner]
+    held = [owner for owner in held if owner not in copies]
+    if not compare_states or not held:  # (a coordinated round may have no participant at all)
+        return Decision(held, copies)
+    agreed = majority({owner: (announced[owner].state, announced[owner].synced) for owner in held})
+    stale = [owner for owner in held if announced[owner].state != agreed and owner != mine.owner]
+    behind = agreed != mine.state
+    sources = (
+        [announced[o].peer for o in held if announced[o].state == agreed and o != mine.owner]
+        if behind
+        else []
+    )
+    counted = [owner for owner in held if owner not in stale and not (behind and owner == mine.owner)]
+    return Decision(counted, copies, stale, True, agreed, behind, sources)

@@ -9,16 +9,16 @@ import sys
 
 from shoal.peer import cli
 from shoal.peer.swarm.exchange import SwarmExchange
-
-honest_piece = SwarmExchange._piece
-
-
-async def lying_piece(self, request, context) -> bytes:
-    data = await honest_piece(self, request, context)
-    return b"\xff" * len(data) if request.reduced and data else data
+from shoal.peer.swarm.server import PayloadServer
 
 
-SwarmExchange._piece = lying_piece
+class LyingServer(PayloadServer):
+    async def piece(self, request, context) -> bytes:
+        data = await super().piece(request, context)
+        return b"\xff" * len(data) if request.reduced and data else data
+
+
+SwarmExchange.server_type = LyingServer  # every exchange this process builds (`shoal join`'s)
 
 if __name__ == "__main__":
     sys.exit(cli.main(sys.argv[1:]))

@@ -20,9 +20,10 @@ import torch
 from shoal.peer import cli
 from shoal.peer.bench import hostile
 from shoal.peer.swarm.exchange import SwarmExchange
+from shoal.peer.swarm.server import PayloadServer
 
 ATTACK = os.environ["SHOAL_ATTACK"]
-honest_gather, honest_serve = SwarmExchange.gather, SwarmExchange._serve
+honest_gather = SwarmExchange.gather
 generator = torch.Generator().manual_seed(7)
 sent: list[bytes] = []
 unserved: set[bytes] = set()  # digests announced and never served
@@ -46,14 +47,16 @@ def gather(self, payload, samples, state=None):
     return honest_gather(self, payload, samples, state)
 
 
-async def serve(self, request, context):
-    if request.digest in unserved:
-        return  # an empty answer: "I hold nothing"
-    async for chunk in honest_serve(self, request, context):
-        yield chunk
+class UnservingServer(PayloadServer):
+    async def serve(self, request, context):
+        if request.digest in unserved:
+            return  # an empty answer: "I hold nothing"
+        async for chunk in super().serve(request, context):
+            yield chunk
 
 
-SwarmExchange.gather, SwarmExchange._serve = gather, serve
+# every exchange this process builds (`shoal join`'s)
+SwarmExchange.gather, SwarmExchange.server_type = gather, UnservingServer
 
 if __name__ == "__main__":
     sys.exit(cli.main(sys.argv[1:]))

@@ -33,10 +33,23 @@ from shoal.peer.runtime import Trainer, stop_on_signals
 from shoal.peer.swarm.bootstrap import start_dht
 from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.membership import record_validators
+from shoal.peer.swarm.server import PayloadServer
 from shoal.protocol import Payload
 
 ATTACKS = ["none", "wrong_shape", "nan", "oversized", "digest", "replay"]
 MAX_PAYLOAD_BYTES = 1 << 20
+
+
+class ZeroingServer(PayloadServer):
+    """Serves zeros in place of a payload's bytes while `lying` is set."""
+
+    lying = False
+
+    async def serve(self, request, context):
+        async for chunk in super().serve(request, context):
+            if self.lying:
+                chunk.data = bytes(len(chunk.data))
+            yield chunk
 
 
 class HostileExchange(SwarmExchange):
@@ -44,17 +57,18 @@ class HostileExchange(SwarmExchange):
     again; it keeps the swarm's state by aggregating, after its first round, only the others'
     payloads, as they do once they drop its own."""
 
+    server_type = ZeroingServer
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rounds = 0
+        self.attacks = 0  # rounds gathered so far (`rounds` is the exchange's coordinated rounds)
         self.first_payload = b""
-        self.lying = False
 
     def gather(self, payload, samples, state=None):
-        attack = ATTACKS[self.rounds] if self.rounds < len(ATTACKS) else "none"
-        self.rounds += 1
+        attack = ATTACKS[self.attacks] if self.attacks < len(ATTACKS) else "none"
+        self.attacks += 1
         self.first_payload = self.first_payload or payload
-        self.lying = attack == "digest"
+        self.server.lying = attack == "digest"
         message = Payload.FromString(payload)
         if attack == "wrong_shape":
             del message.tensors[-1]
@@ -70,15 +84,9 @@ class HostileExchange(SwarmExchange):
         elif attack == "replay":
             payload = self.first_payload
         contributions = super().gather(payload, samples, state)
-        if self.rounds == 1:  # its honest first payload counts everywhere
+        if self.attacks == 1:  # its honest first payload counts everywhere
             return contributions
         return [c for c in contributions if c.sender != self.owner]
-
-    async def _serve(self, request, context):
-        async for chunk in super()._serve(request, context):
-            if self.lying:
-                chunk.data = bytes(len(chunk.data))
-            yield chunk
 
 
 def parse_args() -> argparse.Namespace:

@@ -18,7 +18,8 @@ from shoal.compression import DenseCodec
 from shoal.peer.algorithms.butterfly import Pieces
 from shoal.peer.algorithms.robust import NONE
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.swarm.exchange import MAX_PIECES, PARTS_QUIET_S, SwarmExchange
+from shoal.peer.swarm.exchange import SwarmExchange
+from shoal.peer.swarm.server import MAX_PIECES, PARTS_QUIET_S
 from shoal.protocol import Payload
 from shoal.protocol.swarm_pb2 import PayloadRequest
 from tests.integration.harness import ROOT, events, free_port, kill, shoal, start, swarm, wait_for
@@ -43,7 +44,10 @@ def test_demo_averages_piece_by_piece_and_the_peers_agree():
     assert summary["param_hash_agree"] is True
     assert summary["final_loss"] < summary["initial_loss"] - 0.5
     assert summary["coordinated_rounds"] >= peers * (rounds - 1)
-    assert summary["butterfly_rounds"] == summary["coordinated_rounds"]
+    # every coordinated round is averaged piece by piece, but one that a straggler (this machine busy)
+    # left with fewer than butterfly.MIN_PARTICIPANTS = 3: that one is gathered, on each of the 3 peers
+    gathered = summary["coordinated_rounds"] - summary["butterfly_rounds"]
+    assert summary["butterfly_rounds"] > 0 and gathered <= peers * summary["stragglers_excluded"], summary
     assert summary["pieces_recomputed"] == 0
     # a gather sends each payload to the 2 others; a butterfly 2 pieces and 2 copies of a mean of a
     # third of it each, 4/3 of a payload (the rest: DHT, coordinator, state digests)
@@ -117,14 +121,14 @@ def test_piece_requests_out_of_bounds_get_nothing_and_are_counted():
         time.sleep(max(0.0, schedule.start_time - time.time()))
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda e: e.gather(payload, samples=1), exchanges))
-        number, digest = author._mine
+        number, digest = author.server.mine
 
         def ask(**fields) -> bytes:
             request = PayloadRequest(round=number, digest=digest, **fields)
             return asker._call(asker._puller.pull(author.peer_id, "shoal.r.payload", request, 1 << 20))
 
         assert ask(shard=0, shards=3) == b""  # not a butterfly round: no pieces
-        author._cuttable_from(number, digest)  # as a coordinated round with butterfly averaging does
+        author.server.cuttable_from(number, digest)  # as a coordinated round with butterfly averaging does
         assert ask(shard=3, shards=3) == b"" and ask(shard=0, shards=MAX_PIECES + 1) == b""
         assert author.counts.rejected["bad_request"] == 2
         pieces = Pieces(codec, shapes, robust=NONE)

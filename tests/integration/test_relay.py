@@ -9,25 +9,30 @@ from datetime import timedelta
 import pytest
 import torch
 
-from shoal.peer.swarm.exchange import PROBE_MAX_BYTES, SwarmExchange
+from shoal.peer.swarm.exchange import SwarmExchange
+from shoal.peer.swarm.server import PROBE_MAX_BYTES, PayloadServer
 from shoal.protocol.swarm_pb2 import PayloadRequest, ProbeRequest
 from tests.integration.harness import swarm
 
 
-class ServesOnce(SwarmExchange):
+class OnceServer(PayloadServer):
     """An origin with a thin uplink: it sends each of its own payloads to one puller only."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.served: set[tuple[int, bytes]] = set()
 
-    async def _serve(self, request, context):
+    async def serve(self, request, context):
         key = (request.round, request.digest)
         if key in self.served:
             return
         self.served.add(key)
-        async for chunk in super()._serve(request, context):
+        async for chunk in super().serve(request, context):
             yield chunk
+
+
+class ServesOnce(SwarmExchange):
+    server_type = OnceServer
 
 
 @pytest.mark.timeout(90)
@@ -42,7 +47,7 @@ def test_a_payload_served_once_by_its_origin_reaches_every_peer_through_relays()
             assert sorted(hashlib.sha256(c.payload).digest() for c in contributions) == expected
             assert [c.samples for c in contributions] == [c.samples for c in rounds[0]]  # one order
         # the origin served its payload to one peer; the two others got it from a relay
-        assert len(exchanges[0].served) == 1
+        assert len(exchanges[0].server.served) == 1
         assert sum(exchange.relayed for exchange in exchanges) >= 2
         assert not any(exchange.counts.rejected for exchange in exchanges)
 
@@ -65,10 +70,10 @@ def test_a_leaving_peer_serves_its_last_payload_until_the_others_pulled_it_or_it
         time.sleep(max(0.0, schedule.start_time - time.time()))
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda i: exchanges[i].gather(payloads[i], samples=1), range(2)))
-        number, digest = leaving._mine
-        assert leaving._expected_pullers == {staying.peer_id}
+        number, digest = leaving.server.mine
+        assert leaving.server.expected_pullers == {staying.peer_id}
         for exchange in exchanges:
-            exchange._pullers.clear()  # as if the other peer had not pulled it yet
+            exchange.server.pullers.clear()  # as if the other peer had not pulled it yet
 
         def pull() -> bytes:
             request = PayloadRequest(round=number, digest=digest)

@@ -20,7 +20,7 @@ from shoal.peer.algorithms.robust import (
     capped_weights,
     screen,
 )
-from shoal.peer.swarm.exchange import content_digest
+from shoal.peer.swarm.ledger import content_digest
 from shoal.protocol import Payload
 
 

@@ -1,0 +1,218 @@
+"""RunDirectory: a peer's view of its run in the hivemind DHT (a part of SwarmExchange,
+shoal.peer.swarm.exchange).
+
+It writes this peer's signed record (shoal.peer.swarm.membership) and its announcements under its
+public-key subkey, reads the others' records (keeping the compatible peers and naming what differs in
+the others) and the announcements of a round, and counts the serialized bytes of every read and
+write (most of a small payload's wire overhead: BENCHMARKS.md). A peer alone in its run dials its
+initial peers again (`rejoin`): hivemind drops a peer that stops answering from its routing table,
+and peers that knew the swarm through one bootstrap peer would never find it again once it restarted.
+
+Everything here runs on the exchange's event loop thread.
+"""
+
+import asyncio
+import functools
+import math
+import re
+import time
+from collections.abc import Mapping, Sequence
+
+import hivemind
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
+from hivemind.utils.logging import get_logger
+from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.serializer import MSGPackSerializer
+
+from shoal.peer.swarm.counters import SwarmCounters
+from shoal.peer.swarm.membership import SHOAL_VERSION, PeerRecord, incompatibility, run_hash
+from shoal.peer.swarm.names import peers_key
+from shoal.peer.swarm.records import Announcement, RoundSchedule, peer_records
+from shoal.protocol import MalformedPayloadError
+
+logger = get_logger(__name__)
+
+REJOIN_EVERY_S = 10.0  # a peer alone in its run dials its initial peers again at most this often ...
+REJOIN_TIMEOUT_S = 5.0  # ... each for at most this long
+# under a coordinator, a peer rewrites its DHT record at most this often: the coordinator tracks who is
+# alive, so the record only serves `shoal status` (which shows its age), joining checks and the fallback;
+# a write costs about 18 KB on the wire in a small swarm (BENCHMARKS.md)
+RECORD_REFRESH_S = 120.0
+ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,250}:[0-9]{1,5}")  # a coordinator's HOST:PORT in a record
+
+
+class RunDirectory:
+    """See the module docstring.
+
+    Args:
+        dht: the run's hivemind.DHT.
+        run: the run's name.
+        owner: this peer's public-key subkey.
+        record: this peer's first record (`first_record`).
+        counts: the exchange's counters (DHT bytes and writes, rejected records, rejoins).
+        coordinated: whether this peer follows a coordinator (its record is then only kept alive).
+        rejoin: the initial peers' multiaddresses.
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        *,
+        run: str,
+        owner: bytes,
+        record: PeerRecord,
+        counts: SwarmCounters,
+        coordinated: bool,
+        rejoin: Sequence[str] = (),
+    ):
+        self.dht, self.run, self.owner, self.counts = dht, run, owner, counts
+        self.record = record
+        self.coordinated = coordinated
+        self.refused: dict[str, str] = {}
+        """Incompatible peers seen (peer id: which settings differ)."""
+        self.coordinators: dict[bytes, str] = {}
+        """Compatible peers that follow a coordinator: the address their record names (HOST:PORT,
+        printable; anything else is dropped: it is another peer's text, shown to a user)."""
+        self._rejoin = tuple(rejoin)
+        self._rejoined_at = -math.inf  # monotonic time of the last attempt
+
+    async def store_record(
+        self, round_number: int, schedule: RoundSchedule, *, refresh_s: float = 0.0
+    ) -> None:
+        """Writes this peer's record, unless the last write is less than `refresh_s` old. It outlives
+        the next write by three rounds: under a coordinator, that may be `RECORD_REFRESH_S` away."""
+        now = time.time()
+        if now - self.record.updated < refresh_s:
+            return
+        self.record = self.record.copy(update={"round": round_number, "updated": now})
+        next_write = now + (RECORD_REFRESH_S if self.coordinated else 0.0)
+        expires = max(schedule.deadline(round_number), next_write) + 3 * schedule.round_seconds
+        await self.store(peers_key(self.run), self.record.dict(), expires)
+
+    def update_record(self, **fields) -> None:
+        """What the next record write says (progress: throughput, samples)."""
+        self.record = self.record.copy(update=fields)
+
+    async def store(self, key: str, value: dict, expiration: float) -> None:
+        """Stores `value` under this peer's subkey, counting its serialized bytes."""
+        self.counts.sent["dht"] += len(key) + len(self.owner) + len(MSGPackSerializer.dumps(value))
+        self.counts.dht_stores += 1
+        await self.dht.store(key, value, expiration, subkey=self.owner, return_future=True)
+
+    async def get(self, key: str):
+        """The latest value under `key`, counting the serialized bytes of what came back."""
+        found = await self.dht.get(key, latest=True, return_future=True)
+        if found is not None and isinstance(found.value, dict):
+            self.counts.received["dht"] += sum(
+                len(MSGPackSerializer.dumps(getattr(entry, "value", None))) + len(subkey)
+                for subkey, entry in found.value.items()
+                if isinstance(subkey, bytes)
+            )
+        return found
+
+    async def compatible_peers(self) -> set[bytes]:
+        """Public-key subkeys of the peers whose current record is compatible with this one's."""
+        records, malformed = peer_records(await self.get(peers_key(self.run)))
+        if malformed:
+            self.counts.rejected["bad_record"] += malformed
+        compatible = {self.owner}
+        self.coordinators = {}
+        for owner, record in records.items():
+            reason = incompatibility(self.record, record)
+            if reason is None:
+                compatible.add(owner)
+                if owner != self.owner and ADDRESS.fullmatch(record.coordinator):
+                    self.coordinators[owner] = record.coordinator
+            elif record.peer_id not in self.refused:
+                self.refused[record.peer_id] = reason
+                logger.warning(f"refusing peer {record.peer_id}: {reason}")
+        return compatible
+
+    async def announcements(
+        self, key: str, max_payload_bytes: int
+    ) -> list[tuple[object, Announcement | MalformedPayloadError]]:
+        """(subkey, its announcement or why it is malformed) for every entry under `key`."""
+        found = await self.get(key)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        announcements = []
+        for owner, entry in found.value.items():
+            try:
+                parsed = Announcement.parse(owner, getattr(entry, "value", None), max_payload_bytes)
+                announcements.append((owner, parsed))
+            except MalformedPayloadError as error:
+                announcements.append((owner, error))
+        return announcements
+
+    async def everyone(
+        self,
+        key: str,
+        mine: Announcement,
+        *,
+        wait_s: float,
+        poll_s: float,
+        ignored: set[bytes],
+        max_payload_bytes: int,
+    ) -> dict[bytes, Announcement]:
+        """Announces `mine` under `key`, then reads the compatible peers' announcements there until
+        every compatible peer has one or `wait_s` has passed; those of `ignored` owners are left out."""
+        await self.store(key, mine.value(), time.time() + wait_s + 60)
+        deadline = time.time() + wait_s
+        announced = {self.owner: mine}
+        while True:
+            compatible = await self.compatible_peers()
+            for owner, announcement in await self.announcements(key, max_payload_bytes):
+                if owner in compatible and owner not in ignored and isinstance(announcement, Announcement):
+                    announced[owner] = announcement
+            if compatible <= announced.keys() or time.time() >= deadline:
+                return announced
+            await asyncio.sleep(min(poll_s, max(0.0, deadline - time.time())))
+
+    def rejoin_if_alone(self, peers_seen: int) -> None:
+        """Dials the initial peers again (in the DHT's process, not waited for) if this peer saw no
+        other in its last round, at most every REJOIN_EVERY_S."""
+        if self._rejoin and peers_seen <= 1 and time.monotonic() - self._rejoined_at >= REJOIN_EVERY_S:
+            self._rejoined_at = time.monotonic()
+            self.counts.rejoins += 1
+            self.dht.run_coroutine(functools.partial(_ping_again, self._rejoin), return_future=True)
+
+
+def first_record(
+    peer_id: str,
+    config: Mapping[str, str],
+    device: str,
+    schedule: RoundSchedule,
+    coordinator_address: str | None,
+) -> PeerRecord:
+    """This peer's record before its first round: who it is, what it runs, on what clock."""
+    return PeerRecord(
+        peer_id=peer_id,
+        version=SHOAL_VERSION,
+        run_hash=run_hash(config),
+        config=dict(config),
+        device=device,
+        throughput=0.0,
+        round=0,
+        start_time=float(schedule.start_time),
+        round_seconds=float(schedule.round_seconds),
+        coordinator=(coordinator_address or "")[:256],
+    )
+
+
+async def _ping_again(maddrs: tuple[str, ...], _dht: hivemind.DHT, node: DHTNode) -> int:
+    """In the DHT's process: dials each multiaddress and pings its DHT node, which puts the two back in
+    each other's routing tables. Returns how many answered."""
+
+    async def ping(maddr: str) -> bool:
+        address = Multiaddr(maddr)
+        peer = PeerID.from_base58(address["p2p"])
+        await node.p2p._client.connect(peer, [address.decapsulate(Multiaddr(f"/p2p/{address['p2p']}"))])
+        return await node.protocol.call_ping(peer) is not None
+
+    # bounded, so that none is still dialling when the peer leaves; unreachable for now: the next
+    # lonely round tries again
+    outcomes = await asyncio.gather(
+        *(asyncio.wait_for(ping(maddr), REJOIN_TIMEOUT_S) for maddr in maddrs), return_exceptions=True
+    )
+    return sum(outcome is True for outcome in outcomes)

@@ -1,0 +1,235 @@
+"""PayloadServer: what a peer serves its swarm (a part of SwarmExchange, shoal.peer.swarm.exchange).
+
+- Its payloads, and those it pulled, of this round and the last (`held`): on payload channels
+  (shoal.peer.swarm.channels) and on one-off streams, for hivemind's own clients. An empty answer
+  means "I do not hold it".
+- In a butterfly round (shoal.peer.algorithms.butterfly), on request: a piece of its own payload
+  (cut once per piece count, at most MAX_CUT_COUNTS counts per round), and the mean of the piece it
+  owns (`reduced`), once it has it (a request waits MEAN_WAIT_S for it).
+- The snapshots of its shared state of the last rounds (`states`), to peers that join or re-sync.
+- Zeros for a bandwidth probe (`shoal check`), capped and rate-limited per asking peer.
+
+It also keeps who pulled this peer's last payload (`pullers`), so that a peer leaving after its last
+round can wait until every other participant has it (`drain`).
+
+Everything here runs on the exchange's event loop thread. A test that plays a hostile peer subclasses
+it and sets its class as the `server_type` of its SwarmExchange.
+"""
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import time
+
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.utils.logging import get_logger
+
+from shoal.peer.algorithms.butterfly import cut
+from shoal.peer.swarm.channels import ChannelServer
+from shoal.peer.swarm.counters import SwarmCounters
+from shoal.peer.swarm.names import handler
+from shoal.peer.swarm.pull import chunks
+from shoal.peer.swarm.state import StateSnapshot
+from shoal.protocol import Payload, parse_message
+from shoal.protocol.swarm_pb2 import PayloadRequest, ProbeRequest, StateRequest
+
+logger = get_logger(__name__)
+
+PROBE_MAX_BYTES = 8 << 20  # a bandwidth probe (`shoal check`) gets at most this much ...
+PROBE_INTERVAL_S = 10.0  # ... and at most once per this many seconds per asking peer
+MAX_PIECES = 4096  # a butterfly round has at most this many pieces (one per participant)
+MAX_CUT_COUNTS = 2  # ways a peer cuts one payload into pieces (honest peers agree on one count)
+MEAN_WAIT_S = 0.25  # a request for a mean its owner has not finished waits at most this long for it
+PARTS_QUIET_S = 1.0  # a leaving peer drains until this long has passed since it last served a piece
+
+
+class PayloadServer:
+    """See the module docstring.
+
+    Args:
+        run: the run's name; namespaces the handlers (shoal.peer.swarm.names.handler).
+        counts: the exchange's counters (bytes sent, rejected requests).
+        max_payload_bytes: the largest payload this peer holds (its own is parsed again to be cut).
+        keep_states: state snapshots of the last rounds kept.
+        timeout_s: limit of one request on a payload channel.
+    """
+
+    def __init__(
+        self, *, run: str, counts: SwarmCounters, max_payload_bytes: int, keep_states: int, timeout_s: float
+    ):
+        self.counts, self.max_payload_bytes = counts, max_payload_bytes
+        self.keep_states, self.timeout_s = keep_states, timeout_s
+        self.payload_handler = handler(run, "payload")
+        self.channel_handler = handler(run, "payloads")
+        self.state_handler = handler(run, "state")
+        self.probe_handler = handler(run, "probe")
+        self.held: dict[tuple[int, bytes], bytes] = {}
+        """(round, digest): payload, this peer's and those it pulled, of this round and the last."""
+        self.states: dict[bytes, StateSnapshot] = {}
+        self.mine: tuple[int, bytes] | None = None
+        """(round, digest) of this peer's last payload."""
+        self.pullers: set[str] = set()
+        """The peers that pulled this peer's last payload (a butterfly round: its mean)."""
+        self.expected_pullers: set[str] = set()
+        """The other participants of the last round."""
+        self.means: dict[tuple[int, int], bytes] = {}  # (round, piece): this peer's mean of its piece
+        self._mean_ready: dict[tuple[int, int], asyncio.Event] = {}
+        self._cuttable: dict[int, bytes] = {}  # round: digest of its payloads it serves in pieces
+        self._cuts: dict[tuple[int, int], list[bytes]] = {}  # (round, count): the pieces, as served
+        self._part_served_at = -math.inf  # monotonic time this peer last served a piece of its payload
+        self._probed: dict[PeerID, float] = {}  # asking peer: monotonic time of its last probe
+        self._channels: ChannelServer | None = None
+
+    async def start(self, p2p: P2P) -> None:
+        self._channels = ChannelServer(
+            self.serve, p2p.peer_id, self.channel_handler, self.timeout_s, self.counts.rejected
+        )
+        await p2p.add_binary_stream_handler(self.channel_handler, self._channels.handle)
+        await p2p.add_protobuf_handler(self.payload_handler, self.serve, PayloadRequest, stream_output=True)
+        await p2p.add_protobuf_handler(self.state_handler, self.serve_state, StateRequest, stream_output=True)
+        await p2p.add_protobuf_handler(self.probe_handler, self.serve_probe, ProbeRequest, stream_output=True)
+
+    async def stop(self, p2p: P2P) -> None:
+        await p2p.remove_binary_stream_handler(self.channel_handler)
+        if self._channels is not None:
+            self._channels.close()
+        for name in (self.payload_handler, self.state_handler, self.probe_handler):
+            await p2p.remove_protobuf_handler(name, stream_output=True)
+
+    # --- what is served ---
+
+    def hold(self, round_number: int, payload: bytes, snapshot: StateSnapshot | None) -> bytes:
+        """Serves this peer's payload of `round_number` (and its state snapshot) from now, and forgets
+        what is older than the last round (kept for late pullers). Returns the payload's digest."""
+        digest = hashlib.sha256(payload).digest()
+        if snapshot is not None:
+            self.keep_state(snapshot)
+        self.held[(round_number, digest)] = payload
+        self.mine, self.pullers, self.expected_pullers = (round_number, digest), set(), set()
+        for key in [k for k in self.held if k[0] < round_number - 1]:
+            del self.held[key]
+        return digest
+
+    def keep_state(self, snapshot: StateSnapshot) -> None:
+        """Serves `snapshot` to re-syncing peers, with those of the last `keep_states` rounds."""
+        self.states[snapshot.digest] = snapshot
+        for old in list(self.states)[: -self.keep_states]:
+            del self.states[old]
+
+    def holds(self, round_number: int, digest: bytes) -> bool:
+        return (round_number, digest) in self.held
+
+    def cuttable_from(self, round_number: int, digest: bytes) -> None:
+        """This peer's payload of `round_number` may be served in pieces from now; so may the last
+        round's still (a peer averaging a late owner's piece may ask for them), no older one."""
+        self._cuttable = {r: d for r, d in self._cuttable.items() if r == round_number - 1}
+        self._cuttable[round_number] = digest
+        self._cuts = {key: pieces for key, pieces in self._cuts.items() if key[0] in self._cuttable}
+
+    def cut(self, round_number: int, count: int, *, limited: bool = False) -> list[bytes] | None:
+        """The `count` pieces of this peer's payload of a butterfly round, cut once. `limited` (another
+        peer asks): None for a count past the first MAX_CUT_COUNTS, as each costs a pass over the
+        payload; the round's own count, which this peer cuts once it is decided, is never refused."""
+        key = (round_number, count)
+        if key not in self._cuts:
+            if limited and sum(r == round_number for r, _ in self._cuts) >= MAX_CUT_COUNTS:
+                return None
+            own = parse_message(
+                Payload,
+                self.held[(round_number, self._cuttable[round_number])],
+                max_bytes=self.max_payload_bytes,
+            )
+            self._cuts[key] = cut(own, count)
+        return self._cuts[key]
+
+    def averaging(self, round_number: int) -> None:
+        """A butterfly round starts: means older than the last round's are dropped, and nobody has
+        pulled this round's yet."""
+        for old in [key for key in self.means if key[0] < round_number - 1]:
+            del self.means[old]
+        for old in [key for key in self._mean_ready if key[0] < round_number]:
+            del self._mean_ready[old]
+        self.pullers, self.expected_pullers = set(), set()
+
+    def publish_mean(self, round_number: int, piece: int, data: bytes, expected_pullers: set[str]) -> None:
+        """Serves this peer's mean of the piece it owns; the other participants will pull it."""
+        self.means[(round_number, piece)] = data
+        self._mean_ready.setdefault((round_number, piece), asyncio.Event()).set()
+        self.expected_pullers = expected_pullers
+
+    # --- the handlers ---
+
+    async def serve(self, request: PayloadRequest, context: P2PContext):
+        key = (request.round, request.digest)
+        if request.shards:
+            data = await self.piece(request, context)
+        else:
+            data = self.held.get(key, b"")
+            if key == self.mine and context.remote_id is not None:
+                self.pullers.add(context.remote_id.to_base58())
+        for chunk in chunks(data):
+            self.counts.sent["payload"] += len(chunk.data)
+            yield chunk
+
+    async def piece(self, request: PayloadRequest, context: P2PContext) -> bytes:
+        """In a butterfly round: a piece of this peer's payload, cut on request, or (`reduced`) this
+        peer's mean of the piece it owns, once it has it. Empty if it has neither."""
+        if not request.shard < request.shards <= MAX_PIECES:
+            self.counts.rejected["bad_request"] += 1
+            return b""
+        if request.reduced:
+            key = (request.round, request.shard)
+            if key not in self.means and self.mine is not None and request.round == self.mine[0]:
+                event = self._mean_ready.setdefault(key, asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), MEAN_WAIT_S)
+            data = self.means.get(key, b"")
+            if data and context.remote_id is not None:
+                self.pullers.add(context.remote_id.to_base58())
+            return data
+        if self._cuttable.get(request.round) != request.digest:
+            return b""
+        pieces = self.cut(request.round, request.shards, limited=True)
+        if pieces is None:
+            self.counts.rejected["bad_request"] += 1
+            return b""
+        self._part_served_at = time.monotonic()
+        return pieces[request.shard]
+
+    async def serve_state(self, request: StateRequest, _context: P2PContext):
+        snapshot = self.states.get(request.state)
+        if snapshot is not None:
+            for chunk in chunks(snapshot.manifest if request.manifest else snapshot.chunk(request.chunk)):
+                self.counts.sent["state"] += len(chunk.data)
+                yield chunk
+
+    async def serve_probe(self, request: ProbeRequest, context: P2PContext):
+        """Zeros for a bandwidth measurement, rate-limited per asking peer (not an amplifier)."""
+        now = time.monotonic()
+        if now - self._probed.get(context.remote_id, -math.inf) < PROBE_INTERVAL_S:
+            self.counts.rejected["probe_rate"] += 1
+            return
+        if len(self._probed) > 1024:
+            self._probed = {p: t for p, t in self._probed.items() if now - t < PROBE_INTERVAL_S}
+        self._probed[context.remote_id] = now
+        for chunk in chunks(bytes(min(request.size, PROBE_MAX_BYTES))):
+            self.counts.sent["probe"] += len(chunk.data)
+            yield chunk
+
+    async def drain(self, until: float) -> bool:
+        """Serves until every other participant of the last round pulled this peer's payload (a
+        butterfly round: its mean), and, where pieces of its payload were served lately, PARTS_QUIET_S
+        without one: a peer averaging a lost owner's piece from the parts asks for them after the
+        means, and one that found this peer gone while another got its part would end the round on
+        other parameters. At most until the monotonic time `until`; returns whether all of them had it."""
+        while not (
+            self.expected_pullers <= self.pullers and time.monotonic() - self._part_served_at >= PARTS_QUIET_S
+        ):
+            if time.monotonic() >= until:
+                missing = len(self.expected_pullers - self.pullers)
+                if missing:
+                    logger.warning(f"leaving before {missing} peer(s) pulled this peer's last payload")
+                return missing == 0  # pieces may still be asked for (also by a peer that never stops)
+            await asyncio.sleep(0.05)
+        return True
