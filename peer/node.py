@@ -41,13 +41,13 @@ from shoal.peer.hardware import DeviceError, autocast_for, choose_device, memory
 from shoal.peer.metrics import PeerMetrics, build_info
 from shoal.peer.models import LoadedModel, ModelError, load_model
 from shoal.peer.progress import Progress
-from shoal.peer.runtime import OutOfMemory, Trainer, stop_on_signals
+from shoal.peer.runtime import OutOfMemory, SwarmPeer, stop_on_signals
 from shoal.peer.settings import PARSERS, JoinSettings, SettingsError
-from shoal.peer.swarm.bootstrap import BootstrapError, start_dht
+from shoal.peer.swarm.bootstrap import BootstrapError
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
-from shoal.peer.swarm.exchange import RoundPlan, RoundSchedule, SwarmExchange
+from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
-from shoal.peer.swarm.membership import SHOAL_VERSION, record_validators
+from shoal.peer.swarm.membership import SHOAL_VERSION
 
 DISCOVER_TIMEOUT = timedelta(seconds=60)
 # the run configuration's flags, in the order the join command names them
@@ -105,15 +105,20 @@ def _join(settings: JoinSettings, progress: Progress) -> dict:
     credentials = _check_coordinator(settings)
     identity = _identity(settings.identity, progress)
     try:
-        dht = start_dht(
+        peer = SwarmPeer.start(
+            settings.run,
             settings.initial_peers,
             host_maddrs=[f"/ip4/{settings.host}/tcp/{settings.port}"],
-            record_validators=record_validators(settings.run, identity),
+            identity=identity,
             identity_path=settings.identity,
         )
     except BootstrapError as error:
         raise JoinError(str(error)) from None
-    try:
+    # the others may still be pulling this peer's last payload when it leaves: it serves it for up to a
+    # round more
+    peer.drain = timedelta(seconds=min(DRAIN_MAX_S, settings.round_seconds))
+    with peer:
+        dht = peer.dht
         addresses = [str(a) for a in dht.get_visible_maddrs()]
         address = _best_address(addresses)
         if settings.address_file:
@@ -130,9 +135,7 @@ def _join(settings: JoinSettings, progress: Progress) -> dict:
                 ) from None
         else:
             schedule = None  # the clock starts once the model is loaded (_train)
-        return _train(settings, progress, dht, identity, schedule, workload, credentials)
-    finally:
-        dht.shutdown()
+        return _train(settings, progress, peer, schedule, workload, credentials)
 
 
 def _announce_address(
@@ -184,7 +187,7 @@ def _workload(settings: JoinSettings) -> Workload:
     return Workload(device, loaded, streams)
 
 
-def _train(settings, progress, dht, identity, schedule, workload: Workload, credentials) -> dict:
+def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, credentials) -> dict:
     device, loaded, streams = workload.device, workload.model, workload.streams
     model = loaded.module.to(device)
     numel = loaded.parameters
@@ -193,64 +196,57 @@ def _train(settings, progress, dht, identity, schedule, workload: Workload, cred
             start_time=settings.start_time or time.time() + 0.5, round_seconds=settings.round_seconds
         )
     _save_clock(settings, schedule)
-    exchange = SwarmExchange(
-        dht,
-        coordinator=_coordinator_link(settings, credentials, dht.peer_id.to_base58()),
-        run=settings.run,
-        schedule=schedule,
-        identity=identity,
-        config=settings.run_config(),
+    exchange = peer.connect(
+        schedule,
+        settings.run_config(),
+        coordinator=_coordinator_link(settings, credentials, peer.dht.peer_id.to_base58()),
         device=str(device),
         max_payload_bytes=max(1 << 20, 8 * numel),
         rejoin=settings.initial_peers,
     )
-    trainer = metrics = None
-    try:
-        if settings.initial_peers:
-            _check_compatible(exchange)
-        slices = RoundSlices(seq_len=loaded.seq_len, stride=settings.batch_size, seed=settings.seed)
-        planned: list[RoundPlan] = []  # the round being computed (set by _loop before each round)
+    if settings.initial_peers:
+        _check_compatible(exchange)
+    slices = RoundSlices(seq_len=loaded.seq_len, stride=settings.batch_size, seed=settings.seed)
 
-        def batches(step: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-            plan = planned[-1]
-            place, places = plan.slot
-            inner = step % trainer.inner_steps
-            if settings.compute_delay and inner == 0 and micro == 0:
-                time.sleep(settings.compute_delay)  # --compute-delay: a slow peer, on purpose
-            inputs, targets = slices.batch(
-                streams.train,
-                round_number=plan.round,
-                slot=place,
-                slots=places,
-                micro=inner * settings.max_micro_batches + micro,
-                batch_size=size,
-                seed=plan.data_seed,
-            )
-            return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-
-        algorithm = settings.algorithm_config()
-        trainer = Trainer(
-            model,
-            exchange,
-            algorithm=algorithm,
-            batches=batches,
-            codec=DenseCodec(8) if isinstance(algorithm, DiLoCoConfig) else None,
-            checkpoints=_checkpoint_store(settings, progress),
-            checkpoint_every=settings.checkpoint_every,
-            loss_fn=loaded.loss_fn,
-            batch_size=settings.batch_size,
-            compute_window=settings.round_seconds * settings.compute_fraction,
-            max_micro_batches=settings.max_micro_batches,
-            autocast=autocast_for(device),
+    def batches(step: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        place, places = peer.plan.slot
+        inner = step % trainer.inner_steps
+        if settings.compute_delay and inner == 0 and micro == 0:
+            time.sleep(settings.compute_delay)  # --compute-delay: a slow peer, on purpose
+        inputs, targets = slices.batch(
+            streams.train,
+            round_number=peer.plan.round,
+            slot=place,
+            slots=places,
+            micro=inner * settings.max_micro_batches + micro,
+            batch_size=size,
+            seed=peer.plan.data_seed,
         )
-        metrics = _serve_metrics(settings, progress, exchange, trainer, device, numel)
+        return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+
+    algorithm = settings.algorithm_config()
+    trainer = peer.train(
+        model,
+        algorithm,
+        batches,
+        codec=DenseCodec(8) if isinstance(algorithm, DiLoCoConfig) else None,
+        checkpoints=_checkpoint_store(settings, progress),
+        checkpoint_every=settings.checkpoint_every,
+        loss_fn=loaded.loss_fn,
+        batch_size=settings.batch_size,
+        compute_window=settings.round_seconds * settings.compute_fraction,
+        max_micro_batches=settings.max_micro_batches,
+        autocast=autocast_for(device),
+    )
+    metrics = _serve_metrics(settings, progress, exchange, trainer, device, numel)
+    try:
         if trainer.resume():
             progress.message(f"resumed from the checkpoint of round {trainer.checkpoints.loaded_round}")
         progress.message(
             f"training {settings.model} ({numel:,} parameters) with {settings.algorithm} on {device}, "
             f"data {streams.name}; rounds of {schedule.round_seconds:g} s"
         )
-        return _loop(settings, progress, exchange, trainer, model, planned, metrics)
+        return _loop(settings, progress, peer, model, metrics)
     except OutOfMemory as error:
         raise JoinError(str(error)) from None
     except CoordinatorError as error:  # the coordinator refused the token it accepted at the start
@@ -258,10 +254,6 @@ def _train(settings, progress, dht, identity, schedule, workload: Workload, cred
     finally:
         if metrics is not None:
             metrics.close()
-        if trainer is not None:
-            trainer.close()
-        # the others may still be pulling this peer's last payload: serve it for up to a round more
-        exchange.close(drain=timedelta(seconds=min(DRAIN_MAX_S, settings.round_seconds)))
 
 
 def _checkpoint_store(settings: JoinSettings, progress: Progress) -> CheckpointStore | None:
@@ -319,43 +311,17 @@ def _save_clock(settings: JoinSettings, schedule: RoundSchedule) -> None:
             ) from None
 
 
-def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMetrics | None) -> dict:
-    stop = stop_on_signals()
-    reports, stopped = [], False
-    samples = 0
-    while True:
-        if settings.max_rounds and len(reports) >= settings.max_rounds:
-            break
-        if settings.until_round is not None and _past(exchange, settings.until_round):
-            break
-        sent, received, started = (
-            exchange.counts.bytes_sent,
-            exchange.counts.bytes_received,
-            time.perf_counter(),
-        )
-        plan = exchange.plan_round(settings.until_round)
-        if plan is None or (settings.until_round is not None and plan.round > settings.until_round):
-            break
-        planned[:] = [plan]
-        if plan.compute_seconds is not None:  # leave time to encode before the coordinator's deadline
-            encode = reports[-1].phases["encode"] if reports else 0.0
-            trainer.set_compute_window(plan.compute_seconds - encode - 0.2)
-        report = trainer.run(1, stop)[0]
-        # the round it computed for: an overlapped optimizer's gather may not have started yet
-        report = dataclasses.replace(report, round=plan.round)
-        wall = time.perf_counter() - started
+def _loop(settings, progress, peer: SwarmPeer, model, metrics: PeerMetrics | None) -> dict:
+    exchange, reports = peer.exchange, []
+    for done in peer.rounds(
+        until_round=settings.until_round, max_rounds=settings.max_rounds, stop=stop_on_signals()
+    ):
+        report = done.report
         reports.append(report)
-        samples += report.samples
-        exchange.set_progress(
-            throughput=report.samples / max(wall, 1e-9),
-            samples=samples,
-            compute_throughput=report.samples / max(report.compute_s, 1e-9),
-            min_samples=trainer.batch_size * trainer.inner_steps,
-        )
         if metrics is not None:
             metrics.observe_round(
                 report,
-                wall_s=wall,
+                wall_s=done.wall_s,
                 payload_bytes=exchange.last_payload_bytes,
                 peers_seen=exchange.counts.peers_seen,
                 stragglers=exchange.counts.round_stragglers,
@@ -364,27 +330,21 @@ def _loop(settings, progress, exchange, trainer, model, planned, metrics: PeerMe
             {
                 "round": report.round,
                 "loss": report.loss,
-                "tokens_per_s": report.tokens / max(wall, 1e-9),
+                "tokens_per_s": report.tokens / max(done.wall_s, 1e-9),
                 "participants": report.participants,
                 "micro_batches": f"{report.micro_batches}x{report.batch_size}",
-                "bytes_up": exchange.counts.bytes_sent - sent,
-                "bytes_down": exchange.counts.bytes_received - received,
-                "round_s": wall,
+                "bytes_up": done.bytes_up,
+                "bytes_down": done.bytes_down,
+                "round_s": done.wall_s,
             },
             samples=report.samples,
             tokens=report.tokens,
             phases=report.phases,
         )
-        if stop.is_set():
-            stopped = True
-            break
-    if not stopped:
-        trainer.finish()
-    # the swarm's run ends (not this peer alone: a stop, or its own --max-rounds)
-    left_alone = stopped or (settings.max_rounds and len(reports) >= settings.max_rounds)
-    ended_together = settings.until_round is not None and not left_alone
-    final_resync = ended_together and _agree_final(exchange, trainer, settings.until_round)
-    return _summary(settings, progress, exchange, trainer, model, reports, stopped, final_resync)
+    # the swarm's run ends together (not this peer alone: a stop, or its own --max-rounds)
+    alone = bool(settings.max_rounds and len(reports) >= settings.max_rounds)
+    final_resync = peer.finish(until_round=settings.until_round, left_alone=alone)
+    return _summary(settings, progress, exchange, peer.trainer, model, reports, peer.stopped, final_resync)
 
 
 def _serve_metrics(settings, progress, exchange, trainer, device, numel) -> PeerMetrics | None:
@@ -460,23 +420,6 @@ def _summary(settings, progress, exchange, trainer, model, reports, stopped, fin
             else f"{ending}: no round finished"
         )
     return summary
-
-
-def _agree_final(exchange: SwarmExchange, trainer: Trainer, last_round: int) -> bool:
-    """At the end of a run every peer leaves after `last_round`: the peers compare the states they ended
-    on, and this one takes the majority's if it differs (SwarmExchange.agree_final). Whether it did."""
-    adopted = exchange.agree_final(last_round, trainer.shared_state())
-    if adopted is not None:
-        trainer.load_shared_state(adopted)
-    return adopted is not None
-
-
-def _past(exchange: SwarmExchange, until_round: int) -> bool:
-    """Whether the peer is done with round `until_round` (or, on the clock alone, past it)."""
-    if exchange.last_round is not None and exchange.last_round >= until_round:
-        return True
-    uncoordinated = exchange.coordinator is None or not exchange.coordinator.connected
-    return uncoordinated and exchange.next_round > until_round
 
 
 def _check_coordinator(settings: JoinSettings) -> Credentials | None:

@@ -1,4 +1,5 @@
-"""The round loop of one peer, with checkpoints and a clean stop.
+"""The round loop of one peer (`Trainer`), with checkpoints and a clean stop; and a swarm peer built
+in one place and driven round after round (`SwarmPeer`).
 
 Each round: compute (forward and backward on this peer's micro-batches, gradients accumulated),
 then the optimizer's step, which encodes, exchanges, decodes and applies (DeMo: one step per round;
@@ -18,15 +19,19 @@ newest one; the exchange then re-syncs the peer if the swarm moved on meanwhile.
 """
 
 import contextlib
+import dataclasses
 import math
 import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
+import hivemind
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
 
 from shoal.compression import Codec
@@ -35,6 +40,10 @@ from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Exchange
 from shoal.peer.checkpoint import CheckpointStore
+from shoal.peer.swarm.bootstrap import start_dht
+from shoal.peer.swarm.exchange import SwarmExchange
+from shoal.peer.swarm.membership import record_validators
+from shoal.peer.swarm.records import RoundPlan, RoundSchedule
 
 PHASES = ("compute", "encode", "exchange", "decode", "apply")
 
@@ -366,3 +375,171 @@ class Trainer:
             return False
         self.load_state_dict(state)
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRound:
+    """One round of a swarm peer's loop (`SwarmPeer.rounds`)."""
+
+    report: RoundReport
+    plan: RoundPlan
+    wall_s: float
+    """The whole round on this peer: waiting for its plan, computing, exchanging."""
+    plan_s: float
+    """Waiting for the plan (under a coordinator: its next round)."""
+    bytes_up: int
+    """Payload and state bytes this peer served during the round."""
+    bytes_down: int
+
+
+class SwarmPeer:
+    """One peer of a swarm, built in one place, and the one round loop that drives it. `shoal join`
+    (shoal.peer.node), the benchmark workers and the integration tests' peers all run through it.
+
+        with SwarmPeer.start("my-run", initial_peers, host_maddrs=["/ip4/0.0.0.0/tcp/0"]) as peer:
+            peer.connect(schedule, config)                # its SwarmExchange
+            peer.train(model, algorithm, batches)         # its Trainer
+            for done in peer.rounds(until_round=100, stop=stop_on_signals()):
+                ...                                       # report, metrics
+            peer.finish(until_round=100)                  # the last round applied, the run's end agreed
+
+    `plan` is the round being computed: the batches read their data slot and seed there. Closing the
+    peer closes the trainer, then the exchange (serving its last payload for at most `drain` to peers
+    that have not pulled it), then the DHT.
+    """
+
+    def __init__(self, dht: hivemind.DHT, identity: RSAPrivateKey, run: str):
+        self.dht, self.identity, self.run = dht, identity, run
+        self.exchange: SwarmExchange | None = None
+        self.trainer: Trainer | None = None
+        self.plan: RoundPlan | None = None
+        self.stopped = False
+        """Whether the loop ended on a stop (a signal): the peer leaves alone, after a checkpoint."""
+        self.drain = timedelta(0)
+
+    @classmethod
+    def start(
+        cls,
+        run: str,
+        initial_peers: Sequence[str],
+        *,
+        host_maddrs: Sequence[str],
+        identity: RSAPrivateKey | None = None,
+        **dht_options,
+    ) -> "SwarmPeer":
+        """Joins the DHT through `initial_peers` (none: a new swarm), with the run's record validators;
+        `dht_options` go to `bootstrap.start_dht` (identity_path, ...). Raises BootstrapError."""
+        identity = identity or RSAPrivateKey()
+        validators = record_validators(run, identity)
+        dht = start_dht(initial_peers, host_maddrs=host_maddrs, record_validators=validators, **dht_options)
+        return cls(dht, identity, run)
+
+    def connect(
+        self,
+        schedule: RoundSchedule,
+        config: Mapping[str, str],
+        *,
+        exchange_type: type[SwarmExchange] = SwarmExchange,
+        **options,
+    ) -> SwarmExchange:
+        """This peer's exchange on `schedule`, for the run configuration `config`; `options` go to
+        SwarmExchange (a test's hostile peer passes its subclass as `exchange_type`)."""
+        self.exchange = exchange_type(
+            self.dht, run=self.run, schedule=schedule, identity=self.identity, config=config, **options
+        )
+        return self.exchange
+
+    def train(self, model: nn.Module, algorithm: AlgorithmConfig, batches: Batches, **options) -> Trainer:
+        """This peer's trainer over its exchange; `options` go to Trainer."""
+        self.trainer = Trainer(model, self.exchange, algorithm=algorithm, batches=batches, **options)
+        return self.trainer
+
+    def rounds(
+        self,
+        *,
+        until_round: int | None = None,
+        max_rounds: int | None = None,
+        stop: threading.Event | None = None,
+        planned: Callable[[RoundPlan], None] | None = None,
+    ) -> Iterator[PeerRound]:
+        """Trains round after round, each for the round the exchange plans (`plan_round`), until the run
+        is past `until_round`, `max_rounds` are done, or `stop` is set (the round in progress ends,
+        with a checkpoint; `stopped` is then set). `planned(plan)` is called before each round's
+        computation starts."""
+        exchange, trainer = self.exchange, self.trainer
+        count = samples = 0
+        while not (max_rounds and count >= max_rounds):
+            if until_round is not None and self._past(until_round):
+                return
+            sent, received, started = (
+                exchange.counts.bytes_sent,
+                exchange.counts.bytes_received,
+                time.perf_counter(),
+            )
+            plan = exchange.plan_round(until_round)
+            if plan is None or (until_round is not None and plan.round > until_round):
+                return
+            self.plan = plan
+            plan_s = time.perf_counter() - started
+            if planned is not None:
+                planned(plan)
+            if plan.compute_seconds is not None:  # leave time to encode before the coordinator's deadline
+                trainer.set_compute_window(plan.compute_seconds - self._encode_s - 0.2)
+            report = trainer.run(1, stop)[0]
+            # the round it computed for: an overlapped optimizer's gather may not have started yet
+            report = dataclasses.replace(report, round=plan.round)
+            self._encode_s = report.phases["encode"]
+            wall = time.perf_counter() - started
+            count, samples = count + 1, samples + report.samples
+            exchange.set_progress(
+                throughput=report.samples / max(wall, 1e-9),
+                samples=samples,
+                compute_throughput=report.samples / max(report.compute_s, 1e-9),
+                min_samples=trainer.batch_size * trainer.inner_steps,
+            )
+            up, down = exchange.counts.bytes_sent - sent, exchange.counts.bytes_received - received
+            yield PeerRound(report, plan, wall, plan_s, up, down)
+            if stop is not None and stop.is_set():
+                self.stopped = True
+                return
+
+    _encode_s = 0.0  # the last round's encode time
+
+    def finish(self, *, until_round: int | None = None, left_alone: bool = False) -> bool:
+        """Ends training: unless stopped, the round still in flight is applied; and when the swarm's run
+        ends together after `until_round` (this peer is not leaving alone, on its own round limit or a
+        stop), the peers agree on the state they end on (SwarmExchange.agree_final), and this one takes
+        the majority's if it differs. Returns whether it did."""
+        if not self.stopped:
+            self.trainer.finish()
+        if until_round is None or left_alone or self.stopped:
+            return False
+        adopted = self.exchange.agree_final(until_round, self.trainer.shared_state())
+        if adopted is not None:
+            self.trainer.load_shared_state(adopted)
+        return adopted is not None
+
+    def _past(self, until_round: int) -> bool:
+        """Whether the peer is done with round `until_round` (or, on the clock alone, past it)."""
+        exchange = self.exchange
+        if exchange.last_round is not None and exchange.last_round >= until_round:
+            return True
+        uncoordinated = exchange.coordinator is None or not exchange.coordinator.connected
+        return uncoordinated and exchange.next_round > until_round
+
+    def close(self) -> None:
+        try:
+            if self.trainer is not None:
+                self.trainer.close()
+        finally:
+            try:
+                if self.exchange is not None:
+                    self.exchange.close(drain=self.drain)
+            finally:
+                self.dht.shutdown()
+
+    def __enter__(self) -> "SwarmPeer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

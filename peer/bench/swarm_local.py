@@ -38,45 +38,29 @@ def loopback_tx_bytes() -> int:
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    from hivemind.utils.crypto import RSAPrivateKey
 
     from shoal.peer.algorithms.configs import DeMoConfig
     from shoal.peer.data import BatchPlan, stdlib_corpus
     from shoal.peer.model import GPTConfig, TinyGPT
-    from shoal.peer.runtime import Trainer
-    from shoal.peer.swarm.bootstrap import start_dht
-    from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
-    from shoal.peer.swarm.membership import record_validators
+    from shoal.peer.runtime import SwarmPeer
+    from shoal.peer.swarm.records import RoundSchedule
 
     torch.set_num_threads(1)
-    identity = RSAPrivateKey()
-    dht = start_dht(
-        [args.initial_peer],
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        record_validators=record_validators("bench", identity),
-    )
-    schedule = RoundSchedule(start_time=args.start, round_seconds=args.round_seconds)
-    exchange = SwarmExchange(
-        dht,
-        run="bench",
-        schedule=schedule,
-        identity=identity,
-        config={"model": args.model, "algorithm": "demo"},
-        fetch_timeout=timedelta(seconds=args.round_seconds),
-    )
-    try:
+    with SwarmPeer.start("bench", [args.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as peer:
+        exchange = peer.connect(
+            RoundSchedule(start_time=args.start, round_seconds=args.round_seconds),
+            {"model": args.model, "algorithm": "demo"},
+            fetch_timeout=timedelta(seconds=args.round_seconds),
+        )
         config = GPTConfig.preset("small" if args.model == "10m" else "tiny", **MODELS[args.model])
         torch.manual_seed(0)
         model = TinyGPT(config)
         streams = stdlib_corpus(max_bytes=4 << 20)
         plan = BatchPlan(seq_len=config.seq_len, batch_size=4, workers=args.peers)
-        trainer = Trainer(
-            model,
-            exchange,
-            algorithm=DeMoConfig(),
-            batches=lambda step, _micro, _size: plan.batch(streams.train, step, args.index),
+        trainer = peer.train(
+            model, DeMoConfig(), lambda step, _micro, _size: plan.batch(streams.train, step, args.index)
         )
-        reports = trainer.run(args.rounds)
+        reports = [done.report for done in peer.rounds(max_rounds=args.rounds)]
         result = {
             "params": sum(p.numel() for p in model.parameters()),
             "payload_bytes": trainer.optimizer.bytes_sent / len(reports),
@@ -86,9 +70,6 @@ def worker(args: argparse.Namespace) -> None:
             "compute_s": statistics.median(r.compute_s for r in reports),
         }
         Path(args.out).write_text(json.dumps(result))
-    finally:
-        exchange.close()
-        dht.shutdown()
 
 
 def run_swarm(model: str, peers: int, rounds: int, round_seconds: float) -> dict:

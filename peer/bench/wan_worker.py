@@ -145,59 +145,48 @@ def _data_parallel(args, model, batch) -> dict:
 
 
 def _swarm(args, model, batch) -> dict:
-    from hivemind.utils.crypto import RSAPrivateKey
-
     from shoal.compression import DenseCodec
-    from shoal.peer.runtime import Trainer
+    from shoal.peer.runtime import SwarmPeer
     from shoal.peer.swarm.coordinator_link import CoordinatorLink
-    from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
+    from shoal.peer.swarm.records import RoundSchedule
 
     algorithm = SWARM_METHODS[args.method]
     if isinstance(algorithm, DiLoCoConfig):
         algorithm = replace(algorithm, inner_steps=args.inner_steps)
-    identity = RSAPrivateKey()
-    dht = _join_dht(args, identity)
-    exchange = SwarmExchange(
-        dht,
-        run="wan",
-        schedule=RoundSchedule(start_time=time.time(), round_seconds=600.0),
-        identity=identity,
-        config={"model": args.model, "algorithm": algorithm.name},
-        coordinator=CoordinatorLink(args.coordinator, dht.peer_id.to_base58()),
-        fetch_timeout=timedelta(seconds=120),
-    )
-    trainer = Trainer(
-        model,
-        exchange,
-        algorithm=algorithm,
-        batches=lambda step, _micro, _size: batch(step),
-        codec=DenseCodec(4),
-        batch_size=args.batch_size,
-    )
-    try:
+    first = Path(args.first)
+    initial = [] if args.index == 0 else [_wait_for_text(first)]
+    with SwarmPeer.start("wan", initial, host_maddrs=[f"/ip4/{args.address}/tcp/0"]) as peer:
+        if args.index == 0:  # the others join through its address
+            address = next(str(a) for a in peer.dht.get_visible_maddrs() if f"/ip4/{args.address}/" in str(a))
+            replace_text(first, address)
+        exchange = peer.connect(
+            RoundSchedule(start_time=time.time(), round_seconds=600.0),
+            {"model": args.model, "algorithm": algorithm.name},
+            coordinator=CoordinatorLink(args.coordinator, peer.dht.peer_id.to_base58()),
+            fetch_timeout=timedelta(seconds=120),
+        )
+        trainer = peer.train(
+            model,
+            algorithm,
+            lambda step, _micro, _size: batch(step),
+            codec=DenseCodec(4),
+            batch_size=args.batch_size,
+        )
+        # round 0 starts once every peer has joined the coordinator: time and wire count from its plan
+        start: list[tuple[float, tuple[int, int]]] = []
         compute = planning = exchanging = 0.0
-        started = None
         payloads = 0
-        for _ in range(math.ceil(args.steps / algorithm.inner_steps)):
-            begin = time.perf_counter()
-            exchange.plan_round()
-            if started is None:  # round 0 starts once every peer has joined the coordinator
-                started, wire = time.perf_counter(), interface_bytes()
-            else:
-                planning += time.perf_counter() - begin
-            report = trainer.round()
-            compute += report.compute_s
-            exchanging += report.exchange_s
+        rounds = math.ceil(args.steps / algorithm.inner_steps)
+        planned = lambda _plan: start or start.append((time.perf_counter(), interface_bytes()))  # noqa: E731
+        for index, done in enumerate(peer.rounds(max_rounds=rounds, planned=planned)):
+            planning += done.plan_s if index else 0.0
+            compute += done.report.compute_s
+            exchanging += done.report.exchange_s
             payloads += exchange.last_payload_bytes
-            exchange.set_progress(
-                throughput=report.samples / max(report.compute_s, 1e-9),
-                samples=report.samples,
-                compute_throughput=report.samples / max(report.compute_s, 1e-9),
-                min_samples=report.samples,
-            )
         begin = time.perf_counter()
-        trainer.finish()
+        peer.finish()
         finishing = time.perf_counter() - begin
+        started, wire = start[0]
         wall = time.perf_counter() - started
         _linger(Path(args.out), args.peers)
         # counted once every peer is done: the others pull this peer's last payload (or mean) after its
@@ -216,29 +205,6 @@ def _swarm(args, model, batch) -> dict:
             "exchanges": trainer.rounds_done,
             "time_s": _swarm_time(wall, compute, planning, exchanging, finishing, trainer),
         }
-    finally:
-        trainer.close()
-        exchange.close()
-        dht.shutdown()
-
-
-def _join_dht(args, identity):
-    """The DHT of the run: peer 0 starts it and writes its address to `args.first`, the others join
-    through that address."""
-    from shoal.peer.swarm.bootstrap import start_dht
-    from shoal.peer.swarm.membership import record_validators
-
-    first = Path(args.first)
-    initial = [] if args.index == 0 else [_wait_for_text(first)]
-    dht = start_dht(
-        initial,
-        host_maddrs=[f"/ip4/{args.address}/tcp/0"],
-        record_validators=record_validators("wan", identity),
-    )
-    if args.index == 0:
-        address = next(str(a) for a in dht.get_visible_maddrs() if f"/ip4/{args.address}/" in str(a))
-        replace_text(first, address)
-    return dht
 
 
 def _swarm_time(

@@ -23,9 +23,16 @@ ROOT = Path(__file__).resolve().parents[2]
 SHOAL = [sys.executable, "-m", "shoal.peer.cli"]
 
 
+def spawn(command: list[str], *, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    """`command` in its own process session (so that `kill` ends the DHT and p2pd processes it forks),
+    from the repository root, one thread for torch; `env`: more variables."""
+    variables = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.Popen(command, cwd=ROOT, env=variables, start_new_session=True, **kwargs)
+
+
 def start(*args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([*SHOAL, *args], cwd=ROOT, env=env, start_new_session=True, text=True, **kwargs)
+    """`shoal ARGS...` (spawn)."""
+    return spawn([*SHOAL, *args], text=True, **kwargs)
 
 
 def kill(process: subprocess.Popen) -> None:

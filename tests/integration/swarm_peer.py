@@ -3,11 +3,12 @@
     python -m tests.integration.swarm_peer --initial-peer MADDR --start T --round-seconds S \
         --until-round R --index I --peers N --out FILE [--algorithm demo|diloco-eager|...]
 
-Joins the DHT and trains the tiny GPT over a SwarmExchange (shoal.peer.runtime.Trainer) on its own
+Joins the DHT and trains the tiny GPT as a swarm peer (shoal.peer.runtime.SwarmPeer) on its own
 slice of the standard-library corpus until round R, then writes a JSON report: a hash of the final
 parameters, per-round losses, participants and lateness (seconds past the deadline), rejections,
 re-syncs. Without `--start` it joins a running swarm: the round clock comes from the DHT.
-`--die-after N` kills -9 itself before its N-th round; SIGTERM stops it at a round end with a
+`--fault KIND@ROUND` (repeatable) makes it exit, hang or lie at that round (tests.integration.faults);
+SIGTERM stops it at a round end with a
 checkpoint (`--checkpoint-dir`), and `--resume` starts from the newest one.
 `--hostile` makes it attack the others, one attack per round (ATTACKS), while it stays in sync.
 """
@@ -15,26 +16,23 @@ checkpoint (`--checkpoint-dir`), and `--resume` starts from the newest one.
 import argparse
 import hashlib
 import json
-import os
-import signal
 from dataclasses import replace
 from datetime import timedelta
 
 import torch
 import zstandard
-from hivemind.utils.crypto import RSAPrivateKey
 
 from shoal.compression import DenseCodec
 from shoal.peer.algorithms.configs import DEFAULTS, DeMoConfig
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data import BatchPlan, stdlib_corpus
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.runtime import Trainer, stop_on_signals
-from shoal.peer.swarm.bootstrap import start_dht
+from shoal.peer.runtime import SwarmPeer, stop_on_signals
 from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
-from shoal.peer.swarm.membership import record_validators
 from shoal.peer.swarm.server import PayloadServer
 from shoal.protocol import Payload
+from tests.integration import faults
+from tests.integration.faults import Fault
 
 ATTACKS = ["none", "wrong_shape", "nan", "oversized", "digest", "replay"]
 MAX_PAYLOAD_BYTES = 1 << 20
@@ -97,7 +95,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--round-seconds", type=float, default=1.5)
     for name in ("--until-round", "--index", "--peers"):
         parser.add_argument(name, type=int, required=True)
-    parser.add_argument("--die-after", type=int, default=None, help="kill -9 itself before this round")
+    parser.add_argument(
+        "--fault", type=Fault.parse, action="append", default=[], help="KIND@ROUND: faults.py"
+    )
     parser.add_argument("--topk", type=int, default=32, help="DeMo's compression_topk (in the run config)")
     parser.add_argument("--algorithm", choices=list(DEFAULTS), default="demo")
     parser.add_argument("--hostile", action="store_true")
@@ -137,28 +137,25 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     stop = stop_on_signals()
-    identity = RSAPrivateKey()
-    dht = start_dht(
-        [args.initial_peer],
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        record_validators=record_validators("test", identity),
-    )
-    if args.start is None:
-        schedule = RoundSchedule.discover(dht, "test")
-    else:
-        schedule = RoundSchedule(start_time=args.start, round_seconds=args.round_seconds)
-    config = {"model": "tiny", "algorithm": args.algorithm, "lr": "2e-3", "compression_topk": str(args.topk)}
-    exchange = (HostileExchange if args.hostile else SwarmExchange)(
-        dht,
-        run="test",
-        schedule=schedule,
-        identity=identity,
-        config=config,
-        fetch_timeout=timedelta(seconds=5),
-        max_payload_bytes=MAX_PAYLOAD_BYTES,
-        strike_limit=args.strike_limit,
-    )
-    try:
+    with SwarmPeer.start("test", [args.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as peer:
+        if args.start is None:
+            schedule = RoundSchedule.discover(peer.dht, "test")
+        else:
+            schedule = RoundSchedule(start_time=args.start, round_seconds=args.round_seconds)
+        config = {
+            "model": "tiny",
+            "algorithm": args.algorithm,
+            "lr": "2e-3",
+            "compression_topk": str(args.topk),
+        }
+        exchange = peer.connect(
+            schedule,
+            config,
+            exchange_type=HostileExchange if args.hostile else faults.exchange_type(args.fault),
+            fetch_timeout=timedelta(seconds=5),
+            max_payload_bytes=MAX_PAYLOAD_BYTES,
+            strike_limit=args.strike_limit,
+        )
         config_model = GPTConfig.preset("tiny")
         torch.manual_seed(0)
         model = TinyGPT(config_model)
@@ -169,34 +166,22 @@ def main() -> None:
             algorithm = replace(named, lr=2e-3, topk=args.topk)
         else:
             algorithm = replace(named, lr=2e-3, inner_steps=5)
-        trainer = Trainer(
+        trainer = peer.train(
             model,
-            exchange,
-            algorithm=algorithm,
-            batches=lambda step, _micro, _size: plan.batch(streams.train, step, args.index),
+            algorithm,
+            lambda step, _micro, _size: plan.batch(streams.train, step, args.index),
             codec=None if isinstance(algorithm, DeMoConfig) else DenseCodec(8),
             checkpoints=CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None,
         )
         resumed = trainer.resume() if args.resume else False
-        reports, stopped = [], False
-        first_round = exchange.next_round
-        # DiLoCo's delayed and eager rounds start on a background thread: count them rather than ask
-        while exchange.next_round <= args.until_round and len(reports) <= args.until_round - first_round:
-            if len(reports) == args.die_after:
-                os.kill(os.getpid(), signal.SIGKILL)
-            reports.extend(trainer.run(1, stop))
-            if stop.is_set():
-                stopped = True
-                break
-        if not stopped:
-            trainer.finish()
-        trainer.close()
-        report = report_of(model, trainer, exchange, schedule, reports, resumed=resumed, stopped=stopped)
+        reports = []
+        planned = faults.inject(args.fault, exchange)
+        for done in peer.rounds(until_round=args.until_round, stop=stop, planned=planned):
+            reports.append(done.report)
+        peer.finish()  # the last round applied (no end-of-run agreement: the tests compare the rounds')
+        report = report_of(model, trainer, exchange, schedule, reports, resumed=resumed, stopped=peer.stopped)
         with open(args.out, "w") as out:
             json.dump(report, out)
-    finally:
-        exchange.close()
-        dht.shutdown()
 
 
 if __name__ == "__main__":

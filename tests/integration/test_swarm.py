@@ -1,9 +1,7 @@
 """DeMo over a real hivemind swarm: a stock `hivemind-dht` bootstrap node and peers in separate
 processes on 127.0.0.1, OS-chosen ports."""
 
-import contextlib
 import json
-import os
 import re
 import shutil
 import signal
@@ -15,27 +13,9 @@ from pathlib import Path
 import pytest
 
 from shoal.peer.checkpoint import CheckpointStore
+from tests.integration.harness import kill, shoal, spawn
 
-ROOT = Path(__file__).resolve().parents[2]
 HIVEMIND_DHT = Path(sys.executable).with_name("hivemind-dht")
-
-
-def start(command: list[str], **kwargs) -> subprocess.Popen:
-    """Its own process session, so that stop() also ends the DHT and p2pd processes it forks."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, **kwargs)
-
-
-def stop(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    with contextlib.suppress(ProcessLookupError):  # its forked DHT process outlives a clean exit
-        os.killpg(process.pid, signal.SIGKILL)
 
 
 def bootstrap_address(node: subprocess.Popen, timeout_s: float = 30) -> str:
@@ -53,18 +33,20 @@ def run_swarm(
     peers: int,
     rounds: int,
     round_seconds: float = 1.5,
-    die: dict[int, int] | None = None,
+    faults: dict[int, str] | None = None,
     extra: dict[int, list[str]] | None = None,
     join_at: dict[int, int] | None = None,
     restart_at: dict[int, int] | None = None,
 ) -> list:
-    """Reports of every peer (None for those told to die), after rounds 0 .. rounds - 1.
+    """Reports of every peer (None for those told to exit or hang), after rounds 0 .. rounds - 1.
 
-    `extra`: more flags per peer; `join_at`: peers started only at that round, without the clock (they
-    find it in the DHT); `restart_at`: peers sent SIGTERM at that round and started again at once
-    with `--resume` (their first report is `peer<i>-stopped.json`)."""
-    die, extra, join_at, restart_at = die or {}, extra or {}, join_at or {}, restart_at or {}
-    node = start(
+    `faults`: a fault for a peer, KIND@ROUND (tests.integration.faults); `extra`: more flags per peer;
+    `join_at`: peers started only at that round, without the clock (they find it in the DHT);
+    `restart_at`: peers sent SIGTERM at that round and started again at once with `--resume` (their
+    first report is `peer<i>-stopped.json`)."""
+    faults, extra, join_at, restart_at = faults or {}, extra or {}, join_at or {}, restart_at or {}
+    gone = {i for i, fault in faults.items() if not fault.startswith("lie")}
+    node = spawn(
         [str(HIVEMIND_DHT), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], stderr=subprocess.PIPE, text=True
     )
     processes = {"node": node}
@@ -77,14 +59,14 @@ def run_swarm(
             command += ["--round-seconds", str(round_seconds), "--until-round", str(rounds - 1)]
             command += ["--index", str(i), "--peers", str(peers), "--out", str(out)]
             command += ["--checkpoint-dir", str(tmp_path / f"checkpoints{i}"), *extra.get(i, []), *flags]
-            return start(command)
+            return spawn(command)
 
         events = []  # (time, action, peer)
         for i in range(peers):
             if i in join_at:
                 events.append((begin + join_at[i] * round_seconds - 8, "join", i))  # ~8 s to start up
             else:
-                flags = ["--start", str(begin)] + (["--die-after", str(die[i])] if i in die else [])
+                flags = ["--start", str(begin)] + (["--fault", faults[i]] if i in faults else [])
                 processes[i] = launch(i, tmp_path / f"peer{i}.json", *flags)
             if i in restart_at:
                 events.append((begin + restart_at[i] * round_seconds, "restart", i))
@@ -99,14 +81,16 @@ def run_swarm(
                 shutil.move(tmp_path / f"peer{i}.json", tmp_path / f"peer{i}-stopped.json")
                 processes[i] = launch(i, tmp_path / f"peer{i}.json", "--start", str(begin), "--resume")
         for i in range(peers):
+            if faults.get(i, "").startswith("hang"):
+                continue  # stopped: killed by the clean-up below
             code = processes[i].wait(timeout=begin - time.time() + rounds * round_seconds + 60)
-            assert code == (-signal.SIGKILL if i in die else 0)
+            assert code == (-signal.SIGKILL if i in gone else 0)
         return [
-            None if i in die else json.loads((tmp_path / f"peer{i}.json").read_text()) for i in range(peers)
+            None if i in gone else json.loads((tmp_path / f"peer{i}.json").read_text()) for i in range(peers)
         ]
     finally:
         for process in processes.values():
-            stop(process)
+            kill(process)
 
 
 def mean_loss(reports: list, position: int) -> float:
@@ -145,11 +129,39 @@ def test_four_peers_train_demo_a_fifth_joins_and_a_restarted_one_resyncs(tmp_pat
 @pytest.mark.timeout(240)
 def test_killing_a_peer_mid_run_does_not_stall_the_others(tmp_path):
     rounds = 8
-    reports = run_swarm(tmp_path, peers=3, rounds=rounds, die={2: 3})
+    reports = run_swarm(tmp_path, peers=3, rounds=rounds, faults={2: "exit@3"})
     for report in reports[:2]:
         assert len(report["losses"]) == rounds
         assert report["participants"][:3] == [3, 3, 3] and report["participants"][-1] == 2
         assert max(report["lateness"]) < 0.5  # no round waited past its deadline for the dead peer
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_that_hangs_mid_run_does_not_stall_the_others(tmp_path):
+    """Peer 2 freezes at round 3 (SIGSTOP), while its DHT process and libp2p daemon go on answering: its
+    record is still there for a few rounds, and it never announces again."""
+    rounds = 8
+    reports = run_swarm(tmp_path, peers=3, rounds=rounds, faults={2: "hang@3"})
+    assert reports[0]["param_hash"] == reports[1]["param_hash"]
+    for report in reports[:2]:
+        assert report["rounds"] == list(range(rounds))
+        assert report["participants"][:3] == [3, 3, 3] and report["participants"][3:] == [2] * (rounds - 3)
+        assert max(report["lateness"]) < 0.5  # no round waited past its deadline for the frozen peer
+        assert not report["rejected"]  # absent is not hostile: no strike
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_that_starts_lying_mid_run_is_found_out_and_banned(tmp_path):
+    """Peer 3 trains honestly for three rounds, then flips the signs of every payload it sends."""
+    rounds = 10
+    reports = run_swarm(tmp_path, peers=4, rounds=rounds, round_seconds=2.0, faults={3: "lie@3"})
+    honest = reports[:3]
+    assert len({r["param_hash"] for r in honest}) == 1 and all(r["finite"] for r in honest)
+    for report in honest:
+        assert report["participants"][:3] == [4, 4, 4]
+        assert report["rejected"].get("outlier", 0) >= 1 and report["banned"] == 1, report["rejected"]
+        assert report["participants"][-1] == 3  # banned: its announcements are ignored
+    assert mean_loss(honest, -1) < mean_loss(honest, 0) - 0.5
 
 
 @pytest.mark.timeout(240)
@@ -209,9 +221,9 @@ def test_peers_train_diloco_over_the_swarm_and_agree(tmp_path, mode, peers, roun
 
 @pytest.mark.timeout(180)
 def test_bench_swarm_local_measures_the_wire_against_the_codec(tmp_path):
-    command = [sys.executable, "-m", "shoal.peer.cli", "bench", "swarm-local", "--json", "--peers", "2"]
-    command += ["--rounds", "3", "--round-seconds", "2"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    result = shoal(
+        "bench", "swarm-local", "--json", "--peers", "2", "--rounds", "3", "--round-seconds", "2", timeout=170
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     (row,) = json.loads(result.stdout)["results"]
     assert row["peers"] == 2 and row["complete_rounds"] == 3 and row["rejected"] == 0

@@ -1,0 +1,72 @@
+"""The failure injector of the swarm integration tests: peer i exits, hangs or lies at round r.
+
+A fault is `KIND@ROUND`, given to a test peer (tests/integration/swarm_peer.py) as `--fault`:
+
+- `exit@r`: the peer kills itself (-9) as its computation for swarm round r starts: a crash, or a
+  volunteer's machine switched off. Its DHT record outlives it for a few rounds.
+- `hang@r`: it stops itself (SIGSTOP) there: the training process freezes, while its DHT process and
+  libp2p daemon, separate processes, go on answering: a peer that is there and never delivers. The
+  test's clean-up kills it.
+- `lie@r`: from round r on, every payload it sends has its values' signs flipped, well-formed
+  (shoal.peer.bench.hostile.poison): a peer that poisons the run.
+
+    planned = inject(faults, exchange)   # SwarmPeer.rounds(planned=...) calls it before each round
+"""
+
+import os
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shoal.peer.bench import hostile
+from shoal.peer.swarm.exchange import SwarmExchange
+from shoal.peer.swarm.records import RoundPlan
+
+KINDS = ("exit", "hang", "lie")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    round: int
+
+    @staticmethod
+    def parse(text: str) -> "Fault":
+        kind, _, number = text.partition("@")
+        if kind not in KINDS or not number.isdigit():
+            raise ValueError(f"a fault is KIND@ROUND with KIND one of {', '.join(KINDS)}, not {text!r}")
+        return Fault(kind, int(number))
+
+
+class LyingExchange(SwarmExchange):
+    """A SwarmExchange that flips the signs of what it sends once `lying` is set (by `inject`)."""
+
+    lying = False
+    _generator = torch.Generator().manual_seed(11)
+
+    def gather(self, payload, samples, state=None):
+        if self.lying:
+            payload = hostile.poison(payload, "sign_flip", self._generator)
+        return super().gather(payload, samples, state)
+
+
+def exchange_type(faults: Sequence[Fault]) -> type[SwarmExchange]:
+    """The exchange a peer with `faults` needs."""
+    return LyingExchange if any(f.kind == "lie" for f in faults) else SwarmExchange
+
+
+def inject(faults: Sequence[Fault], exchange: SwarmExchange) -> Callable[[RoundPlan], None]:
+    """The hook that carries out `faults` as each round's computation starts."""
+
+    def planned(plan: RoundPlan) -> None:
+        for fault in faults:
+            if fault.kind == "lie" and plan.round >= fault.round:
+                exchange.lying = True
+            elif plan.round == fault.round and fault.kind == "exit":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif plan.round == fault.round and fault.kind == "hang":
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    return planned
