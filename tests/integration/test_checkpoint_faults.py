@@ -5,12 +5,10 @@ round really resumed is the one said)."""
 
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -19,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from shoal.peer.checkpoint import CheckpointStore
+from tests.integration import harness
+from tests.integration.harness import events, kill
 
-ROOT = Path(__file__).resolve().parents[2]
 COMMON = [
     "join",
     "--host",
@@ -35,24 +34,7 @@ COMMON = [
 
 
 def start(output: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "shoal.peer.cli", *COMMON, *args],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=output.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def stop(peer: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(peer.pid, signal.SIGKILL)
-    peer.wait(timeout=10)
-
-
-def events(output: Path) -> list[dict]:
-    return [json.loads(line) for line in output.read_text().splitlines() if line.startswith("{")]
+    return harness.start(*COMMON, *args, stdout=output.open("w"), stderr=subprocess.STDOUT)
 
 
 def wait_for(
@@ -142,7 +124,7 @@ def test_a_folder_made_read_only_mid_run_is_a_counted_warning_and_loses_no_check
         assert summary["checkpoint"] == str(folder)
         assert CheckpointStore(folder).load_latest()["round"] > newest
     finally:
-        stop(peer)
+        kill(peer)
 
 
 @pytest.mark.timeout(150)
@@ -154,7 +136,7 @@ def test_a_truncated_newest_checkpoint_is_named_moved_aside_and_not_kept(tmp_pat
         peer.send_signal(signal.SIGTERM)
         assert peer.wait(timeout=60) == 0, first.read_text()[-3000:]
     finally:
-        stop(peer)
+        kill(peer)
     oldest, good, newest = CheckpointStore(folder).rounds()
     damaged = folder / f"round-{newest}.pt"
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])  # a torn copy or a full disk
@@ -163,7 +145,7 @@ def test_a_truncated_newest_checkpoint_is_named_moved_aside_and_not_kept(tmp_pat
     try:
         assert peer.wait(timeout=90) == 0, second.read_text()[-3000:]
     finally:
-        stop(peer)
+        kill(peer)
     said = texts(events(second))
     assert any(str(damaged) in t and "damaged" in t and f"round-{newest}.pt.damaged" in t for t in said), said
     assert f"resumed from the checkpoint of round {good}" in said, said

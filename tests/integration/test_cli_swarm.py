@@ -61,40 +61,9 @@ def test_join_twice_status_and_sigterm_checkpoint(tmp_path):
         )
         wait_for(second_out, lambda e: e.get("event") == "round" and e["participants"] == 2, 90)
         wait_for(first_out, lambda e: e.get("event") == "round" and e["participants"] == 2, 30)
+        ids = [started["peer_id"], wait_for(second_out, lambda e: e.get("event") == "started", 1)["peer_id"]]
         metrics = wait_for(first_out, lambda e: e.get("event") == "metrics", 1)["address"]
-        exposition = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
-        assert f'peer_id="{started["peer_id"]}"' in exposition  # shoal_build_info
-        assert "\nshoal_round_participants 2.0\n" in exposition
-        in_use = shoal("join", *common, "--metrics-port", metrics.rpartition(":")[2], timeout=60)
-        assert in_use.returncode == 2 and "in use" in in_use.stderr and "--metrics-port" in in_use.stderr
-        status = shoal("status", "--initial-peers", address, "--run", "twice", "--json", timeout=60)
-        assert status.returncode == 0, status.stderr[-2000:]
-        peers = json.loads(status.stdout)["peers"]
-        ids = {started["peer_id"], wait_for(second_out, lambda e: e.get("event") == "started", 1)["peer_id"]}
-        assert {p["peer_id"] for p in peers} == ids
-        assert all(p["samples"] > 0 and p["throughput"] > 0 and p["version"] for p in peers)
-        table = shoal(
-            "status",
-            "--initial-peers",
-            address,
-            "--run",
-            "twice",
-            timeout=60,
-            env={**os.environ, "COLUMNS": "200"},
-        )
-        assert all(peer_id in table.stdout for peer_id in ids), table.stdout
-
-        check = shoal("check", "--initial-peers", address, "--run", "twice", "--json", timeout=90)
-        assert check.returncode == 0, check.stderr[-2000:]
-        network = json.loads(check.stdout)["network"]
-        assert network["bootstrap"] == "ok" and network["run_peers"] == 2
-        assert set(network["bandwidth_mbit_s"]) == ids
-        assert all(isinstance(v, float) and v > 1 for v in network["bandwidth_mbit_s"].values()), network
-
-        other = shoal("join", *common, "--initial-peers", address, "--topk", "4", timeout=90)
-        assert other.returncode == 1
-        assert "every peer of this run has another configuration" in other.stderr
-        assert "compression_topk is 32 there, 4 here" in other.stderr
+        _seen_from_outside(common, address, metrics, ids)
 
         # the first peer restarted (a container's restart policy): it keeps the swarm's round clock, so
         # that the second still takes it for one of its run's peers, and the two train together again
@@ -117,6 +86,37 @@ def test_join_twice_status_and_sigterm_checkpoint(tmp_path):
         for process in (first, second):
             if process is not None:
                 kill(process)
+
+
+def _seen_from_outside(common: list[str], address: str, metrics: str, peer_ids: list[str]) -> None:
+    """Two peers of run `twice` train together: what Prometheus (the first peer's `metrics`), `shoal
+    status`, `shoal check` and a peer with another configuration see of them."""
+    ids = set(peer_ids)
+    exposition = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+    assert f'peer_id="{peer_ids[0]}"' in exposition  # shoal_build_info
+    assert "\nshoal_round_participants 2.0\n" in exposition
+    in_use = shoal("join", *common, "--metrics-port", metrics.rpartition(":")[2], timeout=60)
+    assert in_use.returncode == 2 and "in use" in in_use.stderr and "--metrics-port" in in_use.stderr
+    status = shoal("status", "--initial-peers", address, "--run", "twice", "--json", timeout=60)
+    assert status.returncode == 0, status.stderr[-2000:]
+    peers = json.loads(status.stdout)["peers"]
+    assert {p["peer_id"] for p in peers} == ids
+    assert all(p["samples"] > 0 and p["throughput"] > 0 and p["version"] for p in peers)
+    wide = {**os.environ, "COLUMNS": "200"}
+    table = shoal("status", "--initial-peers", address, "--run", "twice", timeout=60, env=wide)
+    assert all(peer_id in table.stdout for peer_id in ids), table.stdout
+
+    check = shoal("check", "--initial-peers", address, "--run", "twice", "--json", timeout=90)
+    assert check.returncode == 0, check.stderr[-2000:]
+    network = json.loads(check.stdout)["network"]
+    assert network["bootstrap"] == "ok" and network["run_peers"] == 2
+    assert set(network["bandwidth_mbit_s"]) == ids
+    assert all(isinstance(v, float) and v > 1 for v in network["bandwidth_mbit_s"].values()), network
+
+    other = shoal("join", *common, "--initial-peers", address, "--topk", "4", timeout=90)
+    assert other.returncode == 1
+    assert "every peer of this run has another configuration" in other.stderr
+    assert "compression_topk is 32 there, 4 here" in other.stderr
 
 
 @pytest.mark.timeout(120)

@@ -2,43 +2,25 @@
 has left, the address a joiner printed is enough for `shoal check`, and the join command it printed
 joins the swarm through it (real `shoal join` processes on 127.0.0.1, OS-chosen ports)."""
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SHOAL = [sys.executable, "-m", "shoal.peer.cli"]
+from tests.integration import harness
+from tests.integration.harness import kill
+
 JOINED = re.compile(
     r"Joined the swarm as (\S+)\. Others can join through this peer with:\n  (shoal join .*)\n"
 )
 
 
 def start(out: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
     with out.open("w") as stdout, out.with_suffix(".err").open("w") as stderr:
-        return subprocess.Popen(
-            [*SHOAL, *args],
-            cwd=ROOT,
-            env=env,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,
-            text=True,
-        )
-
-
-def stop(process: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+        return harness.start(*args, env={"COLUMNS": "400"}, stdout=stdout, stderr=stderr)
 
 
 def wait_for(out: Path, find, timeout_s: float):
@@ -76,14 +58,8 @@ def test_a_joiner_prints_its_address_and_others_join_through_it_once_the_first_h
         assert address.startswith("/ip4/127.0.0.1/tcp/") and address != started["address"]
         assert command.startswith(f"shoal join --initial-peers {address} --run relay ")
 
-        stop(first)  # the peer the joiner came through is gone: only the joiner's own address is left
-        check = subprocess.run(
-            [*SHOAL, "check", "--initial-peers", address, "--run", "relay", "--json"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=90,
-        )
+        kill(first)  # the peer the joiner came through is gone: only the joiner's own address is left
+        check = harness.shoal("check", "--initial-peers", address, "--run", "relay", "--json", timeout=90)
         assert check.returncode == 0, check.stderr[-2000:]
         assert json.loads(check.stdout)["network"]["bootstrap"] == "ok"
 
@@ -97,4 +73,4 @@ def test_a_joiner_prints_its_address_and_others_join_through_it_once_the_first_h
         wait_for(late_out, event("round", lambda e: e["participants"] == 2), 90)
     finally:
         for process in processes:
-            stop(process)
+            kill(process)
