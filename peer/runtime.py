@@ -483,7 +483,9 @@ class SwarmPeer:
             plan_s = time.perf_counter() - started
             if planned is not None:
                 planned(plan)
-            if plan.compute_seconds is not None:  # leave time to encode before the coordinator's deadline
+            if plan.compute_seconds is not None and trainer.compute_window is not None:
+                # a trainer that fills a window fills the coordinator's, leaving time to encode before its
+                # deadline (one that computes one micro-batch per step keeps to that)
                 trainer.set_compute_window(plan.compute_seconds - self._encode_s - 0.2)
             report = trainer.run(1, stop)[0]
             # the round it computed for: an overlapped optimizer's gather may not have started yet
