@@ -49,7 +49,6 @@ from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
 from shoal.peer.swarm.membership import SHOAL_VERSION
 
-DISCOVER_TIMEOUT = timedelta(seconds=60)
 # the run configuration's flags, in the order the join command names them
 RUN_FLAGS = (
     "run",
@@ -124,18 +123,23 @@ def _join(settings: JoinSettings, progress: Progress) -> dict:
         if settings.address_file:
             _write_address(settings.address_file, address)
         _announce_address(settings, progress, address, addresses, dht.peer_id.to_base58())
-        if settings.initial_peers:
-            try:
-                schedule = RoundSchedule.discover(dht, settings.run, DISCOVER_TIMEOUT)
-            except TimeoutError:
-                raise JoinError(
-                    f"joined the DHT, but no peer of run {settings.run!r} announced itself within "
-                    f"{DISCOVER_TIMEOUT.seconds} s: check that --run matches the swarm's (the join command "
-                    "its first peer printed names it)"
-                ) from None
-        else:
-            schedule = None  # the clock starts once the model is loaded (_train)
+        schedule = _discover(settings, progress, dht) if settings.initial_peers else None
         return _train(settings, progress, peer, schedule, workload, credentials)
+
+
+def _discover(settings: JoinSettings, progress: Progress, dht) -> RoundSchedule | None:
+    """The round clock of the run's live peers; None if none showed up within --discover-seconds: this
+    peer then starts the run (its clock starts once the model is loaded, `_train`). Peers that start
+    it at the same moment end on one clock (shoal.peer.swarm.membership.winning_clock)."""
+    wait = timedelta(seconds=settings.discover_seconds)
+    try:
+        return RoundSchedule.discover(dht, settings.run, wait)
+    except TimeoutError:
+        progress.message(
+            f"no peer of run {settings.run!r} found within {wait.total_seconds():g} s: starting the run. "
+            "To join a running swarm instead, use the --run its join command names"
+        )
+        return None
 
 
 def _announce_address(
@@ -313,9 +317,9 @@ def _save_clock(settings: JoinSettings, schedule: RoundSchedule) -> None:
 
 def _loop(settings, progress, peer: SwarmPeer, model, metrics: PeerMetrics | None) -> dict:
     exchange, reports = peer.exchange, []
-    for done in peer.rounds(
-        until_round=settings.until_round, max_rounds=settings.max_rounds, stop=stop_on_signals()
-    ):
+    adopted = 0  # round clocks taken from peers that started the run at once
+    stop = stop_on_signals()
+    for done in peer.rounds(until_round=settings.until_round, max_rounds=settings.max_rounds, stop=stop):
         report = done.report
         reports.append(report)
         if metrics is not None:
@@ -341,6 +345,9 @@ def _loop(settings, progress, peer: SwarmPeer, model, metrics: PeerMetrics | Non
             tokens=report.tokens,
             phases=report.phases,
         )
+        if exchange.counts.clocks_adopted > adopted:  # a restart keeps the run's clock, not the one it left
+            adopted = exchange.counts.clocks_adopted
+            _save_clock(settings, exchange.schedule)
     # the swarm's run ends together (not this peer alone: a stop, or its own --max-rounds)
     alone = bool(settings.max_rounds and len(reports) >= settings.max_rounds)
     final_resync = peer.finish(until_round=settings.until_round, left_alone=alone)
@@ -405,6 +412,8 @@ def _summary(settings, progress, exchange, trainer, model, reports, stopped, fin
         "butterfly_rounds": exchange.counts.butterfly_rounds,
         "pieces_recomputed": exchange.counts.pieces_recomputed,
         "dht_stores": exchange.counts.dht_stores,
+        "round_clock": [exchange.schedule.start_time, exchange.schedule.round_seconds],
+        "clocks_adopted": exchange.counts.clocks_adopted,
         "late_rounds": exchange.counts.late,
         "rejected": dict(exchange.counts.rejected),
         "stopped": stopped,

@@ -60,6 +60,7 @@ class JoinSettings:
     address_file: str | None = None
     round_seconds: float = 10.0
     start_time: float = 0.0
+    discover_seconds: float = 60.0
     compute_fraction: float = 0.5
     lr: float = 0.0
     topk: int = 32
@@ -192,6 +193,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "address_file": _text,
     "round_seconds": _float(0.5, 86400),
     "start_time": _float(0.0, 1e11),
+    "discover_seconds": _float(0.0, 86400),
     "compute_fraction": _float(0.0, 0.95, open_low=True),
     "lr": _float(0.0, 10.0),
     "topk": _int(1, 4096),

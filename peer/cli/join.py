@@ -47,6 +47,10 @@ JOIN_FLAGS = {
     "address_file": ("PATH", "write the address other peers join through to PATH once listening"),
     "round_seconds": ("S", "length of a round, when starting a new swarm"),
     "start_time": ("T", "unix time of round 0, when starting a new swarm (0: now)"),
+    "discover_seconds": (
+        "S",
+        "with --initial-peers: wait this long for a peer of --run, then start the run (0: at once)",
+    ),
     "compute_fraction": ("F", "share of a round spent computing; the rest is for the exchange"),
     "lr": ("LR", "learning rate (0: 2e-3 for DeMo, 1e-3 for DiLoCo's inner AdamW)"),
     "topk": ("K", "DeMo: DCT coefficients sent per chunk"),

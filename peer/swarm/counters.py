@@ -40,6 +40,8 @@ class SwarmCounters:
     codec_bytes_sent: int = 0
     """Payload bytes this peer was to send by the protocol, pieces and means included (what the codec
     implies, against which `sent` shows the transport's overhead)."""
+    clocks_adopted: int = 0
+    """Times this peer took its run's round clock from peers that started the run at once with it."""
     rejoins: int = 0
     """Times this peer, alone in its run, dialled its initial peers again."""
 

@@ -16,6 +16,7 @@ import functools
 import math
 import re
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import hivemind
@@ -26,7 +27,14 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 
 from shoal.peer.swarm.counters import SwarmCounters
-from shoal.peer.swarm.membership import SHOAL_VERSION, PeerRecord, incompatibility, run_hash
+from shoal.peer.swarm.membership import (
+    SHOAL_VERSION,
+    PeerRecord,
+    incompatibility,
+    other_clock,
+    run_hash,
+    winning_clock,
+)
 from shoal.peer.swarm.names import peers_key
 from shoal.peer.swarm.records import Announcement, RoundSchedule, peer_records
 from shoal.protocol import MalformedPayloadError
@@ -74,6 +82,9 @@ class RunDirectory:
         self.coordinators: dict[bytes, str] = {}
         """Compatible peers that follow a coordinator: the address their record names (HOST:PORT,
         printable; anything else is dropped: it is another peer's text, shown to a user)."""
+        self.run_clock: tuple[float, float] | None = None
+        """The round clock (start time, round length) this run converges on, when it is not this
+        peer's: another peer started the run at once (`membership.winning_clock`)."""
         self._rejoin = tuple(rejoin)
         self._rejoined_at = -math.inf  # monotonic time of the last attempt
 
@@ -118,15 +129,22 @@ class RunDirectory:
             self.counts.rejected["bad_record"] += malformed
         compatible = {self.owner}
         self.coordinators = {}
+        clocks: Counter[tuple[float, float]] = Counter()
         for owner, record in records.items():
             reason = incompatibility(self.record, record)
             if reason is None:
                 compatible.add(owner)
                 if owner != self.owner and ADDRESS.fullmatch(record.coordinator):
                     self.coordinators[owner] = record.coordinator
+            elif other_clock(self.record, record):
+                clocks[(record.start_time, record.round_seconds)] += 1
             elif record.peer_id not in self.refused:
                 self.refused[record.peer_id] = reason
                 logger.warning(f"refusing peer {record.peer_id}: {reason}")
+        mine = (self.record.start_time, self.record.round_seconds)
+        clocks[mine] = len(compatible)
+        winner = winning_clock(clocks)
+        self.run_clock = None if winner == mine else winner
         return compatible
 
     async def announcements(
@@ -168,6 +186,21 @@ class RunDirectory:
             if compatible <= announced.keys() or time.time() >= deadline:
                 return announced
             await asyncio.sleep(min(poll_s, max(0.0, deadline - time.time())))
+
+    def take_run_clock(self) -> RoundSchedule | None:
+        """The run's round clock, if this peer is to follow it instead of its own (`run_clock`); this
+        peer's record names it from now."""
+        if self.run_clock is None:
+            return None
+        start_time, round_seconds = self.run_clock
+        logger.warning(
+            f"another peer started this run at the same time: following the run's round clock "
+            f"({round_seconds:g} s rounds from {start_time:.3f}) instead of this peer's"
+        )
+        self.update_record(start_time=start_time, round_seconds=round_seconds)
+        self.run_clock = None
+        self.counts.clocks_adopted += 1
+        return RoundSchedule(start_time=start_time, round_seconds=round_seconds)
 
     def rejoin_if_alone(self, peers_seen: int) -> None:
         """Dials the initial peers again (in the DHT's process, not waited for) if this peer saw no

@@ -31,23 +31,18 @@ and strike their sender, until a ban (shoal.peer.swarm.ledger).
 
 Rounds are clock-synchronous: a `RoundSchedule` (start time, round length) fixes every deadline. A
 participant that calls `gather` late joins the round in progress; one whose announcement comes too
-late for others to pull is left out of their round.
+late for others to pull is left out of their round. Peers that started a run at once converge on one
+clock (`_follow_run_clock`).
 
-Under a coordinator (shoal.peer.swarm.coordinator_link), step 2's announcement goes to the coordinator
-instead, which decides the round's participants for everyone (shoal.peer.swarm.coordinated); the
-record is then rewritten only every `RECORD_REFRESH_S`, to stay alive. Should the coordinator stop
-answering, the round is announced in the DHT after all and finishes as above.
+Under a coordinator, step 2's announcement goes to it instead, and it decides the round's participants
+for everyone; with butterfly averaging (`average`), steps 3-4 become a reduce-scatter and an
+all-gather (shoal.peer.swarm.coordinated). Should it stop answering, the round finishes as above.
 
-Butterfly averaging (`average`, DiLoCo's dense pseudo-gradients): in a coordinated round of at least
-`butterfly.MIN_PARTICIPANTS`, steps 3-4 become a reduce-scatter and an all-gather
-(shoal.peer.swarm.coordinated).
+Its parts, in shoal.peer.swarm: what it serves (`server`), its view of the run in the DHT (`directory`),
+what it holds against other peers (`ledger`), its downloads (pull) and coordinated rounds (`rounds`).
 
-The parts: what this peer serves (`server`, shoal.peer.swarm.server), its view of the run in the DHT
-(`directory`, shoal.peer.swarm.directory), what it holds against other peers (`ledger`,
-shoal.peer.swarm.ledger), its downloads (shoal.peer.swarm.pull) and its coordinated rounds (`rounds`).
-
-The DHT is the caller's (create it before starting threads: hivemind forks a process for it). This
-object runs one event loop on a thread it owns for the handler and the downloads; `close()` stops it.
+The DHT is the caller's (created before any thread: hivemind forks a process for it). This object
+runs one event loop on a thread of its own for the handlers and downloads; `close()` stops it.
 """
 
 import asyncio
@@ -91,8 +86,7 @@ class SwarmExchange(Exchange):
     """Exchange over a hivemind swarm; see the module docstring.
 
     Args:
-        dht: a running hivemind.DHT of this swarm, started with `membership.record_validators(run,
-            identity)`.
+        dht: a running hivemind.DHT, with `membership.record_validators(run, identity)`.
         run: the run's name, shared by its participants; namespaces DHT keys and the handler.
         schedule: the rounds' clock.
         identity: this peer's RSA key; its records sit under its public-key subkey.
@@ -103,13 +97,10 @@ class SwarmExchange(Exchange):
         fetch_timeout: limit of one download attempt.
         max_concurrent_fetches: downloads in flight at once.
         poll_interval: how often announcements are re-read during a round.
-        strike_limit: strikes (payloads that fail their announcement or that the optimizer drops)
-            after which a peer's announcements are ignored ...
-        ban_rounds: ... for this many rounds.
+        strike_limit, ban_rounds: a peer is ignored for `ban_rounds` after this many strikes (ledger).
         keep_states: state snapshots of the last rounds served to joining and re-syncing peers.
         coordinator: the link to the swarm's coordinator, if it has one (see `plan_round`).
-        rejoin: multiaddresses (the initial peers) dialled again whenever this peer starts a round
-            seeing no other peer of its run (shoal.peer.swarm.directory).
+        rejoin: the initial peers, dialled again when this peer is alone in its run (directory).
     """
 
     server_type: type[PayloadServer] = PayloadServer
@@ -439,7 +430,19 @@ class SwarmExchange(Exchange):
         self._members = sorted(compatible)
         held = sum(self.server.holds(round_number, a.digest) for a in announced.values())
         self.counts.count_round(len(compatible | {self.owner}), held)
-        return await self._settle(round_number, announced, mine, snapshot)
+        contributions = await self._settle(round_number, announced, mine, snapshot)
+        self._follow_run_clock()
+        return contributions
+
+    def _follow_run_clock(self) -> None:
+        """From the next round, the rounds of the run's clock, if peers that started the run at the same
+        moment as this one follow another (`RunDirectory.take_run_clock`); a coordinator's rule instead."""
+        coordinated = self.coordinator is not None and self.coordinator.connected
+        schedule = None if coordinated else self.directory.take_run_clock()
+        if schedule is not None:
+            with self._rounds_lock:
+                self.schedule = schedule
+                self._next_round = schedule.round_at(time.time())  # joins the round in progress
 
     async def _hold(
         self,
@@ -526,8 +529,9 @@ class SwarmExchange(Exchange):
         """A payload nobody could pull by the deadline strikes its author if the author said it held
         nothing, or if it was announced a whole `fetch_timeout` before the deadline: announcing without
         serving would otherwise cost nothing, and every peer would wait on it, round after round."""
-        refused = (round_number, announcement.digest) in self._puller.refused_by_author
-        if refused or deadline - since >= self.fetch_timeout_s:
+        if (round_number, announcement.digest) in self._puller.refused_by_author or (
+            deadline - since >= self.fetch_timeout_s
+        ):
             self.counts.rejected["unserved"] += 1
             self._strike(announcement.owner, "unserved", round_number)
 

@@ -10,6 +10,7 @@ a peer id written inside a value.
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Mapping
 from importlib.metadata import version
 
@@ -59,6 +60,21 @@ def owner_subkey(identity: RSAPrivateKey) -> bytes:
 def run_hash(config: Mapping[str, str]) -> str:
     """sha256 over the configuration, canonically serialized."""
     return hashlib.sha256(json.dumps(dict(config), sort_keys=True).encode()).hexdigest()
+
+
+def other_clock(mine: PeerRecord, theirs: PeerRecord) -> bool:
+    """Whether `theirs` is a peer of this run (same shoal major.minor and configuration) on another
+    round clock: two peers that started the run at once, each on its own clock."""
+    same_version = mine.version.split(".")[:2] == theirs.version.split(".")[:2]
+    clocks_differ = (mine.start_time, mine.round_seconds) != (theirs.start_time, theirs.round_seconds)
+    return same_version and mine.run_hash == theirs.run_hash and clocks_differ
+
+
+def winning_clock(clocks: Counter[tuple[float, float]]) -> tuple[float, float]:
+    """The round clock (start time, round length) a run converges on, from how many live peers follow
+    each: the most followed, ties to the earliest start, then the shorter rounds. Every peer that reads
+    the same records picks the same clock."""
+    return max(clocks, key=lambda clock: (clocks[clock], -clock[0], -clock[1]))
 
 
 def incompatibility(mine: PeerRecord, theirs: PeerRecord) -> str | None:

@@ -18,7 +18,7 @@ import hivemind
 from hivemind.p2p import PeerID
 from pydantic.v1 import ValidationError
 
-from shoal.peer.swarm.membership import PeerRecord
+from shoal.peer.swarm.membership import PeerRecord, winning_clock
 from shoal.peer.swarm.names import peers_key
 from shoal.protocol import MalformedPayloadError
 
@@ -71,7 +71,7 @@ class RoundSchedule:
                 if record.start_time > 0
             )
             if clocks:
-                (start_time, round_seconds), _ = max(clocks.items(), key=lambda item: (item[1], item[0]))
+                start_time, round_seconds = winning_clock(clocks)
                 return RoundSchedule(start_time=start_time, round_seconds=round_seconds)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no live peer of run {run!r} found in the DHT within {timeout}")

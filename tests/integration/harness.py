@@ -5,6 +5,7 @@ SwarmExchanges in this process (`swarm`)."""
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from shoal.peer.swarm.membership import record_validators
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOAL = [sys.executable, "-m", "shoal.peer.cli"]
+HIVEMIND_DHT = Path(sys.executable).with_name("hivemind-dht")
 
 
 def spawn(command: list[str], *, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
@@ -39,6 +41,17 @@ def kill(process: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+
+
+def bootstrap_address(node: subprocess.Popen, timeout_s: float = 30) -> str:
+    """The address a stock `hivemind-dht` node (spawned with stderr=PIPE, text=True) prints for joiners."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        line = node.stderr.readline()
+        found = re.search(r"--initial_peers (/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", line)
+        if found:
+            return found.group(1)
+    raise TimeoutError("hivemind-dht printed no address")
 
 
 def shoal(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -70,8 +83,11 @@ CONFIG = {"model": "tiny", "algorithm": "demo"}
 
 
 @contextlib.contextmanager
-def swarm(kinds: list[type[SwarmExchange]], round_seconds: float = 6) -> Iterator[tuple[list, RoundSchedule]]:
-    """(exchanges, the schedule): one exchange of each kind, in this process; all closed on exit."""
+def swarm(
+    kinds: list[type[SwarmExchange]], round_seconds: float = 6, schedules: list[RoundSchedule] | None = None
+) -> Iterator[tuple[list, RoundSchedule]]:
+    """(exchanges, the schedule): one exchange of each kind, in this process; all closed on exit.
+    `schedules`: each exchange's own round clock instead of one for all."""
     identities = [RSAPrivateKey() for _ in kinds]
     dhts = [
         start_dht(
@@ -90,8 +106,9 @@ def swarm(kinds: list[type[SwarmExchange]], round_seconds: float = 6) -> Iterato
     schedule = RoundSchedule(start_time=time.time() + 2, round_seconds=round_seconds)
     exchanges = []
     try:
-        for kind, dht, identity in zip(kinds, dhts, identities, strict=True):
-            exchanges.append(kind(dht, run="r", schedule=schedule, identity=identity, config=CONFIG))
+        for i, (kind, dht, identity) in enumerate(zip(kinds, dhts, identities, strict=True)):
+            own = schedules[i] if schedules else schedule
+            exchanges.append(kind(dht, run="r", schedule=own, identity=identity, config=CONFIG))
         yield exchanges, schedule
     finally:
         for exchange in exchanges:

@@ -2,7 +2,6 @@
 processes on 127.0.0.1, OS-chosen ports."""
 
 import json
-import re
 import shutil
 import signal
 import subprocess
@@ -13,19 +12,7 @@ from pathlib import Path
 import pytest
 
 from shoal.peer.checkpoint import CheckpointStore
-from tests.integration.harness import kill, shoal, spawn
-
-HIVEMIND_DHT = Path(sys.executable).with_name("hivemind-dht")
-
-
-def bootstrap_address(node: subprocess.Popen, timeout_s: float = 30) -> str:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        line = node.stderr.readline()
-        found = re.search(r"--initial_peers (/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", line)
-        if found:
-            return found.group(1)
-    raise TimeoutError("hivemind-dht printed no address")
+from tests.integration.harness import HIVEMIND_DHT, bootstrap_address, kill, shoal, spawn
 
 
 def run_swarm(

@@ -1,0 +1,79 @@
+"""A run started through a stock `hivemind-dht` bootstrap node, with no shoal peer to start it: two `shoal
+join --initial-peers <the node> --discover-seconds 0` started at the same moment each find no peer of
+the run, each start it on its own round clock, and converge on one clock (the earlier: both are
+followed by one peer) and one model (real processes on 127.0.0.1)."""
+
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from shoal.peer.swarm.exchange import SwarmExchange
+from shoal.peer.swarm.records import RoundSchedule
+from tests.integration.harness import HIVEMIND_DHT, bootstrap_address, kill, spawn, start, swarm, wait_for
+
+
+@pytest.mark.timeout(240)
+def test_two_peers_start_a_run_through_a_stock_dht_node_at_once_and_end_on_one_clock(tmp_path):
+    node = spawn(
+        [str(HIVEMIND_DHT), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], stderr=subprocess.PIPE, text=True
+    )
+    peers = []
+    try:
+        address = bootstrap_address(node)
+        flags = ["join", "--initial-peers", address, "--run", "fresh", "--host", "127.0.0.1"]
+        flags += [
+            "--discover-seconds",
+            "0",
+            "--round-seconds",
+            "2",
+            "--until-round",
+            "14",
+            "--log-format",
+            "json",
+        ]
+        outs = [tmp_path / f"peer{i}.jsonl" for i in range(2)]
+        for i, out in enumerate(outs):
+            peers.append(start(*flags, stdout=out.open("w"), stderr=(tmp_path / f"peer{i}.err").open("w")))
+        for peer in peers:
+            assert peer.wait(timeout=200) == 0
+        said = [(tmp_path / f"peer{i}.err").read_text() + out.read_text() for i, out in enumerate(outs)]
+        assert any("no peer of run 'fresh' found within 0 s: starting the run" in text for text in said), said
+        summaries = [wait_for(out, lambda e: e.get("event") == "summary", 1) for out in outs]
+        first, second = summaries
+        # both started it, and the later clock yielded once; or one found the other's clock first
+        assert first["round_clock"] == second["round_clock"]
+        assert sum(s["clocks_adopted"] for s in summaries) <= 1
+        assert first["param_hash"] == second["param_hash"]
+        assert all(s["final_loss"] < s["initial_loss"] for s in summaries)
+        assert all(s["rounds"] >= 10 for s in summaries)  # trained together, not one waiting for the other
+    finally:
+        for process in [node, *peers]:
+            kill(process)
+
+
+@pytest.mark.timeout(120)
+def test_peers_that_started_a_run_on_two_clocks_converge_on_the_earlier_one():
+    """The rule itself, deterministically: two exchanges of one run, each on its own clock (real DHTs
+    and libp2p in this process); after a round apart, the one on the later clock takes the other's and
+    from then on they share every round."""
+    now = time.time()
+    earlier = RoundSchedule(start_time=now + 3, round_seconds=2)
+    later = RoundSchedule(start_time=now + 3.7, round_seconds=2)
+
+    def send(exchange: SwarmExchange, r: int) -> list:
+        return exchange.gather(bytes([exchanges.index(exchange), r]) * 1000, samples=1)
+
+    with swarm([SwarmExchange] * 2, schedules=[later, earlier]) as (exchanges, _):
+        time.sleep(max(0.0, now + 3.8 - time.time()))
+        rounds = []
+        with ThreadPoolExecutor(2) as pool:
+            for r in range(4):
+                rounds.append(list(pool.map(send, exchanges, [r, r])))
+        assert [len(c) for c in rounds[0]] == [1, 1]  # apart: neither takes the other's announcement
+        assert exchanges[0].counts.clocks_adopted == 1 and exchanges[1].counts.clocks_adopted == 0
+        assert exchanges[0].schedule == earlier and exchanges[0].record.start_time == earlier.start_time
+        assert all(len(contributions) == 2 for pair in rounds[2:] for contributions in pair)
+        assert exchanges[0].last_round == exchanges[1].last_round
+        assert not exchanges[0].refused and not exchanges[1].refused  # another clock is not another run
