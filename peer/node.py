@@ -43,7 +43,7 @@ from shoal.peer.models import LoadedModel, ModelError, load_model
 from shoal.peer.progress import Progress
 from shoal.peer.runtime import OutOfMemory, SwarmPeer, stop_on_signals
 from shoal.peer.settings import PARSERS, JoinSettings, SettingsError
-from shoal.peer.swarm.bootstrap import BootstrapError
+from shoal.peer.swarm.bootstrap import BootstrapError, best_address
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
 from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
@@ -119,7 +119,7 @@ def _join(settings: JoinSettings, progress: Progress) -> dict:
     with peer:
         dht = peer.dht
         addresses = [str(a) for a in dht.get_visible_maddrs()]
-        address = _best_address(addresses)
+        address = best_address(addresses)
         if settings.address_file:
             _write_address(settings.address_file, address)
         _announce_address(settings, progress, address, addresses, dht.peer_id.to_base58())
@@ -474,18 +474,6 @@ def join_command(settings: JoinSettings, address: str) -> str:
         if name in ("run", "model", "algorithm") or value != getattr(defaults, name):
             parts += ["--" + name.replace("_", "-"), str(value)]
     return " ".join(parts)
-
-
-def _best_address(addresses: list[str]) -> str:
-    """A public address if there is one, then a private one, then loopback."""
-
-    def rank(address: str) -> int:
-        if "/ip4/127." in address or "/ip6/::1/" in address:
-            return 2
-        private = ("/ip4/10.", "/ip4/192.168.", "/ip4/172.", "/ip4/100.")
-        return 1 if address.startswith(private) else 0
-
-    return sorted(addresses, key=rank)[0]
 
 
 def _identity(path: str | None, progress: Progress) -> RSAPrivateKey:

@@ -6,6 +6,7 @@
     shoal status [--initial-peers MADDR ...] [--run NAME] [--json]
     shoal check [--initial-peers MADDR ...] [--json]
     shoal keygen PATH
+    shoal bootstrap [--host IP] [--port N] [--identity PATH] [--address-file PATH] [--metrics-port N] ...
     shoal coordinator [--listen ADDR] [--state PATH] [--round-quantile Q] [--token-file F] ...
     shoal bench codec [--json] [--repeat N]
     shoal bench converge [--json] [--quick] [--methods M,...]
@@ -20,10 +21,11 @@ Building the parser imports no torch and no hivemind (each command imports what 
 import argparse
 from importlib.metadata import version
 
-from shoal.peer.cli import bench, check, coordinator, demo, join, keygen, status
+from shoal.peer.cli import bench, bootstrap, check, coordinator, demo, join, keygen, status
 
 COMMANDS = {
     "join": join,
+    "bootstrap": bootstrap,
     "demo": demo,
     "status": status,
     "check": check,

@@ -64,6 +64,88 @@ def start_dht(
         ) from None
 
 
+def best_address(addresses: Sequence[str]) -> str:
+    """A public address if there is one, then a private one, then loopback."""
+
+    def rank(address: str) -> int:
+        if "/ip4/127." in address or "/ip6/::1/" in address:
+            return 2
+        private = ("/ip4/10.", "/ip4/192.168.", "/ip4/172.", "/ip4/100.")
+        return 1 if address.startswith(private) else 0
+
+    return sorted(addresses, key=rank)[0]
+
+
+class BootstrapNode:
+    """A DHT node that trains nothing (`shoal bootstrap`), for peers to join through; it offers libp2p's
+    circuit relay (hivemind's `use_relay`). Closing it shuts its DHT process and p2pd down."""
+
+    def __init__(self, dht: hivemind.DHT):
+        self.dht = dht
+        self._metrics_server = None
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        host: str,
+        port: int,
+        identity_path: str | None = None,
+        announce_maddrs: Sequence[str] = (),
+        initial_peers: Sequence[str] = (),
+        public: bool = False,
+    ) -> "BootstrapNode":
+        """The node listening on host:port; `public`: libp2p is told it is reachable from everywhere
+        (its AutoNAT would not conclude so for an address outside the global ranges). Raises
+        BootstrapError."""
+        options: dict = {"use_relay": True}
+        if identity_path:
+            options["identity_path"] = identity_path
+        if announce_maddrs:
+            options["announce_maddrs"] = list(announce_maddrs)
+        if public:
+            options["force_reachability"] = "public"
+        return cls(start_dht(initial_peers, host_maddrs=[f"/ip4/{host}/tcp/{port}"], **options))
+
+    @property
+    def address(self) -> str:
+        """The address peers join through (`best_address` of the visible ones)."""
+        return best_address([str(a) for a in self.dht.get_visible_maddrs()])
+
+    def connections(self) -> int:
+        """Peers this node's libp2p daemon is connected to now."""
+        return self.dht.run_coroutine(_connected_peers)
+
+    def serve_metrics(self, host: str, port: int) -> int:
+        """Prometheus metrics on host:port/metrics (port 0: any free one); returns the port."""
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+        registry = CollectorRegistry()
+        connected = Gauge(
+            "shoal_bootstrap_connections", "Peers connected to this bootstrap node", registry=registry
+        )
+        connected.set_function(self.connections)
+        self._metrics_server, _ = start_http_server(port, addr=host, registry=registry)
+        return self._metrics_server.server_port
+
+    def close(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        self.dht.shutdown()
+
+    def __enter__(self) -> "BootstrapNode":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _connected_peers(_dht: hivemind.DHT, node) -> int:
+    """In the DHT's process: the peers its p2pd is connected to."""
+    return len(await node.p2p.list_peers())
+
+
 def _parse(peer: str) -> Multiaddr:
     try:
         address = Multiaddr(peer)

@@ -3,15 +3,26 @@ join --initial-peers <the node> --discover-seconds 0` started at the same moment
 the run, each start it on its own round clock, and converge on one clock (the earlier: both are
 followed by one peer) and one model (real processes on 127.0.0.1)."""
 
+import signal
 import subprocess
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.records import RoundSchedule
-from tests.integration.harness import HIVEMIND_DHT, bootstrap_address, kill, spawn, start, swarm, wait_for
+from tests.integration.harness import (
+    HIVEMIND_DHT,
+    bootstrap_address,
+    kill,
+    shoal,
+    spawn,
+    start,
+    swarm,
+    wait_for,
+)
 
 
 @pytest.mark.timeout(240)
@@ -77,3 +88,56 @@ def test_peers_that_started_a_run_on_two_clocks_converge_on_the_earlier_one():
         assert all(len(contributions) == 2 for pair in rounds[2:] for contributions in pair)
         assert exchanges[0].last_round == exchanges[1].last_round
         assert not exchanges[0].refused and not exchanges[1].refused  # another clock is not another run
+
+
+@pytest.mark.timeout(240)
+def test_a_run_starts_through_shoal_bootstrap_which_counts_its_connections_and_stops_on_sigterm(tmp_path):
+    address_file = tmp_path / "bootstrap.address"
+    node = start(
+        "bootstrap", "--host", "127.0.0.1", "--metrics-port", "0", "--address-file", str(address_file),
+        "--run", "fresh", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    peers = []
+    try:
+        said = [node.stdout.readline() for _ in range(3)]
+        address = address_file.read_text().strip()
+        assert said[0].startswith(f"Bootstrap node at {address}.") and address.startswith(
+            "/ip4/127.0.0.1/tcp/"
+        )
+        assert said[1].strip() == f"shoal join --initial-peers {address} --run fresh"
+        metrics = said[2].strip().rpartition(" ")[2]
+        flags = [*said[1].split()[1:], "--host", "127.0.0.1", "--discover-seconds", "0"]
+        flags += ["--round-seconds", "2", "--until-round", "8", "--log-format", "json"]
+        outs = [tmp_path / f"peer{i}.jsonl" for i in range(2)]
+        for i, out in enumerate(outs):
+            peers.append(start(*flags, stdout=out.open("w"), stderr=(tmp_path / f"peer{i}.err").open("w")))
+        wait_for(outs[0], lambda e: e.get("event") == "round" and e["participants"] == 2, 90)
+        exposition = urllib.request.urlopen(metrics, timeout=10).read().decode()
+        connected = next(
+            line for line in exposition.splitlines() if line.startswith("shoal_bootstrap_connections ")
+        )
+        assert float(connected.split()[1]) >= 2, exposition
+        for peer in peers:
+            assert peer.wait(timeout=120) == 0
+        summaries = [wait_for(out, lambda e: e.get("event") == "summary", 1) for out in outs]
+        assert summaries[0]["param_hash"] == summaries[1]["param_hash"]
+        assert summaries[0]["round_clock"] == summaries[1]["round_clock"]
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(timeout=30) == 0
+    finally:
+        for process in [node, *peers]:
+            kill(process)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--port", "70000"], "--port 70000"),
+        (["--run", "no spaces"], "--run"),
+        (["--metrics-port", "-1"], "--metrics-port"),
+    ],
+)
+def test_shoal_bootstrap_refuses_a_bad_flag_with_exit_2_naming_it(flags, said):
+    result = shoal("bootstrap", "--host", "127.0.0.1", *flags, timeout=50)
+    assert result.returncode == 2 and said in result.stderr, result.stderr

@@ -18,7 +18,7 @@ def run_shoal(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_help_lists_only_commands_that_exist():
     result = run_shoal("--help")
     assert result.returncode == 0
-    for command in ("bench", "join", "demo", "status", "check", "keygen", "coordinator"):
+    for command in ("bench", "join", "bootstrap", "demo", "status", "check", "keygen", "coordinator"):
         assert f" {command} " in result.stdout
 
 
