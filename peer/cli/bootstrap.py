@@ -52,9 +52,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from shoal.peer.swarm.bootstrap import BootstrapError, BootstrapNode  # imports hivemind: only now
 
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda _signum, _frame: stop.set())
     try:
         node = BootstrapNode.start(
             host=args.host,
@@ -67,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
     except BootstrapError as error:
         print(f"shoal bootstrap: error: {error}", file=sys.stderr)
         return 1
+    stop = threading.Event()  # from here on a stop ends the loop below, which closes the node
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda _signum, _frame: stop.set())
     with node:
         address = node.address
         if args.address_file:
@@ -88,6 +88,7 @@ def _check(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from shoal.peer import preflight
+    from shoal.peer.swarm.bootstrap import check_multiaddr
     from shoal.peer.swarm.names import check_run_name
 
     try:
@@ -101,3 +102,17 @@ def _check(args: argparse.Namespace) -> None:
             preflight.check_port(args.host, port, flag)
     if args.address_file:
         preflight.check_writable_folder(Path(args.address_file).parent, "--address-file")
+    if args.identity and Path(args.identity).exists():
+        from shoal.peer.swarm.identity import IdentityError, load_identity
+
+        try:
+            load_identity(args.identity)
+        except IdentityError as error:
+            raise ValueError(f"--identity: {error}") from None
+    for flag, addresses in (
+        ("--announce-maddrs", args.announce_maddrs),
+        ("--initial-peers", args.initial_peers),
+    ):
+        for address in addresses:
+            if not address.startswith("/") or check_multiaddr(address) is not None:
+                raise ValueError(f"{flag} {address!r}: not a multiaddress like /ip4/203.0.113.7/tcp/31337")

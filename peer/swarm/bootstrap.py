@@ -64,6 +64,15 @@ def start_dht(
         ) from None
 
 
+def check_multiaddr(address: str) -> str | None:
+    """Why `address` is not a multiaddress hivemind can use (None: it is)."""
+    try:
+        Multiaddr(address)
+    except (MultiaddrError, ValueError, TypeError) as error:
+        return str(error) or type(error).__name__
+    return None
+
+
 def best_address(addresses: Sequence[str]) -> str:
     """A public address if there is one, then a private one, then loopback."""
 

@@ -136,8 +136,13 @@ def test_a_run_starts_through_shoal_bootstrap_which_counts_its_connections_and_s
         (["--port", "70000"], "--port 70000"),
         (["--run", "no spaces"], "--run"),
         (["--metrics-port", "-1"], "--metrics-port"),
+        (["--announce-maddrs", "garbage"], "--announce-maddrs 'garbage': not a multiaddress"),
+        (["--initial-peers", "/ip4/1.2.3.4/tcp/x"], "--initial-peers"),
+        (["--identity", "IDENTITY"], "--identity: "),
     ],
 )
-def test_shoal_bootstrap_refuses_a_bad_flag_with_exit_2_naming_it(flags, said):
+def test_shoal_bootstrap_refuses_a_bad_flag_with_exit_2_naming_it(tmp_path, flags, said):
+    (tmp_path / "identity").write_bytes(b"not a key")  # an identity file that is none
+    flags = [str(tmp_path / "identity") if flag == "IDENTITY" else flag for flag in flags]
     result = shoal("bootstrap", "--host", "127.0.0.1", *flags, timeout=50)
     assert result.returncode == 2 and said in result.stderr, result.stderr
