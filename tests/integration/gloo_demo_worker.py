@@ -8,6 +8,7 @@ compact settings; `diloco_standard` / `diloco_delayed` / `diloco_eager`: DiLoCo 
 Writes the final parameters to OUT with torch.save (read back with weights_only=True).
 """
 
+import os
 import sys
 from datetime import timedelta
 
@@ -60,27 +61,30 @@ def train_diloco(rank: int, mode: str) -> dict:
 def main(rank: int, world: int, store_path: str, out: str, mode: str) -> None:
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        if mode.startswith("diloco_"):
-            torch.save(train_diloco(rank, mode.removeprefix("diloco_")), out)
-            dist.barrier()
-            return
-        settings = SETTINGS[mode]
-        torch.manual_seed(10)
-        initial = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
-        grads = make_grads(steps=settings["steps"], workers=world)
-        params = [torch.nn.Parameter(p.clone().to(settings["dtype"])) for p in initial]
-        opt = DeMo(params, exchange=TorchDistributedExchange(), **settings["demo"])
-        for step_grads in grads:
-            for p, g in zip(params, step_grads[rank], strict=True):
-                p.grad = g.to(settings["dtype"])
-            opt.step()
-        torch.save({"initial": initial, "params": [p.detach() for p in params], "sent": opt.bytes_sent}, out)
-        # neither rank tears gloo down while the other still uses the pair: a rank that did aborted with
-        # "terminate called without an active exception" (seen once, in a clean-clone CI run)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    if mode.startswith("diloco_"):
+        torch.save(train_diloco(rank, mode.removeprefix("diloco_")), out)
+    else:
+        torch.save(train_demo(rank, world, SETTINGS[mode]), out)
+    # Both ranks wait until both results are on disk, then leave without gloo's C++ teardown: torch 2.13's
+    # gloo threads sometimes abort the process at exit ("terminate called without an active exception",
+    # twice in clean-clone CI runs, once with destroy_process_group after a barrier), after the work is done.
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def train_demo(rank: int, world: int, settings: dict) -> dict:
+    """DeMo over gloo on the unit tests' shapes and gradients: every rank steps on its own gradients."""
+    torch.manual_seed(10)
+    initial = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
+    grads = make_grads(steps=settings["steps"], workers=world)
+    params = [torch.nn.Parameter(p.clone().to(settings["dtype"])) for p in initial]
+    opt = DeMo(params, exchange=TorchDistributedExchange(), **settings["demo"])
+    for step_grads in grads:
+        for p, g in zip(params, step_grads[rank], strict=True):
+            p.grad = g.to(settings["dtype"])
+        opt.step()
+    return {"initial": initial, "params": [p.detach() for p in params], "sent": opt.bytes_sent}
 
 
 if __name__ == "__main__":
