@@ -43,11 +43,12 @@ from shoal.peer.models import LoadedModel, ModelError, load_model
 from shoal.peer.progress import Progress
 from shoal.peer.runtime import OutOfMemory, SwarmPeer, stop_on_signals
 from shoal.peer.settings import PARSERS, JoinSettings, SettingsError
-from shoal.peer.swarm.bootstrap import BootstrapError, best_address
+from shoal.peer.swarm.bootstrap import BootstrapError, best_address, private_only
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
 from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
 from shoal.peer.swarm.membership import SHOAL_VERSION
+from shoal.peer.swarm.relay import Reachability
 
 # the run configuration's flags, in the order the join command names them
 RUN_FLAGS = (
@@ -122,7 +123,7 @@ def _join(settings: JoinSettings, progress: Progress) -> dict:
         address = best_address(addresses)
         if settings.address_file:
             _write_address(settings.address_file, address)
-        _announce_address(settings, progress, address, addresses, dht.peer_id.to_base58())
+        _announce_address(settings, progress, address, addresses, dht.peer_id.to_base58(), peer.reachability)
         schedule = _discover(settings, progress, dht) if settings.initial_peers else None
         return _train(settings, progress, peer, schedule, workload, credentials)
 
@@ -143,18 +144,45 @@ def _discover(settings: JoinSettings, progress: Progress, dht) -> RoundSchedule 
 
 
 def _announce_address(
-    settings: JoinSettings, progress: Progress, address: str, addresses: list[str], peer_id: str
+    settings: JoinSettings,
+    progress: Progress,
+    address: str,
+    addresses: list[str],
+    peer_id: str,
+    reach: Reachability,
 ) -> None:
-    """Every peer, the first or a joiner, says where it can be dialed and how others join through it:
-    once the peers a joiner came through have left, that is what `shoal join` and `shoal check` need."""
-    command = join_command(settings, address)
+    """Every peer, the first or a joiner, says where it can be dialed, whether it can be dialed from
+    outside its network, and how others join through it: once the peers a joiner came through have
+    left, that is what `shoal join` and `shoal check` need. A peer behind NAT names the relay it
+    joined through instead of its own address, which nobody outside its network can dial."""
+    through = address
+    if reach.reachable is False:
+        through = next(p for p in settings.initial_peers if p.endswith(f"/p2p/{reach.relays[0]}"))
+    command = join_command(settings, through)
     if settings.initial_peers:
+        via = "its relay" if reach.reachable is False else "this peer"
         progress.message(
-            f"Joined the swarm as {address}. Others can join through this peer with:\n  {command}"
+            f"Joined the swarm as {address}. Others can join through {via} with:\n  {command}\n"
+            f"Reachability: {reach.describe()}"
+        )
+    elif private_only(addresses):
+        progress.message(
+            f"Started a new swarm at {address}. This peer has only private or loopback addresses: only peers "
+            f"on its network can join it, with:\n  {command}\nFor volunteers elsewhere, start `shoal "
+            "bootstrap` on a public machine and have every peer, this one too, join through it."
         )
     else:
         progress.message(f"Started a new swarm at {address}. Others join it with:\n  {command}")
-    progress.event("started", address=address, join_command=command, initial_peers=addresses, peer_id=peer_id)
+    progress.event(
+        "started",
+        address=address,
+        join_command=command,
+        initial_peers=addresses,
+        peer_id=peer_id,
+        reachable=reach.reachable,
+        relays=list(reach.relays),
+        observed=reach.observed,
+    )
 
 
 def check_initial_peers(peers: Sequence[str]) -> None:
@@ -406,6 +434,7 @@ def _summary(settings, progress, exchange, trainer, model, reports, stopped, fin
         "param_hash": digest.hexdigest(),
         "bytes_sent": exchange.counts.bytes_sent,
         "bytes_received": exchange.counts.bytes_received,
+        "via_relay": dict(exchange.counts.via_relay),
         "resyncs": exchange.counts.resyncs,
         "final_resync": final_resync,
         "coordinated_rounds": exchange.counts.coordinated_rounds,
@@ -493,8 +522,8 @@ def _check_compatible(exchange: SwarmExchange) -> None:
     coordinator (coordinated peers announce their payloads only to it)."""
     compatible = exchange.compatible_peers()
     # most of them, so that one peer lying in its record cannot keep newcomers out
-    if exchange.coordinator is None and 2 * len(exchange.coordinators) > len(compatible) - 1:
-        addresses = ", ".join(sorted(set(exchange.coordinators.values())))
+    if exchange.coordinator is None and 2 * len(exchange.directory.coordinators) > len(compatible) - 1:
+        addresses = ", ".join(sorted(set(exchange.directory.coordinators.values())))
         raise JoinError(
             f"the peers of this run follow a coordinator (they reach it as {addresses}): "
             "pass --coordinator HOST:PORT"

@@ -44,6 +44,7 @@ from shoal.peer.swarm.bootstrap import start_dht
 from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.membership import record_validators
 from shoal.peer.swarm.records import RoundPlan, RoundSchedule
+from shoal.peer.swarm.relay import UNCHECKED, check_reachability
 
 PHASES = ("compute", "encode", "exchange", "decode", "apply")
 
@@ -416,6 +417,8 @@ class SwarmPeer:
         self.stopped = False
         """Whether the loop ended on a stop (a signal): the peer leaves alone, after a checkpoint."""
         self.drain = timedelta(0)
+        self.reachability = UNCHECKED
+        """Whether this peer can be dialed, and its relays (shoal.peer.swarm.relay)."""
 
     @classmethod
     def start(
@@ -428,11 +431,18 @@ class SwarmPeer:
         **dht_options,
     ) -> "SwarmPeer":
         """Joins the DHT through `initial_peers` (none: a new swarm), with the run's record validators;
-        `dht_options` go to `bootstrap.start_dht` (identity_path, ...). Raises BootstrapError."""
+        `dht_options` go to `bootstrap.start_dht` (identity_path, ...); asks the relays among them whether
+        this peer can be dialed (`reachability`). Raises BootstrapError."""
         identity = identity or RSAPrivateKey()
         validators = record_validators(run, identity)
         dht = start_dht(initial_peers, host_maddrs=host_maddrs, record_validators=validators, **dht_options)
-        return cls(dht, identity, run)
+        peer = cls(dht, identity, run)
+        try:
+            peer.reachability = check_reachability(dht, initial_peers)
+        except BaseException:
+            dht.shutdown()
+            raise
+        return peer
 
     def connect(
         self,
@@ -444,6 +454,7 @@ class SwarmPeer:
     ) -> SwarmExchange:
         """This peer's exchange on `schedule`, for the run configuration `config`; `options` go to
         SwarmExchange (a test's hostile peer passes its subclass as `exchange_type`)."""
+        options.setdefault("reachability", self.reachability)
         self.exchange = exchange_type(
             self.dht, run=self.run, schedule=schedule, identity=self.identity, config=config, **options
         )

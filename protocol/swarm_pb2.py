@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashoal/protocol/swarm.proto\x12\x08shoal.v1\"_\n\x0ePayloadRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\r\n\x05shard\x18\x03 \x01(\r\x12\x0e\n\x06shards\x18\x04 \x01(\r\x12\x0f\n\x07reduced\x18\x05 \x01(\x08\"\x1c\n\x0cPayloadChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"X\n\rStateManifest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x15\n\rchunk_digests\x18\x04 \x03(\x0c\">\n\x0cStateRequest\x12\r\n\x05state\x18\x01 \x01(\x0c\x12\x10\n\x08manifest\x18\x02 \x01(\x08\x12\r\n\x05\x63hunk\x18\x03 \x01(\r\"\x1c\n\x0cProbeRequest\x12\x0c\n\x04size\x18\x01 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashoal/protocol/swarm.proto\x12\x08shoal.v1\"_\n\x0ePayloadRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\r\n\x05shard\x18\x03 \x01(\r\x12\x0e\n\x06shards\x18\x04 \x01(\r\x12\x0f\n\x07reduced\x18\x05 \x01(\x08\"\x1c\n\x0cPayloadChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"X\n\rStateManifest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x15\n\rchunk_digests\x18\x04 \x03(\x0c\">\n\x0cStateRequest\x12\r\n\x05state\x18\x01 \x01(\x0c\x12\x10\n\x08manifest\x18\x02 \x01(\x08\x12\r\n\x05\x63hunk\x18\x03 \x01(\r\"\x1c\n\x0cProbeRequest\x12\x0c\n\x04size\x18\x01 \x01(\r\"\x8a\x01\n\x0cRelayRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0c\n\x04peer\x18\x02 \x01(\t\x12+\n\x07payload\x18\x03 \x01(\x0b\x32\x18.shoal.v1.PayloadRequestH\x00\x12\'\n\x05state\x18\x04 \x01(\x0b\x32\x16.shoal.v1.StateRequestH\x00\x42\t\n\x07request\"\x1d\n\x0cReachRequest\x12\r\n\x05ports\x18\x01 \x03(\r\"B\n\nReachReply\x12\x10\n\x08observed\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\x0f\n\x07\x63hecked\x18\x03 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,4 +41,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATEREQUEST']._serialized_end=319
   _globals['_PROBEREQUEST']._serialized_start=321
   _globals['_PROBEREQUEST']._serialized_end=349
+  _globals['_RELAYREQUEST']._serialized_start=352
+  _globals['_RELAYREQUEST']._serialized_end=490
+  _globals['_REACHREQUEST']._serialized_start=492
+  _globals['_REACHREQUEST']._serialized_end=521
+  _globals['_REACHREPLY']._serialized_start=523
+  _globals['_REACHREPLY']._serialized_end=589
 # @@protoc_insertion_point(module_scope)

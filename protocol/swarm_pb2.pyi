@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -53,3 +53,31 @@ class ProbeRequest(_message.Message):
     SIZE_FIELD_NUMBER: _ClassVar[int]
     size: int
     def __init__(self, size: _Optional[int] = ...) -> None: ...
+
+class RelayRequest(_message.Message):
+    __slots__ = ("run", "peer", "payload", "state")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    peer: str
+    payload: PayloadRequest
+    state: StateRequest
+    def __init__(self, run: _Optional[str] = ..., peer: _Optional[str] = ..., payload: _Optional[_Union[PayloadRequest, _Mapping]] = ..., state: _Optional[_Union[StateRequest, _Mapping]] = ...) -> None: ...
+
+class ReachRequest(_message.Message):
+    __slots__ = ("ports",)
+    PORTS_FIELD_NUMBER: _ClassVar[int]
+    ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ports: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReachReply(_message.Message):
+    __slots__ = ("observed", "reachable", "checked")
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_FIELD_NUMBER: _ClassVar[int]
+    observed: str
+    reachable: bool
+    checked: bool
+    def __init__(self, observed: _Optional[str] = ..., reachable: _Optional[bool] = ..., checked: _Optional[bool] = ...) -> None: ...

@@ -6,7 +6,9 @@ and the `shoal join` command that starts or joins a run through it, writes the a
 through it: the first `shoal join --initial-peers <this node> --run R` that finds no peer of run R
 starts it (`--discover-seconds`).
 
-It offers libp2p's circuit relay to peers that cannot be dialed (hivemind's `use_relay`); `--public`
+It relays for peers behind NAT (shoal.peer.swarm.relay: payloads and state pieces forwarded over
+the connections they keep to it, payloads cached; `--no-relay`: none) and tells each joining peer
+whether it can be dialed. It also offers libp2p's circuit relay (hivemind's `use_relay`); `--public`
 tells libp2p that its addresses are reachable from everywhere, for a node whose address libp2p would
 not take for a public one (a private range, or the benchmark range the tests use).
 """
@@ -41,6 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--public", action="store_true", help="tell libp2p this node is reachable from everywhere"
     )
+    parser.add_argument(
+        "--relay-cache-mb",
+        type=float,
+        default=256.0,
+        metavar="MB",
+        help="payloads kept for the peers behind NAT it relays to (default 256)",
+    )
+    parser.add_argument(
+        "--no-relay", action="store_true", help="relay nothing for peers behind NAT (a DHT node only)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             announce_maddrs=args.announce_maddrs,
             initial_peers=args.initial_peers,
             public=args.public,
+            relay_cache_bytes=None if args.no_relay else int(args.relay_cache_mb * (1 << 20)),
         )
     except BootstrapError as error:
         print(f"shoal bootstrap: error: {error}", file=sys.stderr)
@@ -95,6 +108,8 @@ def _check(args: argparse.Namespace) -> None:
         check_run_name(args.run)
     except ValueError as error:
         raise ValueError(f"--run: {error}") from None
+    if not 0 <= args.relay_cache_mb <= 1 << 20:
+        raise ValueError(f"--relay-cache-mb {args.relay_cache_mb}: expected a size in [0, 1048576] MB")
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if port is not None and not 0 <= port <= 65535:
             raise ValueError(f"{flag} {port}: expected a TCP port in [0, 65535]")

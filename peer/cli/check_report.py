@@ -1,16 +1,17 @@
 """`shoal check`: what a volunteer should know before joining.
 
 - the device a peer would train on, its memory, the torch / CUDA versions and bf16 support;
-- the addresses this machine listens on, and whether peers outside its network can dial it: a
-  public address means yes, if the port is open in the firewall; only private addresses mean it is
-  behind NAT (inferred from the addresses: nothing from outside dials back);
+- the addresses this machine listens on, and which case it is in: `public` (peers outside its
+  network can dial it), `nat_relayed` (they cannot, but a `shoal bootstrap` relay among the initial
+  peers relays for it) or `unreachable` (they cannot, and no relay does), with how to fix it. A relay
+  among the initial peers dials this machine back (shoal.peer.swarm.relay); without one, the case is
+  inferred from the addresses;
 - with `--initial-peers`: whether the bootstrap peer answers, the DHT round-trip time, and the
   bandwidth from up to three shoal peers of the run, each measured by pulling 4 MiB from its probe
   handler (shoal.peer.swarm.exchange; a stock hivemind-dht node has none, so only the round trip is shown).
 """
 
 import asyncio
-import ipaddress
 import json
 import sys
 import time
@@ -21,10 +22,11 @@ from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 
 from shoal.peer.hardware import choose_device, describe
-from shoal.peer.swarm.bootstrap import BootstrapError, start_dht
+from shoal.peer.swarm.bootstrap import BootstrapError, private_only, start_dht
 from shoal.peer.swarm.membership import record_validators
 from shoal.peer.swarm.names import handler, peers_key
 from shoal.peer.swarm.records import peer_records
+from shoal.peer.swarm.relay import UNCHECKED, Reachability, check_reachability
 from shoal.protocol.swarm_pb2 import PayloadChunk, ProbeRequest
 
 PROBE_BYTES = 4 << 20
@@ -44,27 +46,29 @@ def device_report() -> dict:
     return report
 
 
-def reachability(addresses: list[str], port: int) -> dict:
-    """Whether the listen addresses look reachable from outside, and what to open if not."""
-    hosts = []
-    for address in addresses:
-        parts = address.split("/")
-        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
-            try:
-                hosts.append(ipaddress.ip_address(parts[2]))
-            except ValueError:
-                continue
-    public = sorted({str(h) for h in hosts if h.is_global})
+def reachability(addresses: list[str], port: int, reach: Reachability = UNCHECKED) -> dict:
+    """Which case this machine is in (public, nat_relayed, unreachable), and what to do about it."""
     port_text = f"TCP port {port}" if port else "the TCP port (fix one with --port N)"
-    if public:
-        advice = f"reachable at {', '.join(public)} if {port_text} is open in your firewall"
-    else:
+    forward = f"forward {port_text} from your router to this machine"
+    public = [a for a in addresses if not private_only([a])]
+    if reach.reachable:
+        case, advice = "public", f"a relay dialled this machine back at {reach.observed}"
+    elif reach.reachable is False:
+        case = "nat_relayed"
         advice = (
-            f"behind NAT or a private network: peers outside it cannot dial you. Forward {port_text} "
-            "from your router to this machine, or join through a public peer and let others reach you via "
-            "a libp2p relay (hivemind's use_relay / use_auto_relay)"
+            f"behind NAT: a relay sees this machine at {reach.observed} and cannot dial it; peers that "
+            f"cannot dial you pull through the relay. To be dialled directly (sparing the relay), {forward}"
         )
-    return {"addresses": addresses, "public": public, "reachable": bool(public), "advice": advice}
+    elif public:
+        case = "public"
+        advice = f"public address {', '.join(public)}: reachable if {port_text} is open in your firewall"
+    else:
+        case = "unreachable"
+        advice = (
+            "only private addresses, and no relay among the initial peers: peers outside your network "
+            f"cannot reach you. Join through a `shoal bootstrap` node (it relays for you), or {forward}"
+        )
+    return {"addresses": addresses, "case": case, "reachable": case == "public", "advice": advice}
 
 
 async def _probe(dht, peer_id: str, run: str) -> float:
@@ -97,7 +101,8 @@ def network_report(initial_peers: list[str], run: str, port: int) -> dict:
     except BootstrapError as error:
         return {"bootstrap": "failed", "error": str(error)}
     try:
-        report["reachability"] = reachability([str(a) for a in dht.get_visible_maddrs()], port)
+        reach = check_reachability(dht, initial_peers)
+        report["reachability"] = reachability([str(a) for a in dht.get_visible_maddrs()], port, reach)
         if not initial_peers:
             return report
         started = time.perf_counter()
@@ -137,7 +142,7 @@ def main(initial_peers: list[str], run: str, port: int, as_json: bool, stream: I
     else:
         reach = network["reachability"]
         lines.append(f"listening  {', '.join(reach['addresses'])}")
-        lines.append(f"reachable  {'yes' if reach['reachable'] else 'no'}: {reach['advice']}")
+        lines.append(f"reachable  {reach['case']}: {reach['advice']}")
         if "bootstrap" in network:
             lines.append(
                 f"bootstrap  ok, DHT round trip {network['dht_round_trip_ms']:.0f} ms, "

@@ -9,8 +9,12 @@ The DHT's process, and the p2pd daemon it starts, die with the process that star
 kill -9 (shoal.peer.swarm.lifeline): `TetheredDHT`.
 """
 
+import asyncio
+import contextlib
+import ipaddress
 import multiprocessing
 import socket
+import threading
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -20,6 +24,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 
 from shoal.peer.swarm.lifeline import die_with_parent
+from shoal.peer.swarm.relay import RelayServer
 
 
 class BootstrapError(RuntimeError):
@@ -75,23 +80,61 @@ def check_multiaddr(address: str) -> str | None:
 
 def best_address(addresses: Sequence[str]) -> str:
     """A public address if there is one, then a private one, then loopback."""
+    return sorted(addresses, key=_rank)[0]
 
-    def rank(address: str) -> int:
-        if "/ip4/127." in address or "/ip6/::1/" in address:
+
+def private_only(addresses: Sequence[str]) -> bool:
+    """Whether none of `addresses` is public (only private or loopback ones)."""
+    return bool(addresses) and min(map(_rank, addresses)) > 0
+
+
+PRIVATE = tuple(
+    ipaddress.ip_network(net)
+    for net in (
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "169.254.0.0/16",
+        "fc00::/7",
+        "fe80::/10",
+    )
+)
+"""Home, carrier-grade NAT and link-local networks: addresses nobody outside them can dial."""
+
+
+def _rank(address: str) -> int:
+    """0: public (any other address: 198.18.0.0/15 too, for the namespace tests), 1: private, 2: loopback."""
+    for protocol in ("ip4", "ip6"):
+        try:
+            host = ipaddress.ip_address(Multiaddr(address).value_for_protocol(protocol))
+        except (MultiaddrError, ValueError, TypeError, KeyError, IndexError):
+            continue
+        if host.is_loopback:
             return 2
-        private = ("/ip4/10.", "/ip4/192.168.", "/ip4/172.", "/ip4/100.")
-        return 1 if address.startswith(private) else 0
-
-    return sorted(addresses, key=rank)[0]
+        return 1 if any(host in net for net in PRIVATE if net.version == host.version) else 0
+    return 0
 
 
 class BootstrapNode:
-    """A DHT node that trains nothing (`shoal bootstrap`), for peers to join through; it offers libp2p's
-    circuit relay (hivemind's `use_relay`). Closing it shuts its DHT process and p2pd down."""
+    """A DHT node that trains nothing (`shoal bootstrap`), for peers to join through. It relays for the
+    peers behind NAT (shoal.peer.swarm.relay's RelayServer, on an event loop thread of its own over a
+    replica of the DHT's libp2p daemon) and offers libp2p's circuit relay (hivemind's `use_relay`).
+    Closing it stops the relay and shuts its DHT process and p2pd down."""
 
-    def __init__(self, dht: hivemind.DHT):
-        self.dht = dht
+    def __init__(self, dht: hivemind.DHT, relay: RelayServer | None = None):
+        self.dht, self.relay = dht, relay
         self._metrics_server = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-relay", daemon=True)
+        self._thread.start()
+        self._p2p = None
+        if relay is not None:
+            try:
+                self._p2p = self._call(self._start_relay())
+            except BaseException:
+                self.close()
+                raise
 
     @classmethod
     def start(
@@ -103,10 +146,13 @@ class BootstrapNode:
         announce_maddrs: Sequence[str] = (),
         initial_peers: Sequence[str] = (),
         public: bool = False,
+        relay_cache_bytes: int | None = 256 << 20,
+        max_payload_bytes: int = 1 << 30,
     ) -> "BootstrapNode":
         """The node listening on host:port; `public`: libp2p is told it is reachable from everywhere
-        (its AutoNAT would not conclude so for an address outside the global ranges). Raises
-        BootstrapError."""
+        (its AutoNAT would not conclude so for an address outside the global ranges);
+        `relay_cache_bytes`: payloads it keeps for the peers it relays to (None: it relays nothing).
+        Raises BootstrapError."""
         options: dict = {"use_relay": True}
         if identity_path:
             options["identity_path"] = identity_path
@@ -114,7 +160,10 @@ class BootstrapNode:
             options["announce_maddrs"] = list(announce_maddrs)
         if public:
             options["force_reachability"] = "public"
-        return cls(start_dht(initial_peers, host_maddrs=[f"/ip4/{host}/tcp/{port}"], **options))
+        dht = start_dht(initial_peers, host_maddrs=[f"/ip4/{host}/tcp/{port}"], **options)
+        if relay_cache_bytes is None:
+            return cls(dht)
+        return cls(dht, RelayServer(max_payload_bytes=max_payload_bytes, cache_bytes=relay_cache_bytes))
 
     @property
     def address(self) -> str:
@@ -134,20 +183,80 @@ class BootstrapNode:
             "shoal_bootstrap_connections", "Peers connected to this bootstrap node", registry=registry
         )
         connected.set_function(self.connections)
+        if self.relay is not None:
+            registry.register(RelayCollector(self))
         self._metrics_server, _ = start_http_server(port, addr=host, registry=registry)
         return self._metrics_server.server_port
+
+    def relay_counters(self) -> dict[str, dict[str, float]]:
+        """A copy of the relay's counters, taken on its loop (for another thread)."""
+
+        async def copy() -> dict[str, dict[str, float]]:
+            relay = self.relay
+            return {
+                "sent": dict(relay.sent),
+                "fetched": dict(relay.fetched),
+                "streams": dict(relay.streams),
+                "rejected": dict(relay.rejected),
+                "cache": {"bytes": relay.cached_bytes, "payloads": len(relay.cache)},
+            }
+
+        return self._call(copy())
 
     def close(self) -> None:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
+        if self._p2p is not None:
+            with contextlib.suppress(Exception):
+                self._call(self._stop_relay(), timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
         self.dht.shutdown()
+
+    def _call(self, coroutine, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    async def _start_relay(self):
+        p2p = await self.dht.replicate_p2p()
+        await self.relay.start(p2p)
+        return p2p
+
+    async def _stop_relay(self) -> None:
+        await self.relay.stop()
+        await self._p2p.shutdown()
 
     def __enter__(self) -> "BootstrapNode":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RelayCollector:
+    """The relay's counters as Prometheus metrics, read when scraped."""
+
+    def __init__(self, node: BootstrapNode):
+        self.node = node
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        counts = self.node.relay_counters()
+        families = (
+            ("shoal_relay_sent_bytes", "Bytes the relay sent to asking peers, by kind", "kind", "sent"),
+            ("shoal_relay_fetched_bytes", "Bytes fetched from peers behind it, by kind", "kind", "fetched"),
+            ("shoal_relay_streams", "Requests answered, by kind (cached: from its cache)", "kind", "streams"),
+            ("shoal_relay_rejected", "Relay requests refused or failed, by reason", "reason", "rejected"),
+        )  # fmt: skip
+        for name, text, label, key in families:
+            family = CounterMetricFamily(name, text, labels=[label])
+            for value, amount in sorted(counts[key].items()):
+                family.add_metric([value], amount)
+            yield family
+        yield GaugeMetricFamily(
+            "shoal_relay_cache_bytes", "Bytes of payloads the relay keeps", value=counts["cache"]["bytes"]
+        )
 
 
 async def _connected_peers(_dht: hivemind.DHT, node) -> int:

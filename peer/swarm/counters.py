@@ -15,6 +15,8 @@ class SwarmCounters:
     measurements it answered), dht (the serialized records and announcements it stored)."""
     received: Counter[str] = field(default_factory=Counter)
     """Bytes this peer received, by kind: payload, state, dht (the serialized values of its reads)."""
+    via_relay: Counter[str] = field(default_factory=Counter)
+    """Of `received`, the bytes that came through a relay (shoal.peer.swarm.relay), by kind."""
     rejected: Counter[str] = field(default_factory=Counter)
     """Announcements, downloads and contributions dropped, by reason."""
     dht_stores: int = 0
@@ -53,7 +55,12 @@ class SwarmCounters:
 
     def snapshot(self, **extra: object) -> dict:
         """A copy for another thread (the metrics endpoint), with what the exchange adds (`extra`)."""
-        copied = {"sent": dict(self.sent), "received": dict(self.received), "rejected": dict(self.rejected)}
+        copied = {
+            "sent": dict(self.sent),
+            "received": dict(self.received),
+            "via_relay": dict(self.via_relay),
+            "rejected": dict(self.rejected),
+        }
         totals = {
             "strikes": self.strikes_total,
             "resyncs": self.resyncs,

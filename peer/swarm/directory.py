@@ -18,6 +18,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import hivemind
 from hivemind.dht.node import DHTNode
@@ -37,7 +38,11 @@ from shoal.peer.swarm.membership import (
 )
 from shoal.peer.swarm.names import peers_key
 from shoal.peer.swarm.records import Announcement, RoundSchedule, peer_records
+from shoal.peer.swarm.relay import UNCHECKED, Reachability
 from shoal.protocol import MalformedPayloadError
+
+if TYPE_CHECKING:
+    from shoal.peer.swarm.coordinator_link import CoordinatorLink
 
 logger = get_logger(__name__)
 
@@ -85,6 +90,7 @@ class RunDirectory:
         self.run_clock: tuple[float, float] | None = None
         """The round clock (start time, round length) this run converges on, when it is not this
         peer's: another peer started the run at once (`membership.winning_clock`)."""
+        self._relays: dict[str, tuple[str, ...]] = {}  # peer id: the relays its record names
         self._rejoin = tuple(rejoin)
         self._rejoined_at = -math.inf  # monotonic time of the last attempt
 
@@ -128,12 +134,14 @@ class RunDirectory:
         if malformed:
             self.counts.rejected["bad_record"] += malformed
         compatible = {self.owner}
+        relays: dict[str, tuple[str, ...]] = {}
         self.coordinators = {}
         clocks: Counter[tuple[float, float]] = Counter()
         for owner, record in records.items():
             reason = incompatibility(self.record, record)
             if reason is None:
                 compatible.add(owner)
+                relays[record.peer_id] = tuple(record.relays)
                 if owner != self.owner and ADDRESS.fullmatch(record.coordinator):
                     self.coordinators[owner] = record.coordinator
             elif other_clock(self.record, record):
@@ -145,7 +153,14 @@ class RunDirectory:
         clocks[mine] = len(compatible)
         winner = winning_clock(clocks)
         self.run_clock = None if winner == mine else winner
+        self._relays = relays
         return compatible
+
+    def relays_of(self, peer_id: str) -> tuple[str, ...]:
+        """The relays a compatible peer's record names (it may be behind NAT: pull through them); for a
+        peer whose record this one has not read (under a coordinator), this peer's own relays: a swarm
+        usually shares its bootstrap nodes."""
+        return self._relays.get(peer_id) or tuple(self.record.relays)
 
     async def announcements(
         self, key: str, max_payload_bytes: int
@@ -216,9 +231,11 @@ def first_record(
     config: Mapping[str, str],
     device: str,
     schedule: RoundSchedule,
-    coordinator_address: str | None,
+    coordinator: "CoordinatorLink | None",
+    reachability: Reachability = UNCHECKED,
 ) -> PeerRecord:
-    """This peer's record before its first round: who it is, what it runs, on what clock."""
+    """This peer's record before its first round: who it is, what it runs, on what clock, whether it
+    can be dialed and through which relays it can be reached."""
     return PeerRecord(
         peer_id=peer_id,
         version=SHOAL_VERSION,
@@ -229,7 +246,9 @@ def first_record(
         round=0,
         start_time=float(schedule.start_time),
         round_seconds=float(schedule.round_seconds),
-        coordinator=(coordinator_address or "")[:256],
+        coordinator=(coordinator.address if coordinator else "")[:256],
+        reachable=reachability.reachable,
+        relays=list(reachability.relays),
     )
 
 

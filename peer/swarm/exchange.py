@@ -70,6 +70,7 @@ from shoal.peer.swarm.membership import PeerRecord, owner_subkey
 from shoal.peer.swarm.names import final_key, round_key
 from shoal.peer.swarm.pull import Puller, abandon
 from shoal.peer.swarm.records import Announcement, RoundPlan, RoundSchedule
+from shoal.peer.swarm.relay import UNCHECKED, Reachability
 from shoal.peer.swarm.server import PayloadServer
 from shoal.peer.swarm.state import (
     StateSnapshot,
@@ -101,6 +102,7 @@ class SwarmExchange(Exchange):
         keep_states: state snapshots of the last rounds served to joining and re-syncing peers.
         coordinator: the link to the swarm's coordinator, if it has one (see `plan_round`).
         rejoin: the initial peers, dialled again when this peer is alone in its run (directory).
+        reachability: whether it can be dialed, and its relays (shoal.peer.swarm.relay).
     """
 
     server_type: type[PayloadServer] = PayloadServer
@@ -124,6 +126,7 @@ class SwarmExchange(Exchange):
         keep_states: int = 2,
         coordinator: CoordinatorLink | None = None,
         rejoin: Sequence[str] = (),
+        reachability: Reachability = UNCHECKED,
     ):
         self.dht = dht
         self.run = run
@@ -147,7 +150,7 @@ class SwarmExchange(Exchange):
             dht,
             run=run,
             owner=self.owner,
-            record=first_record(self.peer_id, config, device, schedule, coordinator and coordinator.address),
+            record=first_record(self.peer_id, config, device, schedule, coordinator, reachability),
             counts=self.counts,
             coordinated=coordinator is not None,
             rejoin=rejoin,
@@ -164,6 +167,7 @@ class SwarmExchange(Exchange):
             timeout_s=self.fetch_timeout_s,
         )
         """What this peer serves (shoal.peer.swarm.server)."""
+        self.server.relays = set(reachability.relays)
         self._adopted: list[torch.Tensor] | None = None
         self._next_round = 0  # rounds before it are taken by a plan or a gather (`_take_round`)
         self._rounds_lock = threading.Lock()
@@ -192,11 +196,6 @@ class SwarmExchange(Exchange):
     def refused(self) -> dict[str, str]:
         """Incompatible peers seen (peer id: which settings differ)."""
         return self.directory.refused
-
-    @property
-    def coordinators(self) -> dict[bytes, str]:
-        """Compatible peers that follow a coordinator: the address their record names."""
-        return self.directory.coordinators
 
     @property
     def banned(self) -> dict[bytes, int]:
@@ -392,14 +391,14 @@ class SwarmExchange(Exchange):
         p2p = await self.dht.replicate_p2p()
         self._puller = Puller(
             p2p,
+            run=self.run,
             channels=Channels(p2p, self.server.channel_handler, self.fetch_timeout_s),
-            state_handler=self.server.state_handler,
             owner=self.owner,
             timeout_s=self.fetch_timeout_s,
             max_concurrent=max_concurrent_fetches,
             strike=self._strike,
-            received=self.counts.received,
-            rejected=self.counts.rejected,
+            counts=self.counts,
+            relays_of=self.directory.relays_of,
         )
         await self.server.start(p2p)
         # the record goes out before the first round, so that the others count this peer in their

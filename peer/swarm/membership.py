@@ -17,7 +17,7 @@ from importlib.metadata import version
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils.crypto import RSAPrivateKey
-from pydantic.v1 import BaseModel, StrictStr, confloat, conint, constr
+from pydantic.v1 import BaseModel, StrictBool, StrictStr, confloat, conint, conlist, constr
 
 from shoal.peer.swarm.names import check_run_name
 
@@ -39,6 +39,8 @@ class PeerRecord(BaseModel):
     samples: conint(ge=0, strict=True) = 0  # samples this peer has contributed since it started
     updated: confloat(ge=0, strict=True) = 0.0  # unix time the record was written
     coordinator: constr(strict=True, max_length=256) = ""  # the coordinator it follows, as it reaches it
+    reachable: StrictBool | None = None  # whether a relay could dial it (None: not checked)
+    relays: conlist(constr(strict=True, min_length=1, max_length=128), max_items=4) = []  # pull through these
 
 
 class RunRecords(BaseModel):

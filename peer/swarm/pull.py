@@ -1,7 +1,9 @@
 """Pulling what other peers serve, for SwarmExchange (shoal.peer.swarm.exchange), on its event loop.
 
-- A payload is pulled from the peer that announced it, then from any other participant of the round
-  (every peer serves what it pulled; a relay that does not hold it yet answers with nothing), cycling
+- A payload is pulled from the peer that announced it, then through the relays its record names
+  (shoal.peer.swarm.relay: `shoal bootstrap` nodes it keeps a connection to, for a peer behind NAT),
+  then from any other participant of the round (every peer serves what it pulled; one that does not
+  hold it yet answers with nothing), cycling
   with backoff until it is had or the round gives up on it. At most `max_concurrent` pulls run at a
   time, and beyond the first at most `max_bytes_in_flight` bytes of payloads (`InFlight`; a pull
   that takes much longer than the recent ones stops counting, so a stalled source does not hold up
@@ -13,8 +15,8 @@
   (a capture); one at a time took the wire overhead from +6.8% to +3.1% (BENCHMARKS.md).
 - It is accepted only if its size and SHA-256 match the announcement; a source that sends other
   bytes is struck (the exchange's `strike`) and not asked again for it.
-- A piece of a shared state is pulled the same way, by shoal.peer.swarm.state's `download`, which checks
-  it against the state's manifest.
+- A piece of a shared state is pulled from its source, then through the source's relays, by
+  shoal.peer.swarm.state's `download`, which checks it against the state's manifest.
 
 Payloads travel over channels (shoal.peer.swarm.channels): streams kept open between two peers, as a
 stream per pull cost more on the wire than a small payload. Other replies are one-off streams of
@@ -26,7 +28,7 @@ import contextlib
 import hashlib
 import random
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Collection, Mapping
 
 import torch
@@ -35,10 +37,12 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.logging import get_logger
 
 from shoal.peer.swarm.channels import Channels
+from shoal.peer.swarm.counters import SwarmCounters
+from shoal.peer.swarm.names import handler
 from shoal.peer.swarm.records import Announcement
 from shoal.peer.swarm.state import MAX_CHUNK_BYTES, StateUnavailable, download, restore, state_size
 from shoal.protocol import MalformedPayloadError
-from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, StateRequest
+from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, RelayRequest, StateRequest
 
 logger = get_logger(__name__)
 
@@ -47,6 +51,7 @@ CHUNK_BYTES = 1 << 20  # libp2p unary messages stop at 4 MiB; streamed chunks of
 TRANSIENT = (TimeoutError, P2PDaemonError, P2PHandlerError, OSError, asyncio.IncompleteReadError)
 """Failures that say nothing about the source's honesty: try another, or again later."""
 CANCEL_GRACE_S = 1.0  # pulls cancelled at a round's deadline get this long to end, no longer
+RELAY_HANDLER = "shoal.relay"  # shoal.peer.swarm.relay's
 
 
 async def abandon(tasks: Collection[asyncio.Task]) -> int:
@@ -81,19 +86,21 @@ class Puller:
         self,
         p2p: P2P,
         *,
+        run: str,
         channels: Channels,
-        state_handler: str,
         owner: bytes,
         timeout_s: float,
         max_concurrent: int,
         strike: Callable[[bytes, str, int], None],
-        received: Counter[str],
-        rejected: Counter[str],
+        counts: SwarmCounters,
+        relays_of: Callable[[str], Collection[str]] = lambda _peer: (),
         max_bytes_in_flight: int = MAX_BYTES_IN_FLIGHT,
     ):
-        self.p2p, self.owner, self.timeout_s = p2p, owner, timeout_s
-        self.channels, self.state_handler = channels, state_handler
-        self.strike, self.received, self.rejected = strike, received, rejected
+        self.p2p, self.run, self.owner, self.timeout_s = p2p, run, owner, timeout_s
+        self.channels, self.state_handler = channels, handler(run, "state")
+        self.strike, self.relays_of = strike, relays_of
+        """`relays_of(peer id)`: the relays a peer names in its record."""
+        self.received, self.rejected, self.via_relay = counts.received, counts.rejected, counts.via_relay
         self.relayed = 0
         """Payloads pulled from a peer other than their author."""
         self.refused_by_author: set[tuple[int, bytes]] = set()
@@ -107,32 +114,36 @@ class Puller:
         """The announced payload, from its author or the other participants in `holders` (read live:
         it grows during the round)."""
         request = PayloadRequest(round=round_number, digest=announcement.digest)
-        refused: set[bytes] = set()  # sources that sent bad bytes for this payload
+        refused: set[str] = set()  # sources (or relays) that sent bad bytes for this payload
         cycle = 0
         while True:
             others = [h for h in holders.values() if h.owner not in (announcement.owner, self.owner)]
             random.shuffle(others)  # spreads the load of re-serving over the relays
-            for source in [announcement, *others]:
-                if source.owner in refused:
+            relays = [(announcement, relay) for relay in self.relays_of(announcement.peer)]
+            for source, relay in [(announcement, None), *relays, *((other, None) for other in others)]:
+                if (relay or source.peer) in refused:
                     continue
                 try:
                     async with self._in_flight.hold(announcement.size):
                         started = time.monotonic()
-                        data = await self._checked(source.peer, announcement, request)
+                        data = await self._checked(source.peer, announcement, request, relay)
                         self._in_flight.observe(len(data), time.monotonic() - started)
                 except MalformedPayloadError as error:
                     self.rejected[error.reason] += 1
-                    self.strike(source.owner, error.reason, round_number)
-                    refused.add(source.owner)
+                    if relay is None:  # a relay checks the digest: bad bytes from one are its own
+                        self.strike(source.owner, error.reason, round_number)
+                    refused.add(relay or source.peer)
                     continue
                 except NotHeld:
-                    if source is announcement:
+                    if source is announcement and relay is None:
                         self.refused_by_author.add((round_number, announcement.digest))
                     continue
                 except TRANSIENT:
                     continue
                 self.received["payload"] += len(data)
-                self.relayed += source.owner != announcement.owner
+                if relay is not None:
+                    self.via_relay["payload"] += len(data)
+                self.relayed += source.owner != announcement.owner or relay is not None
                 return data
             await asyncio.sleep(min(1.0, 0.1 * 2**cycle))
             cycle += 1
@@ -192,9 +203,22 @@ class Puller:
         return state
 
     async def state_piece(self, source: str, request: StateRequest) -> bytes:
-        data = await self.pull(source, self.state_handler, request, MAX_CHUNK_BYTES + CHUNK_BYTES)
+        """A piece of a state from `source`, or through the relays it names (it may be behind NAT)."""
+        limit = MAX_CHUNK_BYTES + CHUNK_BYTES
+        try:
+            data = await self.pull(source, self.state_handler, request, limit)
+        except TRANSIENT:
+            data = b""
+        for relay in self.relays_of(source) if not data else ():
+            with contextlib.suppress(*TRANSIENT):
+                data = await self.pull(
+                    relay, RELAY_HANDLER, RelayRequest(run=self.run, peer=source, state=request), limit
+                )
+            if data:
+                self.via_relay["state"] += len(data)
+                break
         if not data:
-            raise ConnectionError(f"{source} does not hold the state")
+            raise ConnectionError(f"{source} does not hold the state, or cannot be reached")
         return data
 
     async def pull(self, peer: str, handler: str, request, max_bytes: int) -> bytes:
@@ -212,8 +236,14 @@ class Puller:
             parts.append(chunk.data)
         return b"".join(parts)
 
-    async def _checked(self, source: str, announcement: Announcement, request: PayloadRequest) -> bytes:
-        data = await self.channels.pull(source, request, announcement.size)
+    async def _checked(
+        self, source: str, announcement: Announcement, request: PayloadRequest, relay: str | None
+    ) -> bytes:
+        if relay is None:
+            data = await self.channels.pull(source, request, announcement.size)
+        else:
+            asked = RelayRequest(run=self.run, peer=source, payload=request)
+            data = await self.pull(relay, RELAY_HANDLER, asked, announcement.size)
         if not data:
             raise NotHeld(f"{source} does not hold the payload (yet)")
         if len(data) != announcement.size or hashlib.sha256(data).digest() != announcement.digest:

@@ -10,7 +10,7 @@
 - Zeros for a bandwidth probe (`shoal check`), capped and rate-limited per asking peer.
 
 It also keeps who pulled this peer's last payload (`pullers`), so that a peer leaving after its last
-round can wait until every other participant has it (`drain`).
+round can wait until every other participant has it, or a relay that keeps it for them (`drain`).
 
 Everything here runs on the exchange's event loop thread. A test that plays a hostile peer subclasses
 it and sets its class as the `server_type` of its SwarmExchange.
@@ -73,6 +73,9 @@ class PayloadServer:
         """The peers that pulled this peer's last payload (a butterfly round: its mean)."""
         self.expected_pullers: set[str] = set()
         """The other participants of the last round."""
+        self.relays: set[str] = set()
+        """The relays this peer is reached through (shoal.peer.swarm.relay): one that pulled its payload
+        keeps it for every other peer."""
         self.means: dict[tuple[int, int], bytes] = {}  # (round, piece): this peer's mean of its piece
         self._mean_ready: dict[tuple[int, int], asyncio.Event] = {}
         self._cuttable: dict[int, bytes] = {}  # round: digest of its payloads it serves in pieces
@@ -224,7 +227,8 @@ class PayloadServer:
         means, and one that found this peer gone while another got its part would end the round on
         other parameters. At most until the monotonic time `until`; returns whether all of them had it."""
         while not (
-            self.expected_pullers <= self.pullers and time.monotonic() - self._part_served_at >= PARTS_QUIET_S
+            (self.expected_pullers <= self.pullers or self.pullers & self.relays)
+            and time.monotonic() - self._part_served_at >= PARTS_QUIET_S
         ):
             if time.monotonic() >= until:
                 missing = len(self.expected_pullers - self.pullers)

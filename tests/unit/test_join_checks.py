@@ -22,6 +22,10 @@ class Seen:
     def compatible_peers(self) -> set[bytes]:
         return {b"me", *(bytes([i]) for i in range(self.others))}
 
+    @property
+    def directory(self) -> "Seen":  # its RunDirectory's `coordinators`
+        return self
+
 
 def test_most_peers_following_a_coordinator_refuse_a_peer_without_one():
     seen = Seen(others=3, coordinators={bytes([0]): "coord.example.org:7733", bytes([1]): "10.0.0.5:7733"})

@@ -1,0 +1,199 @@
+"""Volunteers behind home NATs train through a `shoal bootstrap` node (shoal.peer.swarm.relay).
+
+The topology is real (shoal.peer.bench.netlab): a bridge with addresses in 198.18.0.0/15, the
+bootstrap node on it, and each peer in a home network of its own behind a router namespace that
+masquerades (iptables MASQUERADE, FORWARD policy DROP but for replies): the peers can dial the
+bootstrap and nobody can dial them. Before the relay, such peers each trained alone (a pull between
+them failed with "routing: not found") and ended on different models.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shoal.peer.bench import netlab
+from shoal.peer.bench.netlab import NetLab
+from tests.integration.harness import SHOAL, events, wait_for
+
+reason = netlab.available(nat=True)
+pytestmark = pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def start_bootstrap(lab: NetLab, tmp_path: Path, *extra: str) -> tuple[str, str]:
+    """`shoal bootstrap` on node 0 (public); returns its address and its metrics URL."""
+    address_file = tmp_path / "bootstrap.address"
+    out = tmp_path / "bootstrap.out"
+    host = lab.address(0)
+    argv = [*SHOAL, "bootstrap", "--host", host, "--public", "--metrics-port", "0"]
+    lab.popen(
+        0,
+        [*argv, "--address-file", str(address_file), *extra],
+        stdout=out.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        found = re.search(r"(http://\S+/metrics)", out.read_text()) if out.exists() else None
+        if found and address_file.exists() and address_file.read_text().strip():
+            return address_file.read_text().strip(), found.group(1)
+        time.sleep(0.3)
+    raise TimeoutError(f"the bootstrap node did not start: {out.read_text()[-2000:]}")
+
+
+def join(lab: NetLab, node: int, tmp_path: Path, address: str, *flags: str) -> Path:
+    """`shoal join --initial-peers <bootstrap>` in node `node`'s home, with no network flags."""
+    out = tmp_path / f"peer{node}.jsonl"
+    argv = [*SHOAL, "join", "--initial-peers", address, "--run", "home", "--model", "tiny", *flags]
+    lab.popen(
+        node,
+        [*argv, "--log-format", "json"],
+        stdout=out.open("w"),
+        stderr=(tmp_path / f"peer{node}.err").open("w"),
+    )
+    return out
+
+
+def metrics(lab: NetLab, url: str) -> dict[str, float]:
+    """The exposition's samples by name and labels, as in `shoal_relay_sent_bytes{kind="payload"}`
+    (scraped from inside the public node's namespace)."""
+    read = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
+    text = subprocess.run(
+        ["ip", "netns", "exec", lab.namespace(0), sys.executable, "-c", read],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def summaries(outs: list[Path], timeout_s: float) -> list[dict]:
+    return [wait_for(out, lambda e: e.get("event") == "summary", timeout_s) for out in outs]
+
+
+def check_swarm(outs: list[Path], until_round: int) -> list[dict]:
+    """Every peer ends on one model, knew it was behind NAT, and its payload reached the others in at
+    least 90% of the rounds once the swarm was whole (participants = all of them)."""
+    done = summaries(outs, 30)
+    assert len({s["param_hash"] for s in done}) == 1, done
+    started = [next(e for e in events(out) if e.get("event") == "started") for out in outs]
+    for event in started:
+        assert event["reachable"] is False and len(event["relays"]) == 1, event
+        assert event["observed"].startswith("/ip4/198.18.0."), event
+    rounds = [[e for e in events(out) if e.get("event") == "round"] for out in outs]
+    # a joiner first takes the swarm's state (its contributions before are stale): the swarm is whole
+    # from the first round every peer took part in, at most 4 rounds after the last one's first
+    whole = min(e["round"] for peer_rounds in rounds for e in peer_rounds if e["participants"] == len(outs))
+    assert whole <= max(peer_rounds[0]["round"] for peer_rounds in rounds) + 4, rounds
+    for peer_rounds in rounds:
+        later = [e for e in peer_rounds if e["round"] >= whole]
+        assert len(later) >= until_round - whole, peer_rounds
+        full = sum(e["participants"] == len(outs) for e in later)
+        assert full >= 0.9 * len(later), [(e["round"], e["participants"]) for e in peer_rounds]
+    assert all(s["via_relay"].get("payload", 0) > 0 for s in done), done
+    return done
+
+
+@pytest.mark.timeout(300)
+def test_three_peers_behind_nat_train_demo_through_a_bootstrap_relay_to_one_model(tmp_path):
+    with NetLab(4, None, homes=[1, 2, 3]) as lab:
+        address, url = start_bootstrap(lab, tmp_path)
+        flags = ["--round-seconds", "3", "--until-round", "17"]
+        outs = [join(lab, 1, tmp_path, address, *flags, "--discover-seconds", "0")]
+        first = wait_for(outs[0], lambda e: e.get("event") == "started", 60)
+        # a NAT'd first peer's join command names the relay, not its private address
+        assert first["join_command"].startswith(f"shoal join --initial-peers {address} --run home")
+        wait_for(outs[0], lambda e: e.get("event") == "round", 60)
+        outs += [join(lab, node, tmp_path, address, *flags) for node in (2, 3)]
+        wait_for(outs[0], lambda e: e.get("event") == "round" and e["participants"] == 3, 120)
+        assert metrics(lab, url)["shoal_bootstrap_connections"] >= 3
+        summaries(outs, 180)
+        check_swarm(outs, 17)
+        seen = metrics(lab, url)
+        assert seen['shoal_relay_sent_bytes_total{kind="payload"}'] > 0, seen
+        # each payload is fetched from its author once and served from the cache to the other asking peer
+        assert seen['shoal_relay_streams_total{kind="cached"}'] > 0, seen
+        fetched = seen['shoal_relay_fetched_bytes_total{kind="payload"}']
+        assert seen['shoal_relay_sent_bytes_total{kind="payload"}'] >= 1.5 * fetched, seen
+
+
+@pytest.mark.timeout(300)
+def test_two_peers_behind_nat_train_diloco_through_a_bootstrap_relay_to_one_model(tmp_path):
+    with NetLab(3, None, homes=[1, 2]) as lab:
+        address, _ = start_bootstrap(lab, tmp_path)
+        flags = ["--algorithm", "diloco", "--round-seconds", "3", "--until-round", "17"]
+        outs = [join(lab, 1, tmp_path, address, *flags, "--discover-seconds", "0")]
+        wait_for(outs[0], lambda e: e.get("event") == "round", 60)
+        outs.append(join(lab, 2, tmp_path, address, *flags))
+        summaries(outs, 180)
+        check_swarm(outs, 17)
+
+
+def test_netlab_homes_cannot_be_dialed_but_dial_out(tmp_path):
+    """The topology the tests above rely on: a home node reaches the public node, the public node and
+    the other home cannot reach it (a listener at home gets no connection)."""
+    with NetLab(3, None, homes=[1, 2]) as lab:
+        listen = (
+            "import socket,sys; s=socket.socket(); s.bind(('0.0.0.0', 7000)); s.listen(); s.settimeout(8)\n"
+        )
+        listen += "try:\n    s.accept(); print('accepted')\nexcept OSError:\n    print('nothing')\n"
+        dial = "import socket,sys\ntry:\n    socket.create_connection((sys.argv[1], 7000), timeout=3)\n"
+        dial += "    print('open')\nexcept OSError as e:\n    print('closed')\n"
+        server = lab.popen(0, ["python3", "-c", listen], stdout=subprocess.PIPE, text=True)
+        home = lab.popen(1, ["python3", "-c", listen], stdout=subprocess.PIPE, text=True)
+        time.sleep(1)
+        outward = subprocess.run(
+            ["ip", "netns", "exec", lab.namespace(2), "python3", "-c", dial, lab.address(0)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        inward = [
+            subprocess.run(
+                ["ip", "netns", "exec", lab.namespace(n), "python3", "-c", dial, target],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            for n, target in ((0, lab.address(1)), (2, lab.address(1)), (0, lab.lan_address(1)))
+        ]
+        assert outward.stdout.strip() == "open"
+        assert [r.stdout.strip() for r in inward] == ["closed"] * 3
+        assert server.communicate(timeout=20)[0].strip() == "accepted"
+        assert home.communicate(timeout=20)[0].strip() == "nothing"
+
+
+@pytest.mark.timeout(180)
+def test_shoal_check_says_public_behind_nat_with_a_relay_or_unreachable(tmp_path):
+    with NetLab(3, None, homes=[1]) as lab:
+        address, _ = start_bootstrap(lab, tmp_path)
+
+        def check(node: int, *initial: str) -> dict:
+            argv = [
+                *SHOAL,
+                "check",
+                "--run",
+                "home",
+                "--json",
+                *(["--initial-peers", *initial] if initial else []),
+            ]
+            done = subprocess.run(
+                ["ip", "netns", "exec", lab.namespace(node), *argv],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert done.returncode == 0, done.stderr[-2000:]
+            return json.loads(done.stdout)["network"]["reachability"]
+
+        home, public, alone = check(1, address), check(2, address), check(1)
+        assert home["case"] == "nat_relayed" and "198.18.0.2" in home["advice"], home
+        assert public["case"] == "public" and "dialled this machine back" in public["advice"], public
+        assert alone["case"] == "unreachable" and "shoal bootstrap" in alone["advice"], alone
