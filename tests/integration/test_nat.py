@@ -8,7 +8,9 @@ them failed with "routing: not found") and ended on different models.
 """
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -24,10 +26,10 @@ reason = netlab.available(nat=True)
 pytestmark = pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
-def start_bootstrap(lab: NetLab, tmp_path: Path, *extra: str) -> tuple[str, str]:
+def start_bootstrap(lab: NetLab, tmp_path: Path, *extra: str, name: str = "bootstrap") -> tuple[str, str]:
     """`shoal bootstrap` on node 0 (public); returns its address and its metrics URL."""
-    address_file = tmp_path / "bootstrap.address"
-    out = tmp_path / "bootstrap.out"
+    address_file = tmp_path / f"{name}.address"
+    out = tmp_path / f"{name}.out"
     host = lab.address(0)
     argv = [*SHOAL, "bootstrap", "--host", host, "--public", "--metrics-port", "0"]
     lab.popen(
@@ -197,3 +199,37 @@ def test_shoal_check_says_public_behind_nat_with_a_relay_or_unreachable(tmp_path
         assert home["case"] == "nat_relayed" and "198.18.0.2" in home["advice"], home
         assert public["case"] == "public" and "dialled this machine back" in public["advice"], public
         assert alone["case"] == "unreachable" and "shoal bootstrap" in alone["advice"], alone
+
+
+@pytest.mark.timeout(300)
+def test_the_bootstrap_killed_and_restarted_mid_run_leaves_no_split(tmp_path):
+    """While the only relay is down, the two NAT'd peers train alone; once it is back (same identity and
+    port), they find each other again, one re-syncs with the other's state, and they end on one model."""
+    with NetLab(3, None, homes=[1, 2]) as lab:
+        fixed = ["--port", "31337", "--identity", str(tmp_path / "bootstrap.key")]
+        address, _ = start_bootstrap(lab, tmp_path, *fixed)
+        node = lab._processes[-1]
+        flags = ["--round-seconds", "3", "--until-round", "24"]
+        outs = [join(lab, 1, tmp_path, address, *flags, "--discover-seconds", "0")]
+        wait_for(outs[0], lambda e: e.get("event") == "round", 60)
+        outs.append(join(lab, 2, tmp_path, address, *flags))
+        joined = wait_for(outs[1], lambda e: e.get("event") == "round" and e["participants"] == 2, 90)
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+        alone = wait_for(
+            outs[0],
+            lambda e: e.get("event") == "round" and e["participants"] == 1 and e["round"] > joined["round"],
+            60,
+        )
+        again, _ = start_bootstrap(lab, tmp_path, *fixed, name="restarted")
+        assert again == address
+        back = wait_for(
+            outs[0],
+            lambda e: e.get("event") == "round" and e["participants"] == 2 and e["round"] > alone["round"],
+            90,
+        )
+        done = summaries(outs, 120)
+        assert len({s["param_hash"] for s in done}) == 1, done
+        assert sum(s["resyncs"] for s in done) >= 1, done  # the two had forked while apart
+        later = [e for e in events(outs[0]) if e.get("event") == "round" and e["round"] >= back["round"]]
+        assert sum(e["participants"] == 2 for e in later) >= 0.9 * len(later), later
