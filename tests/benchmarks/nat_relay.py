@@ -13,6 +13,7 @@ joiner's start to the end of the first round its payload was aggregated in.
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -23,6 +24,8 @@ from pathlib import Path
 
 from shoal.peer.bench.netlab import NetLab
 from tests.integration.harness import SHOAL, events, wait_for
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per peer, as the tests run them
 
 
 def scrape(lab: NetLab, url: str) -> dict[str, float]:
@@ -46,7 +49,7 @@ def measure(topology: str, args: argparse.Namespace, scratch: Path) -> dict:
             0,
             [*SHOAL, "bootstrap", "--host", lab.address(0), "--public", "--metrics-port", "0",
              "--address-file", str(address_file)],
-            stdout=boot_out.open("w"), stderr=subprocess.STDOUT,
+            stdout=boot_out.open("w"), stderr=subprocess.STDOUT, env=ENV,
         )  # fmt: skip
         url = None
         for _ in range(120):
@@ -64,7 +67,7 @@ def measure(topology: str, args: argparse.Namespace, scratch: Path) -> dict:
             launched.append(time.time())
             lab.popen(
                 peer, [*SHOAL, "join", "--initial-peers", address, *flags, *extra],
-                stdout=out.open("w"), stderr=(scratch / f"{topology}{peer}.err").open("w"),
+                stdout=out.open("w"), stderr=(scratch / f"{topology}{peer}.err").open("w"), env=ENV,
             )  # fmt: skip
             outs.append(out)
             if peer == 1:

@@ -22,6 +22,8 @@ from shoal.peer.bench import netlab
 from shoal.peer.bench.netlab import NetLab
 from tests.integration.harness import SHOAL, events, wait_for
 
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # as harness.spawn: two torch threads per peer on 2 cores
+# oversubscribe them (compute phases of 25 s in a 5 s window were seen)
 reason = netlab.available(nat=True)
 pytestmark = pytest.mark.skipif(reason is not None, reason=reason or "")
 
@@ -37,6 +39,7 @@ def start_bootstrap(lab: NetLab, tmp_path: Path, *extra: str, name: str = "boots
         [*argv, "--address-file", str(address_file), *extra],
         stdout=out.open("w"),
         stderr=subprocess.STDOUT,
+        env=ENV,
     )
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -56,6 +59,7 @@ def join(lab: NetLab, node: int, tmp_path: Path, address: str, *flags: str) -> P
         [*argv, "--log-format", "json"],
         stdout=out.open("w"),
         stderr=(tmp_path / f"peer{node}.err").open("w"),
+        env=ENV,
     )
     return out
 
@@ -136,6 +140,30 @@ def test_two_peers_behind_nat_train_diloco_through_a_bootstrap_relay_to_one_mode
         outs.append(join(lab, 2, tmp_path, address, *flags))
         summaries(outs, 180)
         check_swarm(outs, 17)
+
+
+@pytest.mark.timeout(300)
+def test_two_peers_behind_nat_train_under_a_coordinator_beside_the_bootstrap(tmp_path):
+    """The public node also runs `shoal coordinator`: every round is coordinated, every payload
+    crosses the relay, and no window grows (rounds stay short)."""
+    with NetLab(3, None, homes=[1, 2]) as lab:
+        address, _ = start_bootstrap(lab, tmp_path)
+        listen = f"{lab.address(0)}:7733"
+        state = ["--state", str(tmp_path / "coordinator.db"), "--min-peers", "2", "--log-format", "json"]
+        lab.popen(
+            0, [*SHOAL, "coordinator", "--listen", listen, *state],
+            stdout=(tmp_path / "coordinator.out").open("w"), stderr=subprocess.STDOUT, env=ENV,
+        )  # fmt: skip
+        flags = ["--coordinator", listen, "--round-seconds", "3", "--until-round", "15"]
+        outs = [join(lab, 1, tmp_path, address, *flags, "--discover-seconds", "0")]
+        outs.append(join(lab, 2, tmp_path, address, *flags, "--discover-seconds", "30"))
+        done = summaries(outs, 240)
+        assert len({s["param_hash"] for s in done}) == 1, done
+        for out, summary in zip(outs, done, strict=True):
+            rounds = [e for e in events(out) if e.get("event") == "round"]
+            assert summary["coordinated_rounds"] >= 15 and summary["via_relay"]["payload"] > 0, summary
+            assert sum(e["participants"] == 2 for e in rounds) >= 0.9 * len(rounds), rounds
+            assert max(e["round_s"] for e in rounds[1:]) < 10, [e["round_s"] for e in rounds]
 
 
 def test_netlab_homes_cannot_be_dialed_but_dial_out(tmp_path):
