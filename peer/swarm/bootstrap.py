@@ -11,6 +11,7 @@ kill -9 (shoal.peer.swarm.lifeline): `TetheredDHT`.
 
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import multiprocessing
 import socket
@@ -35,6 +36,10 @@ class TetheredDHT(hivemind.DHT):
     """hivemind's DHT whose process (and its p2pd) ends when the process that started it dies."""
 
     def run(self) -> None:
+        # objects inherited through fork are never collected here: the parent's garbage may hold gRPC
+        # objects (a coordinator link, a test's channels) whose finalizers crash a forked child (a
+        # segfault while "Garbage-collecting" in a DHT child, seen in the integration suite)
+        gc.freeze()
         die_with_parent(multiprocessing.parent_process().pid)
         super().run()
 
@@ -49,6 +54,7 @@ def start_dht(
     """A running DHT joined through `initial_peers` (none: a new swarm). Create it before starting
     threads: hivemind forks a process for it."""
     addresses = [_parse(peer) for peer in initial_peers]
+    gc.collect()  # no garbage for the forked child to inherit (TetheredDHT.run)
     try:
         return TetheredDHT(
             start=True, initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), **dht_kwargs
