@@ -101,6 +101,7 @@ def join(settings: JoinSettings, *, stream: IO[str] | None = None) -> dict:
 
 def _join(settings: JoinSettings, progress: Progress) -> dict:
     check_initial_peers(settings.initial_peers)
+    check_announce_maddrs(settings.announce_maddrs)
     workload = _workload(settings)
     credentials = _check_coordinator(settings)
     identity = _identity(settings.identity, progress)
@@ -111,6 +112,7 @@ def _join(settings: JoinSettings, progress: Progress) -> dict:
             host_maddrs=[f"/ip4/{settings.host}/tcp/{settings.port}"],
             identity=identity,
             identity_path=settings.identity,
+            **({"announce_maddrs": list(settings.announce_maddrs)} if settings.announce_maddrs else {}),
         )
     except BootstrapError as error:
         raise JoinError(str(error)) from None
@@ -183,6 +185,20 @@ def _announce_address(
         relays=list(reach.relays),
         observed=reach.observed,
     )
+
+
+def check_announce_maddrs(addresses: Sequence[str]) -> None:
+    """SettingsError naming --announce-maddrs for an address that is not a TCP multiaddress."""
+    for address in addresses:
+        try:
+            protocols = [protocol.name for protocol in Multiaddr(address).protocols()]
+        except (ValueError, TypeError) as error:
+            protocols = [str(error)]
+        if "tcp" not in protocols or "p2p" in protocols:
+            raise SettingsError(
+                f"--announce-maddrs {address!r}: expected a TCP multiaddress without a peer id, like "
+                "/ip4/203.0.113.5/tcp/31337"
+            )
 
 
 def check_initial_peers(peers: Sequence[str]) -> None:

@@ -56,6 +56,7 @@ class JoinSettings:
     until_round: int | None = None
     host: str = "0.0.0.0"
     port: int = 0
+    announce_maddrs: tuple[str, ...] = ()
     metrics_port: int | None = None
     address_file: str | None = None
     round_seconds: float = 10.0
@@ -189,6 +190,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "until_round": _int(0),
     "host": _text,
     "port": _int(0, 65535),
+    "announce_maddrs": _peers,
     "metrics_port": _int(0, 65535),
     "address_file": _text,
     "round_seconds": _float(0.5, 86400),

@@ -43,6 +43,11 @@ JOIN_FLAGS = {
     "until_round": ("R", "leave after the swarm's round R"),
     "host": ("IP", "IPv4 address to listen on"),
     "port": ("PORT", "TCP port to listen on (0: any free one)"),
+    "announce_maddrs": (
+        "MADDR",
+        "addresses to give other peers instead of the ones this peer listens on (a port forwarded on "
+        "your router: /ip4/<your public IP>/tcp/<port>)",
+    ),
     "metrics_port": ("N", "serve Prometheus metrics on --host:N/metrics (0: any free port, logged)"),
     "address_file": ("PATH", "write the address other peers join through to PATH once listening"),
     "round_seconds": ("S", "length of a round, when starting a new swarm"),
@@ -76,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         default = getattr(settings_module.JoinSettings(), name)
         shown = "" if default in (None, "", ()) else f" (default: {default})"
-        nargs = "+" if name == "initial_peers" else None
+        nargs = "+" if name in ("initial_peers", "announce_maddrs") else None
         parser.add_argument(flag, dest=name, metavar=metavar, nargs=nargs, help=text + shown)
 
 

@@ -342,7 +342,7 @@ def _check(request: RelayRequest) -> str | None:
         return "bad_request"
     try:
         PeerID.from_base58(request.peer)
-    except (ValueError, TypeError):
+    except Exception:  # any failure to parse another peer's text is its fault, never the relay's
         return "bad_request"
     if request.WhichOneof("request") is None:
         return "bad_request"

@@ -74,3 +74,18 @@ def test_a_joiner_prints_its_address_and_others_join_through_it_once_the_first_h
     finally:
         for process in processes:
             kill(process)
+
+
+@pytest.mark.timeout(120)
+def test_announce_maddrs_is_the_address_a_peer_gives_out(tmp_path):
+    """A volunteer who forwards a port on the router gives others the router's public address."""
+    out = tmp_path / "peer.jsonl"
+    flags = ["--host", "127.0.0.1", "--announce-maddrs", "/ip4/203.0.113.5/tcp/31337", "--max-rounds", "1"]
+    peer = start(out, "join", *flags, "--round-seconds", "2", "--log-format", "json")
+    try:
+        started = wait_for(out, event("started"), 90)
+        assert started["address"].startswith("/ip4/203.0.113.5/tcp/31337/p2p/"), started
+        assert started["join_command"].startswith(f"shoal join --initial-peers {started['address']} ")
+        assert peer.wait(timeout=60) == 0
+    finally:
+        harness.kill(peer)
