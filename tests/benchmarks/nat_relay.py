@@ -17,28 +17,14 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from shoal.peer.bench.netlab import NetLab
-from tests.integration.harness import SHOAL, events, wait_for
+from tests.integration.harness import SHOAL, events, metrics, wait_for
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per peer, as the tests run them
-
-
-def scrape(lab: NetLab, url: str) -> dict[str, float]:
-    read = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
-    text = subprocess.run(
-        ["ip", "netns", "exec", lab.namespace(0), sys.executable, "-c", read],
-        capture_output=True, text=True, timeout=30, check=True,
-    ).stdout  # fmt: skip
-    return {
-        name: float(value)
-        for name, _, value in (line.rpartition(" ") for line in text.splitlines() if not line.startswith("#"))
-        if name
-    }
 
 
 def measure(topology: str, args: argparse.Namespace, scratch: Path) -> dict:
@@ -78,7 +64,7 @@ def measure(topology: str, args: argparse.Namespace, scratch: Path) -> dict:
             for out in outs
         ]
         after = [lab.counters(node) for node in range(args.peers + 1)]
-        relay = scrape(lab, url)
+        relay = metrics(lab, url)
     rounds = [[e for e in events(out) if e.get("event") == "round"] for out in outs]
     full = [[e["round"] for e in peer if e["participants"] == args.peers] for peer in rounds]
     whole = min(min(f) for f in full if f) if all(full) else None

@@ -79,6 +79,22 @@ def wait_for(path: Path, predicate, timeout_s: float) -> dict:
     raise TimeoutError(f"no matching event in {path}: {path.read_text()[-2000:] if path.exists() else ''}")
 
 
+def metrics(lab, url: str) -> dict[str, float]:
+    """The exposition's samples by name and labels, as in `shoal_relay_sent_bytes{kind="payload"}`
+    scraped from inside node 0's namespace of `lab` (a shoal.peer.bench.netlab.NetLab)."""
+    read = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
+    text = subprocess.run(
+        ["ip", "netns", "exec", lab.namespace(0), sys.executable, "-c", read],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
 CONFIG = {"model": "tiny", "algorithm": "demo"}
 
 

@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 
 from shoal.peer.bench import netlab
 from shoal.peer.bench.netlab import NetLab
-from tests.integration.harness import SHOAL, events, wait_for
+from tests.integration.harness import SHOAL, events, metrics, wait_for
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # as harness.spawn: two torch threads per peer on 2 cores
 # oversubscribe them (compute phases of 25 s in a 5 s window were seen)
@@ -62,22 +61,6 @@ def join(lab: NetLab, node: int, tmp_path: Path, address: str, *flags: str) -> P
         env=ENV,
     )
     return out
-
-
-def metrics(lab: NetLab, url: str) -> dict[str, float]:
-    """The exposition's samples by name and labels, as in `shoal_relay_sent_bytes{kind="payload"}`
-    (scraped from inside the public node's namespace)."""
-    read = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
-    text = subprocess.run(
-        ["ip", "netns", "exec", lab.namespace(0), sys.executable, "-c", read],
-        capture_output=True, text=True, timeout=30, check=True,
-    ).stdout  # fmt: skip
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
 
 
 def summaries(outs: list[Path], timeout_s: float) -> list[dict]:
