@@ -29,6 +29,11 @@ class CoordinatorMetrics:
             {"version": version("shoal"), "python": platform.python_version()}
         )
         self.round = Gauge("shoal_coordinator_round", "The round last announced.", registry=r)
+        self.exchange_window = Gauge(
+            "shoal_coordinator_exchange_window_seconds",
+            "Exchange window of the round last announced (after its compute deadline).",
+            registry=r,
+        )
         self.members = Gauge("shoal_coordinator_active_peers", "Current members of the swarm.", registry=r)
         self.participants = Gauge(
             "shoal_coordinator_participants", "Participants of the last decided round.", registry=r
@@ -74,6 +79,7 @@ class CoordinatorMetrics:
                     self.round_duration.observe(announced.announced_at - self._announced_at)
                 self._announced_at = announced.announced_at
                 self.round.set(announced.number)
+                self.exchange_window.set(announced.exchange_deadline - announced.compute_deadline)
             case Decided(round=decided):
                 self.participants.set(len(decided.participants))
                 self.stragglers.inc(len(decided.stragglers))

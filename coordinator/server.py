@@ -93,7 +93,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     queue.put_nowait(message)
                 logger.info(
                     f"round {announced.number}: {len(announced.expected)} peers, compute until "
-                    f"+{announced.compute_deadline - announced.announced_at:.1f} s"
+                    f"+{announced.compute_deadline - announced.announced_at:.1f} s, exchange until "
+                    f"+{announced.exchange_deadline - announced.announced_at:.1f} s"
                 )
             case Decided(round=decided):
                 self._wake()

@@ -47,6 +47,7 @@ from shoal.peer.swarm.bootstrap import BootstrapError, best_address, private_onl
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
 from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
+from shoal.peer.swarm.isolation import ISOLATED_AFTER
 from shoal.peer.swarm.membership import SHOAL_VERSION
 from shoal.peer.swarm.relay import Reachability
 
@@ -112,6 +113,7 @@ def _join(settings: JoinSettings, progress: Progress) -> dict:
             host_maddrs=[f"/ip4/{settings.host}/tcp/{settings.port}"],
             identity=identity,
             identity_path=settings.identity,
+            relay=settings.relay == "on",
             **({"announce_maddrs": list(settings.announce_maddrs)} if settings.announce_maddrs else {}),
         )
     except BootstrapError as error:
@@ -158,11 +160,11 @@ def _announce_address(
     left, that is what `shoal join` and `shoal check` need. A peer behind NAT names the relay it
     joined through instead of its own address, which nobody outside its network can dial."""
     through = address
-    if reach.reachable is False:
+    if reach.reachable is False and reach.relays:
         through = next(p for p in settings.initial_peers if p.endswith(f"/p2p/{reach.relays[0]}"))
     command = join_command(settings, through)
     if settings.initial_peers:
-        via = "its relay" if reach.reachable is False else "this peer"
+        via = "its relay" if through != address else "this peer"
         progress.message(
             f"Joined the swarm as {address}. Others can join through {via} with:\n  {command}\n"
             f"Reachability: {reach.describe()}"
@@ -362,10 +364,14 @@ def _save_clock(settings: JoinSettings, schedule: RoundSchedule) -> None:
 def _loop(settings, progress, peer: SwarmPeer, model, metrics: PeerMetrics | None) -> dict:
     exchange, reports = peer.exchange, []
     adopted = 0  # round clocks taken from peers that started the run at once
+    isolated = False
     stop = stop_on_signals()
     for done in peer.rounds(until_round=settings.until_round, max_rounds=settings.max_rounds, stop=stop):
         report = done.report
         reports.append(report)
+        if exchange.isolation.isolated != isolated:
+            isolated = exchange.isolation.isolated
+            _tell_isolation(progress, isolated, report.round, peer.reachability)
         if metrics is not None:
             metrics.observe_round(
                 report,
@@ -396,6 +402,22 @@ def _loop(settings, progress, peer: SwarmPeer, model, metrics: PeerMetrics | Non
     alone = bool(settings.max_rounds and len(reports) >= settings.max_rounds)
     final_resync = peer.finish(until_round=settings.until_round, left_alone=alone)
     return _summary(settings, progress, exchange, peer.trainer, model, reports, peer.stopped, final_resync)
+
+
+def _tell_isolation(progress: Progress, isolated: bool, round_number: int, reach: Reachability) -> None:
+    """A peer that reaches none of the others (shoal.peer.swarm.isolation) is told so, and how to fix it."""
+    progress.event("isolated", isolated=isolated, round=round_number)
+    if not isolated:
+        progress.message(f"Round {round_number}: this peer reaches the swarm again and takes part in it.")
+        return
+    progress.message(
+        f"Round {round_number}: this peer pulled none of the other peers' updates in the last "
+        f"{ISOLATED_AFTER} rounds, and none of them pulled its own: it can reach none of them "
+        f"({reach.describe()}). It sits the rounds out, as its updates would only keep the others "
+        f"waiting; it trains on and offers them again every {ISOLATED_AFTER} rounds. To take part, join "
+        "through a `shoal bootstrap` node (it relays for peers behind NAT) or forward a port and pass "
+        "--announce-maddrs; `shoal check` tells which case this peer is in."
+    )
 
 
 def _serve_metrics(settings, progress, exchange, trainer, device, numel) -> PeerMetrics | None:
@@ -460,6 +482,7 @@ def _summary(settings, progress, exchange, trainer, model, reports, stopped, fin
         "round_clock": [exchange.schedule.start_time, exchange.schedule.round_seconds],
         "clocks_adopted": exchange.counts.clocks_adopted,
         "late_rounds": exchange.counts.late,
+        "isolated_rounds": exchange.isolation.rounds,
         "rejected": dict(exchange.counts.rejected),
         "stopped": stopped,
         "checkpoint": str(store.directory) if stopped and store and not store.last_write_failed else None,

@@ -428,17 +428,23 @@ class SwarmPeer:
         *,
         host_maddrs: Sequence[str],
         identity: RSAPrivateKey | None = None,
+        relay: bool = True,
         **dht_options,
     ) -> "SwarmPeer":
         """Joins the DHT through `initial_peers` (none: a new swarm), with the run's record validators;
         `dht_options` go to `bootstrap.start_dht` (identity_path, ...); asks the relays among them whether
-        this peer can be dialed (`reachability`). Raises BootstrapError."""
+        this peer can be dialed (`reachability`). `relay` False: no relay, shoal's or libp2p's circuit
+        relay (`shoal join --relay off`). Raises BootstrapError."""
         identity = identity or RSAPrivateKey()
         validators = record_validators(run, identity)
+        if not relay:
+            dht_options["use_relay"] = False
         dht = start_dht(initial_peers, host_maddrs=host_maddrs, record_validators=validators, **dht_options)
         peer = cls(dht, identity, run)
         try:
             peer.reachability = check_reachability(dht, initial_peers)
+            if not relay:
+                peer.reachability = dataclasses.replace(peer.reachability, relays=(), relaying=False)
         except BaseException:
             dht.shutdown()
             raise

@@ -57,6 +57,7 @@ class JoinSettings:
     host: str = "0.0.0.0"
     port: int = 0
     announce_maddrs: tuple[str, ...] = ()
+    relay: str = "on"
     metrics_port: int | None = None
     address_file: str | None = None
     round_seconds: float = 10.0
@@ -191,6 +192,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "host": _text,
     "port": _int(0, 65535),
     "announce_maddrs": _peers,
+    "relay": _choice(("on", "off")),
     "metrics_port": _int(0, 65535),
     "address_file": _text,
     "round_seconds": _float(0.5, 86400),

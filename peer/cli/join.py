@@ -48,6 +48,12 @@ JOIN_FLAGS = {
         "addresses to give other peers instead of the ones this peer listens on (a port forwarded on "
         "your router: /ip4/<your public IP>/tcp/<port>)",
     ),
+    "relay": (
+        "on|off",
+        "on: behind NAT, this peer's updates and state reach the others through the relays of the shoal "
+        "bootstrap nodes it joined through, and it pulls through them what it cannot dial (off: direct "
+        "connections only, and no libp2p circuit relay)",
+    ),
     "metrics_port": ("N", "serve Prometheus metrics on --host:N/metrics (0: any free port, logged)"),
     "address_file": ("PATH", "write the address other peers join through to PATH once listening"),
     "round_seconds": ("S", "length of a round, when starting a new swarm"),

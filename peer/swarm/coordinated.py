@@ -37,6 +37,7 @@ from shoal.peer.algorithms.butterfly import MIN_PARTICIPANTS, Part, Pieces
 from shoal.peer.algorithms.exchange import Averaged, Contribution
 from shoal.peer.swarm.coordinator_link import CallFailed, CoordinatorError, CoordinatorLink
 from shoal.peer.swarm.counters import SwarmCounters
+from shoal.peer.swarm.isolation import Isolation
 from shoal.peer.swarm.pull import Puller, abandon
 from shoal.peer.swarm.records import Announcement, RoundPlan, RoundSchedule
 from shoal.peer.swarm.server import PayloadServer
@@ -62,6 +63,7 @@ class SwarmHost(Protocol):
     max_payload_bytes: int
     fetch_timeout_s: float
     server: PayloadServer
+    isolation: Isolation
     _next_round: int
     _puller: Puller
 
@@ -151,7 +153,10 @@ class CoordinatedRounds:
             state=mine.state,
             synced=self.swarm.synced,
         )
-        report = await link.report(request)
+        if self.swarm.isolation.sits_out(number):  # nobody could pull it: the others would only wait for it
+            report = ReportReply(included=False)
+        else:
+            report = await link.report(request)
         unreachable = isinstance(report, CallFailed) and report.unreachable
         result = report if unreachable else await link.result(number, plan.exchange_deadline)
         if not isinstance(result, RoundResultReply):
@@ -163,7 +168,7 @@ class CoordinatedRounds:
             announced, _ = await self.swarm._collect(number, mine, plan.exchange_deadline)
             return await self.swarm._settle(number, announced, mine, snapshot)
         if isinstance(report, ReportReply) and not report.included:
-            self.swarm.counts.late += 1
+            self.swarm.counts.late += not self.swarm.isolation.sits_out(number)
         elif not isinstance(report, ReportReply):
             logger.warning(
                 f"round {number}: the coordinator left this peer's payload out ({report}); applying the "
@@ -177,23 +182,32 @@ class CoordinatedRounds:
             contributions = await self._butterfly(
                 number, plan.exchange_deadline, announced, mine, snapshot, pieces
             )
+            exchange_s = time.time() - started
         else:
-            fetches = [
-                asyncio.create_task(self.swarm._fetch(number, a, announced))
+            fetches = {
+                asyncio.create_task(self.swarm._fetch(number, a, announced)): a.digest
                 for a in pull_order(list(announced.values()), me)
                 if not self.swarm.server.holds(number, a.digest)
-            ]
+            }
+            finished = [started]
+            for fetch in fetches:
+                fetch.add_done_callback(lambda _task: finished.append(time.time()))
+            pending = set()
             if fetches:
                 _, pending = await asyncio.wait(
                     fetches, timeout=max(0.0, plan.exchange_deadline - time.time())
                 )
                 self.swarm.counts.rejected["missing"] += len(pending)
-                await abandon(fetches)
+            slow = self.swarm._puller.transferring([fetches[task] for task in pending])
+            exchange_s = measured_exchange(started, time.time(), max(finished), bool(pending), slow)
+            await abandon(list(fetches))
+            settling = time.time()
             contributions = await self.swarm._settle(number, announced, mine, snapshot)
+            exchange_s += time.time() - settling
             self.swarm.counts.codec_bytes_sent += mine.size * (len(announced) - 1) if me in announced else 0
         self.swarm.counts.coordinated_rounds += 1
         self.swarm.counts.count_round(max(plan.expected, len(result.participants)), len(result.participants))
-        link.progress.round, link.progress.exchange_s = number, time.time() - started
+        link.progress.round, link.progress.exchange_s = number, exchange_s
         with contextlib.suppress(grpc.aio.AioRpcError):
             await link.heartbeat()  # finished: the coordinator may start the next round
         return contributions
@@ -359,3 +373,16 @@ def decided(result: RoundResultReply, max_bytes: int, rejected: Counter[str]) ->
         except MalformedPayloadError as error:
             rejected[error.reason] += 1
     return announced
+
+
+def measured_exchange(started: float, now: float, last_pulled: float, missing: bool, slow: bool) -> float:
+    """The exchange time a peer reports to the coordinator, whose exchange window follows the members'
+    recent ones (shoal.coordinator.policy.exchange_window, times its headroom). All pulled: the time it
+    took. Some payloads missing at the deadline while their bytes were still coming (`slow`): the whole
+    wait, so that the window grows until they fit. Missing because every source failed (a peer nobody
+    can reach, a relay gone): only the time until the last payload it did get, 0 (no measurement) if none,
+    so that payloads that never arrive do not stretch every round by the headroom, up to the
+    coordinator's longest window (seen: 7, 12, 21, 35, 40 s)."""
+    if not missing or slow:
+        return now - started
+    return last_pulled - started

@@ -66,6 +66,7 @@ class RunDirectory:
         counts: the exchange's counters (DHT bytes and writes, rejected records, rejoins).
         coordinated: whether this peer follows a coordinator (its record is then only kept alive).
         rejoin: the initial peers' multiaddresses.
+        relaying: whether this peer pulls through relays (`relays_of`).
     """
 
     def __init__(
@@ -78,9 +79,10 @@ class RunDirectory:
         counts: SwarmCounters,
         coordinated: bool,
         rejoin: Sequence[str] = (),
+        relaying: bool = True,
     ):
         self.dht, self.run, self.owner, self.counts = dht, run, owner, counts
-        self.record = record
+        self.record, self.relaying = record, relaying
         self.coordinated = coordinated
         self.refused: dict[str, str] = {}
         """Incompatible peers seen (peer id: which settings differ)."""
@@ -159,7 +161,9 @@ class RunDirectory:
     def relays_of(self, peer_id: str) -> tuple[str, ...]:
         """The relays a compatible peer's record names (it may be behind NAT: pull through them); for a
         peer whose record this one has not read (under a coordinator), this peer's own relays: a swarm
-        usually shares its bootstrap nodes."""
+        usually shares its bootstrap nodes. None for a peer that does not relay (`shoal join --relay off`)."""
+        if not self.relaying:
+            return ()
         return self._relays.get(peer_id) or tuple(self.record.relays)
 
     async def announcements(
@@ -219,7 +223,8 @@ class RunDirectory:
 
     def rejoin_if_alone(self, peers_seen: int) -> None:
         """Dials the initial peers again (in the DHT's process, not waited for) if this peer saw no
-        other in its last round, at most every REJOIN_EVERY_S."""
+        other in its last round (an isolated peer passes 1: shoal.peer.swarm.isolation), at most every
+        REJOIN_EVERY_S."""
         if self._rejoin and peers_seen <= 1 and time.monotonic() - self._rejoined_at >= REJOIN_EVERY_S:
             self._rejoined_at = time.monotonic()
             self.counts.rejoins += 1

@@ -65,6 +65,7 @@ from shoal.peer.swarm.coordinated import CoordinatedRounds
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.directory import RECORD_REFRESH_S, RunDirectory, first_record
+from shoal.peer.swarm.isolation import Isolation
 from shoal.peer.swarm.ledger import Ledger
 from shoal.peer.swarm.membership import PeerRecord, owner_subkey
 from shoal.peer.swarm.names import final_key, round_key
@@ -154,10 +155,12 @@ class SwarmExchange(Exchange):
             counts=self.counts,
             coordinated=coordinator is not None,
             rejoin=rejoin,
+            relaying=reachability.relaying,
         )
         """This peer's view of its run in the DHT (shoal.peer.swarm.directory)."""
         self.ledger = Ledger(self.owner, self.counts, strike_limit=strike_limit, ban_rounds=ban_rounds)
         """Strikes, bans and replays (shoal.peer.swarm.ledger)."""
+        self.isolation = Isolation()  # whether it reaches anyone (shoal.peer.swarm.isolation)
         self._plans: deque[RoundPlan] = deque()  # planned, not yet gathered (DiLoCo: in the background)
         self.server = self.server_type(
             run=run,
@@ -184,8 +187,9 @@ class SwarmExchange(Exchange):
     def counters(self) -> dict:
         """A consistent copy of the counters, for another thread (the metrics endpoint)."""
         return self.counts.snapshot(
-            banned=len(self.banned), refused=len(self.refused), synced=self.synced, relayed=self.relayed
-        )
+            banned=len(self.banned), refused=len(self.refused), synced=self.synced, relayed=self.relayed,
+            isolated=self.isolation.isolated, isolated_rounds=self.isolation.rounds,
+        )  # fmt: skip
 
     @property
     def record(self) -> PeerRecord:
@@ -462,9 +466,9 @@ class SwarmExchange(Exchange):
         self._puller.new_round(round_number)
         refresh_s = RECORD_REFRESH_S if coordinated else 0.0
         await self.directory.store_record(round_number, self.schedule, refresh_s=refresh_s)
-        self.directory.rejoin_if_alone(self.counts.peers_seen)
+        self.directory.rejoin_if_alone(1 if self.isolation.isolated else self.counts.peers_seen)
         mine = Announcement(self.owner, self.peer_id, digest, len(payload), samples, state, self.synced)
-        if not coordinated:
+        if not coordinated and not self.isolation.sits_out(round_number):
             await self._announce(round_number, mine)
         self.ledger.announced(digest, round_number)
         return mine
@@ -516,23 +520,15 @@ class SwarmExchange(Exchange):
             if remaining <= 0:
                 break
             await asyncio.sleep(min(self.poll_interval_s, remaining))
+        # a payload nobody could pull by the deadline strikes its author if the author said it held
+        # nothing, or if it was announced a whole fetch timeout before: announcing without serving would
+        # otherwise cost nothing, and every peer would wait on it, round after round
         for owner, task in fetches.items():
-            if not task.done():
-                self._unserved(round_number, announced[owner], since=announced_at[owner], deadline=deadline)
+            refused = (round_number, announced[owner].digest) in self._puller.refused_by_author
+            if not task.done() and (refused or deadline - announced_at[owner] >= self.fetch_timeout_s):
+                self._count_and_strike(owner, "unserved", round_number)
         await abandon(list(fetches.values()))
         return announced, compatible
-
-    def _unserved(
-        self, round_number: int, announcement: Announcement, *, since: float, deadline: float
-    ) -> None:
-        """A payload nobody could pull by the deadline strikes its author if the author said it held
-        nothing, or if it was announced a whole `fetch_timeout` before the deadline: announcing without
-        serving would otherwise cost nothing, and every peer would wait on it, round after round."""
-        if (round_number, announcement.digest) in self._puller.refused_by_author or (
-            deadline - since >= self.fetch_timeout_s
-        ):
-            self.counts.rejected["unserved"] += 1
-            self._strike(announcement.owner, "unserved", round_number)
 
     async def _settle(
         self,
@@ -544,6 +540,8 @@ class SwarmExchange(Exchange):
         """The round's contributions from the payloads held, in key order: one per distinct payload, only
         those computed on the majority's state (this peer re-syncs to it if its own differs)."""
         held = [owner for owner, a in announced.items() if self.server.holds(round_number, a.digest)]
+        served = self.counts.sent["payload"] + self.counts.sent["state"]
+        self.isolation.observe(len(announced.keys() - {mine.owner}), len(set(held) - {mine.owner}), served)
         held = await self._agree({owner: announced[owner] for owner in held}, mine, snapshot)
         self.server.expected_pullers = {a.peer for owner, a in announced.items() if owner != mine.owner}
         payloads = [self.server.held[(round_number, announced[owner].digest)] for owner in held]

@@ -51,6 +51,9 @@ CHUNK_BYTES = 1 << 20  # libp2p unary messages stop at 4 MiB; streamed chunks of
 TRANSIENT = (TimeoutError, P2PDaemonError, P2PHandlerError, OSError, asyncio.IncompleteReadError)
 """Failures that say nothing about the source's honesty: try another, or again later."""
 CANCEL_GRACE_S = 1.0  # pulls cancelled at a round's deadline get this long to end, no longer
+SLOW_ATTEMPT_S = 1.0
+"""A pull attempt running this long at a round's deadline is a transfer a longer window would finish
+(`Puller.transferring`), unlike a payload whose every source fails at once."""
 RELAY_HANDLER = "shoal.relay"  # shoal.peer.swarm.relay's
 
 
@@ -107,6 +110,13 @@ class Puller:
         """(round, digest) of payloads whose author answered that it holds nothing: announced but not
         served (the exchange strikes the author if nobody got the payload by the deadline)."""
         self._in_flight = InFlight(max_concurrent, max_bytes_in_flight)
+        self._attempts: dict[bytes, float] = {}  # digest: when the running attempt to pull it started
+
+    def transferring(self, digests: Collection[bytes], now: float | None = None) -> bool:
+        """Whether one of these payloads has a pull attempt running for SLOW_ATTEMPT_S or more: its bytes
+        are on their way (or a source keeps it waiting), so the round's exchange was slow, not broken."""
+        now = time.monotonic() if now is None else now
+        return any(now - self._attempts.get(digest, now) >= SLOW_ATTEMPT_S for digest in digests)
 
     async def payload(
         self, round_number: int, announcement: Announcement, holders: Mapping[bytes, Announcement]
@@ -125,7 +135,7 @@ class Puller:
                     continue
                 try:
                     async with self._in_flight.hold(announcement.size):
-                        started = time.monotonic()
+                        started = self._attempts[announcement.digest] = time.monotonic()
                         data = await self._checked(source.peer, announcement, request, relay)
                         self._in_flight.observe(len(data), time.monotonic() - started)
                 except MalformedPayloadError as error:
@@ -140,6 +150,8 @@ class Puller:
                     continue
                 except TRANSIENT:
                     continue
+                finally:
+                    self._attempts.pop(announcement.digest, None)
                 self.received["payload"] += len(data)
                 if relay is not None:
                     self.via_relay["payload"] += len(data)

@@ -246,9 +246,17 @@ class Reachability:
     """Peer ids of the relays it is connected to (that answered), at most MAX_RELAYS."""
     observed: str = ""
     """The address a relay saw its connection come from."""
+    relaying: bool = True
+    """Whether this peer goes through relays at all (`shoal join --relay off`: it names none in its
+    record and pulls only from the peers themselves)."""
 
     def describe(self) -> str:
         """One line for a volunteer: which case this peer is in."""
+        if not self.relaying and self.reachable is not True:
+            return (
+                "relays off (--relay off): this peer trains only with peers it can dial and that can dial "
+                "it; behind NAT, that is peers on its own network"
+            )
         if self.reachable:
             return f"reachable: a relay dialled this peer back at {self.observed}"
         if self.reachable is False:

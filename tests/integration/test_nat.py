@@ -125,28 +125,81 @@ def test_two_peers_behind_nat_train_diloco_through_a_bootstrap_relay_to_one_mode
         check_swarm(outs, 17)
 
 
-@pytest.mark.timeout(300)
-def test_two_peers_behind_nat_train_under_a_coordinator_beside_the_bootstrap(tmp_path):
-    """The public node also runs `shoal coordinator`: every round is coordinated, every payload
-    crosses the relay, and no window grows (rounds stay short)."""
+@pytest.mark.timeout(420)
+def test_under_a_coordinator_peers_that_lose_the_relay_sit_out_without_stretching_the_rounds(tmp_path):
+    """The public node also runs `shoal coordinator`: every round is coordinated and every payload
+    crosses the relay. Then the bootstrap is killed (relay and DHT gone, the coordinator up), so no
+    payload can arrive: the exchange window does not grow (a peer reports only the time until the
+    payloads it got: before, it grew by half each round), and each peer is told that it reaches nobody
+    and sits the rounds out. Once the bootstrap is back they take part again and end on one model."""
     with NetLab(3, None, homes=[1, 2]) as lab:
-        address, _ = start_bootstrap(lab, tmp_path)
-        listen = f"{lab.address(0)}:7733"
-        state = ["--state", str(tmp_path / "coordinator.db"), "--min-peers", "2", "--log-format", "json"]
+        fixed = ["--port", "31337", "--identity", str(tmp_path / "bootstrap.key")]
+        address, _ = start_bootstrap(lab, tmp_path, *fixed)
+        node = lab._processes[-1]
+        listen, log = f"{lab.address(0)}:7733", tmp_path / "coordinator.out"
+        state = ["--state", str(tmp_path / "coordinator.db"), "--min-peers", "2", "--min-compute-s", "2"]
         lab.popen(
-            0, [*SHOAL, "coordinator", "--listen", listen, *state],
-            stdout=(tmp_path / "coordinator.out").open("w"), stderr=subprocess.STDOUT, env=ENV,
+            0, [*SHOAL, "coordinator", "--listen", listen, *state, "--log-format", "json"],
+            stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV,
         )  # fmt: skip
-        flags = ["--coordinator", listen, "--round-seconds", "3", "--until-round", "15"]
+        flags = ["--coordinator", listen, "--round-seconds", "3", "--until-round", "45"]
         outs = [join(lab, 1, tmp_path, address, *flags, "--discover-seconds", "0")]
         outs.append(join(lab, 2, tmp_path, address, *flags, "--discover-seconds", "30"))
+        whole = wait_for(outs[1], lambda e: e.get("event") == "round" and e["participants"] == 2, 120)
+        steady = wait_for(
+            outs[1], lambda e: e.get("event") == "round" and e["round"] >= whole["round"] + 8, 90
+        )
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+        for out in outs:
+            wait_for(out, lambda e: e.get("event") == "isolated" and e["isolated"], 90)
+        lost = max(e["round"] for out in outs for e in events(out) if e.get("event") == "round")
+        start_bootstrap(lab, tmp_path, *fixed, name="restarted")
+        back = [
+            wait_for(out, lambda e: e.get("event") == "isolated" and not e["isolated"], 120) for out in outs
+        ]
         done = summaries(outs, 240)
         assert len({s["param_hash"] for s in done}) == 1, done
-        for out, summary in zip(outs, done, strict=True):
+        assert all(s["isolated_rounds"] >= 1 and s["via_relay"]["payload"] > 0 for s in done), done
+        for out in outs:  # while the relay was up, every round had both
             rounds = [e for e in events(out) if e.get("event") == "round"]
-            assert summary["coordinated_rounds"] >= 15 and summary["via_relay"]["payload"] > 0, summary
-            assert sum(e["participants"] == 2 for e in rounds) >= 0.9 * len(rounds), rounds
-            assert max(e["round_s"] for e in rounds[1:]) < 10, [e["round_s"] for e in rounds]
+            before = [e for e in rounds if whole["round"] <= e["round"] <= steady["round"]]
+            assert sum(e["participants"] == 2 for e in before) >= 0.9 * len(before), before
+            assert max(e["round_s"] for e in before) < 10, before
+        windows = {
+            int(number): float(exchange) - float(compute)
+            for number, compute, exchange in re.findall(
+                r"round (\d+): \d+ peers, compute until \+([\d.]+) s, exchange until \+([\d.]+) s",
+                log.read_text(),
+            )
+        }
+        steady_max = max(w for r, w in windows.items() if whole["round"] < r <= steady["round"] + 1)
+        apart = [w for r, w in windows.items() if steady["round"] + 1 < r <= max(b["round"] for b in back)]
+        assert apart and max(apart) <= steady_max + 0.5, (steady_max, apart, lost)
+
+
+@pytest.mark.timeout(300)
+def test_peers_behind_nat_with_relays_off_are_told_they_reach_nobody_and_sit_out(tmp_path):
+    """`shoal join --relay off` behind NAT: the bootstrap still tells each peer it cannot be dialed,
+    but they name no relay and pull through none, so they can reach nobody: each one is told so after
+    three rounds, and stops announcing what nobody could pull."""
+    with NetLab(3, None, homes=[1, 2]) as lab:
+        address, url = start_bootstrap(lab, tmp_path)
+        flags = ["--round-seconds", "3", "--until-round", "14", "--relay", "off"]
+        outs = [join(lab, 1, tmp_path, address, *flags, "--discover-seconds", "0")]
+        wait_for(outs[0], lambda e: e.get("event") == "round", 60)
+        outs.append(join(lab, 2, tmp_path, address, *flags))
+        done = summaries(outs, 180)
+        for out, summary in zip(outs, done, strict=True):
+            started = next(e for e in events(out) if e.get("event") == "started")
+            assert started["reachable"] is False and started["relays"] == [], started
+            isolated = [e for e in events(out) if e.get("event") == "isolated"]
+            assert isolated and isolated[0]["isolated"], isolated
+            assert summary["isolated_rounds"] >= 3 and not summary["via_relay"], summary
+            text = out.read_text()
+            assert "it can reach none of them" in text and "relays off" in text
+        seen = metrics(lab, url)
+        assert seen.get('shoal_relay_sent_bytes_total{kind="payload"}', 0) == 0, seen
 
 
 def test_netlab_homes_cannot_be_dialed_but_dial_out(tmp_path):

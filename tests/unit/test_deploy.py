@@ -59,6 +59,8 @@ def _counters() -> dict:
         "relayed": 1,
         "butterfly_rounds": 3,
         "pieces_recomputed": 1,
+        "isolated": False,
+        "isolated_rounds": 0,
     }
 
 

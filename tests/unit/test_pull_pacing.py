@@ -2,6 +2,7 @@
 round pulls in (shoal.peer.swarm.coordinated.pull_order)."""
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -195,3 +196,69 @@ def test_pulls_cancelled_at_the_deadline_do_not_hold_the_round_past_a_grace():
     assert left == 1
     assert CANCEL_GRACE_S <= elapsed < CANCEL_GRACE_S + 1
     assert tasks[0].cancelled()
+
+
+def test_the_exchange_time_reported_grows_the_window_only_for_slow_pulls():
+    from shoal.peer.swarm.coordinated import measured_exchange
+
+    # all pulled: the time it took, whatever the last pull
+    assert measured_exchange(100.0, 104.0, 103.0, missing=False, slow=False) == 4.0
+    # missing at the deadline while bytes were still coming: the whole wait (the window may grow)
+    assert measured_exchange(100.0, 110.0, 101.0, missing=True, slow=True) == 10.0
+    # missing because no source could serve it: up to the last payload it got, 0 if none
+    assert measured_exchange(100.0, 110.0, 101.5, missing=True, slow=False) == 1.5
+    assert measured_exchange(100.0, 110.0, 100.0, missing=True, slow=False) == 0.0
+
+
+def test_a_pull_counts_as_transferring_only_while_an_attempt_runs_long():
+    from shoal.peer.swarm.counters import SwarmCounters
+    from shoal.peer.swarm.pull import SLOW_ATTEMPT_S, Puller
+
+    async def main():
+        puller = Puller(
+            None, run="r", channels=None, owner=b"me", timeout_s=1.0, max_concurrent=2,
+            strike=lambda *_: None, counts=SwarmCounters(),
+        )  # fmt: skip
+        now = time.monotonic()
+        assert not puller.transferring([b"a"], now)
+        puller._attempts[b"a"] = now - SLOW_ATTEMPT_S / 2
+        assert not puller.transferring([b"a", b"b"], now)
+        assert puller.transferring([b"a"], now + SLOW_ATTEMPT_S)
+        assert not puller.transferring([b"b"], now + SLOW_ATTEMPT_S)
+
+    asyncio.run(main())
+
+
+def test_a_payload_whose_sources_all_fail_at_once_is_not_transferring_but_a_stalled_one_is():
+    from hivemind.p2p import P2PDaemonError
+
+    from shoal.peer.swarm.counters import SwarmCounters
+    from shoal.peer.swarm.pull import SLOW_ATTEMPT_S, Puller
+
+    async def main():
+        puller = Puller(
+            None, run="r", channels=None, owner=b"me", timeout_s=1.0, max_concurrent=2,
+            strike=lambda *_: None, counts=SwarmCounters(),
+        )  # fmt: skip
+        announcement = Announcement(b"au", "peer-au", b"d" * 32, 10, 1, b"", True)
+        hang = asyncio.Event()
+
+        async def failing(peer, _announcement, _request, _relay):
+            if peer == "stalled":
+                await hang.wait()
+            raise P2PDaemonError("routing: not found")
+
+        puller._checked = failing
+        failed = asyncio.create_task(puller.payload(0, announcement, {}))
+        await asyncio.sleep(SLOW_ATTEMPT_S + 0.3)
+        assert not puller.transferring([announcement.digest])
+        failed.cancel()
+        stalled = dataclasses.replace(announcement, peer="stalled", digest=b"e" * 32)
+        task = asyncio.create_task(puller.payload(0, stalled, {}))
+        await asyncio.sleep(SLOW_ATTEMPT_S + 0.3)
+        assert puller.transferring([stalled.digest])
+        task.cancel()
+        await asyncio.gather(failed, task, return_exceptions=True)
+        assert not puller._attempts
+
+    asyncio.run(main())
