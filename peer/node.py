@@ -50,6 +50,7 @@ from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
 from shoal.peer.swarm.isolation import ISOLATED_AFTER
 from shoal.peer.swarm.membership import SHOAL_VERSION
 from shoal.peer.swarm.relay import Reachability
+from shoal.peer.swarm.server import ask_runs
 
 # the run configuration's flags, in the order the join command names them
 RUN_FLAGS = (
@@ -140,11 +141,31 @@ def _discover(settings: JoinSettings, progress: Progress, dht) -> RoundSchedule 
     try:
         return RoundSchedule.discover(dht, settings.run, wait)
     except TimeoutError:
+        _check_other_runs(settings, progress, dht)
         progress.message(
             f"no peer of run {settings.run!r} found within {wait.total_seconds():g} s: starting the run. "
             "To join a running swarm instead, use the --run its join command names"
         )
         return None
+
+
+def _check_other_runs(settings: JoinSettings, progress: Progress, dht) -> None:
+    """An initial peer that trains another run, when none of this one showed up, most likely means a
+    mistyped --run or address: JoinError, unless the run is started at once (--discover-seconds 0), then
+    a warning. The peers asked count the question (`other_run`)."""
+    answers = ask_runs(dht, settings.initial_peers, settings.run)
+    others = {peer: run for peer, run in answers.items() if run != settings.run}
+    if not others:
+        return
+    named = ", ".join(f"peer ...{peer[-8:]} trains run {run!r}" for peer, run in others.items())
+    text = (
+        f"no peer of run {settings.run!r} showed up, and the initial peers you joined through train another "
+        f"run ({named}). Check --run (to join that run: --run {next(iter(others.values()))})"
+    )
+    progress.event("other_run", runs=others)
+    if settings.discover_seconds > 0:
+        raise JoinError(f"{text}; to start run {settings.run!r} through them anyway: --discover-seconds 0")
+    progress.message(f"warning: {text}")
 
 
 def _announce_address(

@@ -81,3 +81,15 @@ class ReachReply(_message.Message):
     reachable: bool
     checked: bool
     def __init__(self, observed: _Optional[str] = ..., reachable: _Optional[bool] = ..., checked: _Optional[bool] = ...) -> None: ...
+
+class RunRequest(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    def __init__(self, run: _Optional[str] = ...) -> None: ...
+
+class RunReply(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    def __init__(self, run: _Optional[str] = ...) -> None: ...

@@ -93,6 +93,7 @@ class RunDirectory:
         """The round clock (start time, round length) this run converges on, when it is not this
         peer's: another peer started the run at once (`membership.winning_clock`)."""
         self._relays: dict[str, tuple[str, ...]] = {}  # peer id: the relays its record names
+        self._reachable: set[str] = set()  # peer ids whose record says they can be dialed
         self._rejoin = tuple(rejoin)
         self._rejoined_at = -math.inf  # monotonic time of the last attempt
 
@@ -137,6 +138,7 @@ class RunDirectory:
             self.counts.rejected["bad_record"] += malformed
         compatible = {self.owner}
         relays: dict[str, tuple[str, ...]] = {}
+        self._reachable = set()
         self.coordinators = {}
         clocks: Counter[tuple[float, float]] = Counter()
         for owner, record in records.items():
@@ -144,6 +146,8 @@ class RunDirectory:
             if reason is None:
                 compatible.add(owner)
                 relays[record.peer_id] = tuple(record.relays)
+                if record.reachable:
+                    self._reachable.add(record.peer_id)
                 if owner != self.owner and ADDRESS.fullmatch(record.coordinator):
                     self.coordinators[owner] = record.coordinator
             elif other_clock(self.record, record):
@@ -165,6 +169,10 @@ class RunDirectory:
         if not self.relaying:
             return ()
         return self._relays.get(peer_id) or tuple(self.record.relays)
+
+    def claims_reachable(self, peer_id: str) -> bool:
+        """Whether a compatible peer's record says that it can be dialed."""
+        return peer_id in self._reachable
 
     async def announcements(
         self, key: str, max_payload_bytes: int

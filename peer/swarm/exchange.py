@@ -403,6 +403,7 @@ class SwarmExchange(Exchange):
             strike=self._strike,
             counts=self.counts,
             relays_of=self.directory.relays_of,
+            claims_reachable=self.directory.claims_reachable,
         )
         await self.server.start(p2p)
         # the record goes out before the first round, so that the others count this peer in their

@@ -35,6 +35,10 @@ def final_key(run: str, last_round: int) -> str:
     return f"{run}.final.{last_round}"
 
 
+RUN_HANDLER = "shoal.run"
+"""The libp2p protocol name under which every training peer tells which run it trains (RunRequest)."""
+
+
 def handler(run: str, kind: str) -> str:
     """The libp2p protocol name of `run`'s handler for `kind` (payload, payloads, state or probe)."""
     return f"shoal.{run}.{kind}"

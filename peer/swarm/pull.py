@@ -97,12 +97,17 @@ class Puller:
         strike: Callable[[bytes, str, int], None],
         counts: SwarmCounters,
         relays_of: Callable[[str], Collection[str]] = lambda _peer: (),
+        claims_reachable: Callable[[str], bool] = lambda _peer: False,
         max_bytes_in_flight: int = MAX_BYTES_IN_FLIGHT,
     ):
         self.p2p, self.run, self.owner, self.timeout_s = p2p, run, owner, timeout_s
         self.channels, self.state_handler = channels, handler(run, "state")
         self.strike, self.relays_of = strike, relays_of
         """`relays_of(peer id)`: the relays a peer names in its record."""
+        self.claims_reachable = claims_reachable
+        """`claims_reachable(peer id)`: whether its record says it can be dialed."""
+        self.false_claims: set[str] = set()
+        """Peers that say they can be dialed, could not be, and were reached through a relay."""
         self.received, self.rejected, self.via_relay = counts.received, counts.rejected, counts.via_relay
         self.relayed = 0
         """Payloads pulled from a peer other than their author."""
@@ -125,6 +130,7 @@ class Puller:
         it grows during the round)."""
         request = PayloadRequest(round=round_number, digest=announcement.digest)
         refused: set[str] = set()  # sources (or relays) that sent bad bytes for this payload
+        undialled = False  # a pull from the author itself failed in transit
         cycle = 0
         while True:
             others = [h for h in holders.values() if h.owner not in (announcement.owner, self.owner)]
@@ -149,16 +155,28 @@ class Puller:
                         self.refused_by_author.add((round_number, announcement.digest))
                     continue
                 except TRANSIENT:
+                    undialled |= source is announcement and relay is None
                     continue
                 finally:
                     self._attempts.pop(announcement.digest, None)
                 self.received["payload"] += len(data)
                 if relay is not None:
                     self.via_relay["payload"] += len(data)
+                    if undialled:
+                        self._check_claim(announcement.peer)
                 self.relayed += source.owner != announcement.owner or relay is not None
                 return data
             await asyncio.sleep(min(1.0, 0.1 * 2**cycle))
             cycle += 1
+
+    def _check_claim(self, peer: str) -> None:
+        """A peer whose record says it can be dialed, that could not be and was reached through a relay,
+        is counted (`false_reachable`) and named, once: the others then ask its relays after a failed
+        dial, every round, where an honest record would have them ask the relays first."""
+        if peer not in self.false_claims and self.claims_reachable(peer):
+            self.false_claims.add(peer)
+            self.rejected["false_reachable"] += 1
+            logger.warning(f"peer {peer} says it can be dialed, but it could not be: reached through a relay")
 
     async def piece(
         self, peer: str, request: PayloadRequest, max_bytes: int, *, observe: bool = True

@@ -8,6 +8,8 @@
   owns (`reduced`), once it has it (a request waits MEAN_WAIT_S for it).
 - The snapshots of its shared state of the last rounds (`states`), to peers that join or re-sync.
 - Zeros for a bandwidth probe (`shoal check`), capped and rate-limited per asking peer.
+- The name of its run (`shoal.run`, run-independent: `ask_runs`), for a joining peer that found none
+  of its own run; a question for another run is counted (`other_run`).
 
 It also keeps who pulled this peer's last payload (`pullers`), so that a peer leaving after its last
 round can wait until every other participant has it, or a relay that keeps it for them (`drain`).
@@ -18,9 +20,11 @@ it and sets its class as the `server_type` of its SwarmExchange.
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import math
 import time
+from collections.abc import Sequence
 
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.logging import get_logger
@@ -28,11 +32,11 @@ from hivemind.utils.logging import get_logger
 from shoal.peer.algorithms.butterfly import cut
 from shoal.peer.swarm.channels import ChannelServer
 from shoal.peer.swarm.counters import SwarmCounters
-from shoal.peer.swarm.names import handler
+from shoal.peer.swarm.names import RUN_HANDLER, check_run_name, handler
 from shoal.peer.swarm.pull import chunks
 from shoal.peer.swarm.state import StateSnapshot
 from shoal.protocol import Payload, parse_message
-from shoal.protocol.swarm_pb2 import PayloadRequest, ProbeRequest, StateRequest
+from shoal.protocol.swarm_pb2 import PayloadRequest, ProbeRequest, RunReply, RunRequest, StateRequest
 
 logger = get_logger(__name__)
 
@@ -64,6 +68,7 @@ class PayloadServer:
         self.channel_handler = handler(run, "payloads")
         self.state_handler = handler(run, "state")
         self.probe_handler = handler(run, "probe")
+        self.run = run
         self.held: dict[tuple[int, bytes], bytes] = {}
         """(round, digest): payload, this peer's and those it pulled, of this round and the last."""
         self.states: dict[bytes, StateSnapshot] = {}
@@ -92,6 +97,7 @@ class PayloadServer:
         await p2p.add_protobuf_handler(self.payload_handler, self.serve, PayloadRequest, stream_output=True)
         await p2p.add_protobuf_handler(self.state_handler, self.serve_state, StateRequest, stream_output=True)
         await p2p.add_protobuf_handler(self.probe_handler, self.serve_probe, ProbeRequest, stream_output=True)
+        await p2p.add_protobuf_handler(RUN_HANDLER, self.serve_run, RunRequest)
 
     async def stop(self, p2p: P2P) -> None:
         await p2p.remove_binary_stream_handler(self.channel_handler)
@@ -99,6 +105,7 @@ class PayloadServer:
             self._channels.close()
         for name in (self.payload_handler, self.state_handler, self.probe_handler):
             await p2p.remove_protobuf_handler(name, stream_output=True)
+        await p2p.remove_protobuf_handler(RUN_HANDLER)
 
     # --- what is served ---
 
@@ -207,6 +214,12 @@ class PayloadServer:
                 self.counts.sent["state"] += len(chunk.data)
                 yield chunk
 
+    async def serve_run(self, request: RunRequest, _context: P2PContext) -> RunReply:
+        """The run this peer trains; a peer that looks for another one is counted (`other_run`)."""
+        if request.run[:64] != self.run:
+            self.counts.rejected["other_run"] += 1
+        return RunReply(run=self.run)
+
     async def serve_probe(self, request: ProbeRequest, context: P2PContext):
         """Zeros for a bandwidth measurement, rate-limited per asking peer (not an amplifier)."""
         now = time.monotonic()
@@ -237,3 +250,23 @@ class PayloadServer:
                 return missing == 0  # pieces may still be asked for (also by a peer that never stops)
             await asyncio.sleep(0.05)
         return True
+
+
+def ask_runs(dht, peers: Sequence[str], run: str, timeout_s: float = 5.0) -> dict[str, str]:
+    """The run each of `peers` (multiaddresses with /p2p/) trains, for those that answered (`shoal.run`;
+    a DHT node that trains nothing has no such handler), asked by a peer that looks for `run`."""
+    ids = tuple(dict.fromkeys(peer.rpartition("/p2p/")[2] for peer in peers if "/p2p/" in peer))
+    return dht.run_coroutine(functools.partial(_ask_runs, ids, run, timeout_s)) if ids else {}
+
+
+async def _ask_runs(ids: tuple[str, ...], run: str, timeout_s: float, _dht, node) -> dict[str, str]:
+    async def ask(peer: str) -> tuple[str, str]:
+        reply = await node.p2p.call_protobuf_handler(
+            PeerID.from_base58(peer), RUN_HANDLER, RunRequest(run=run), RunReply
+        )
+        return peer, check_run_name(reply.run[:64])
+
+    outcomes = await asyncio.gather(
+        *(asyncio.wait_for(ask(peer), timeout_s) for peer in ids), return_exceptions=True
+    )
+    return dict(outcome for outcome in outcomes if isinstance(outcome, tuple))

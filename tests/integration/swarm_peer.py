@@ -11,6 +11,7 @@ re-syncs. Without `--start` it joins a running swarm: the round clock comes from
 SIGTERM stops it at a round end with a
 checkpoint (`--checkpoint-dir`), and `--resume` starts from the newest one.
 `--hostile` makes it attack the others, one attack per round (ATTACKS), while it stays in sync.
+`--claim-reachable` makes its record say it can be dialed, whatever its relays found (test_nat.py).
 """
 
 import argparse
@@ -104,6 +105,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--strike-limit", type=int, default=3)
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on")
+    parser.add_argument("--claim-reachable", action="store_true")
     return parser.parse_args()
 
 
@@ -129,6 +132,7 @@ def report_of(model, trainer, exchange, schedule, reports, *, resumed: bool, sto
         "banned": len(exchange.banned),
         "resumed": resumed,
         "stopped": stopped,
+        "via_relay": dict(exchange.counts.via_relay),
     }
     return report
 
@@ -137,7 +141,9 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     stop = stop_on_signals()
-    with SwarmPeer.start("test", [args.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as peer:
+    with SwarmPeer.start("test", [args.initial_peer], host_maddrs=[f"/ip4/{args.host}/tcp/0"]) as peer:
+        if args.claim_reachable:
+            peer.reachability = replace(peer.reachability, reachable=True)
         if args.start is None:
             schedule = RoundSchedule.discover(peer.dht, "test")
         else:

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 
 from shoal.peer.bench import netlab
 from shoal.peer.bench.netlab import NetLab
-from tests.integration.harness import SHOAL, events, metrics, wait_for
+from tests.integration.harness import ROOT, SHOAL, events, metrics, wait_for
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # as harness.spawn: two torch threads per peer on 2 cores
 # oversubscribe them (compute phases of 25 s in a 5 s window were seen)
@@ -297,3 +298,34 @@ def test_the_bootstrap_killed_and_restarted_mid_run_leaves_no_split(tmp_path):
         assert sum(s["resyncs"] for s in done) >= 1, done  # the two had forked while apart
         later = [e for e in events(outs[0]) if e.get("event") == "round" and e["round"] >= back["round"]]
         assert sum(e["participants"] == 2 for e in later) >= 0.9 * len(later), later
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_behind_nat_that_says_it_can_be_dialed_is_counted_and_reached_through_the_relay(tmp_path):
+    """A hostile peer's record says it can be dialed; it sits behind NAT. The honest peer's pulls from
+    it fail, the relay serves them, and the false claim is counted once (`false_reachable`) and named;
+    both train on one model."""
+    with NetLab(3, None, homes=[1, 2]) as lab:
+        address, _ = start_bootstrap(lab, tmp_path)
+        start = time.time() + 12
+        reports = [tmp_path / f"peer{node}.json" for node in (1, 2)]
+        for node, report in zip((1, 2), reports, strict=True):
+            argv = [
+                sys.executable, "-m", "tests.integration.swarm_peer", "--initial-peer", address, "--host",
+                "0.0.0.0", "--start", str(start), "--round-seconds", "2", "--until-round", "10", "--index",
+                str(node - 1), "--peers", "2", "--out", str(report), *(["--claim-reachable"] * (node == 2)),
+            ]  # fmt: skip
+            lab.popen(
+                node, argv, cwd=ROOT, env={**ENV, "PYTHONPATH": str(ROOT)},
+                stdout=(tmp_path / f"peer{node}.out").open("w"), stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        deadline = time.time() + 150
+        while not all(report.exists() for report in reports) and time.time() < deadline:
+            time.sleep(1)
+        honest, liar = (json.loads(report.read_text()) for report in reports)
+        assert honest["rejected"].get("false_reachable") == 1, honest
+        assert "says it can be dialed, but it could not be" in (tmp_path / "peer1.out").read_text()
+        assert honest["via_relay"].get("payload", 0) > 0 and liar["via_relay"].get("payload", 0) > 0
+        assert "false_reachable" not in liar["rejected"], liar  # the honest peer said it is behind NAT
+        assert honest["param_hash"] == liar["param_hash"], (honest, liar)
+        assert sum(p == 2 for p in honest["participants"]) >= 0.8 * len(honest["participants"]), honest

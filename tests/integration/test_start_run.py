@@ -146,3 +146,51 @@ def test_shoal_bootstrap_refuses_a_bad_flag_with_exit_2_naming_it(tmp_path, flag
     flags = [str(tmp_path / "identity") if flag == "IDENTITY" else flag for flag in flags]
     result = shoal("bootstrap", "--host", "127.0.0.1", *flags, timeout=50)
     assert result.returncode == 2 and said in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_an_initial_peer_of_another_run_is_named_counted_and_left_training(tmp_path):
+    """`shoal join --initial-peers <a peer of run 'alpha'> --run beta`: no peer of beta shows up, the
+    initial peer says it trains alpha. The joiner exits 1 naming alpha (most likely --run was mistyped),
+    or with --discover-seconds 0 warns and starts beta; the alpha peer counts both questions
+    (`other_run`) and trains on."""
+    first = tmp_path / "alpha.jsonl"
+    common = ["--host", "127.0.0.1", "--round-seconds", "2", "--log-format", "json"]
+    alpha = start("join", "--run", "alpha", *common, "--metrics-port", "0", stdout=first.open("w"))
+    beta = None
+    try:
+        address = wait_for(first, lambda e: e.get("event") == "started", 60)["address"]
+        port = wait_for(first, lambda e: e.get("event") == "metrics", 60)["port"]
+        before = wait_for(first, lambda e: e.get("event") == "round", 60)["round"]
+        joined = shoal(
+            "join",
+            "--initial-peers",
+            address,
+            "--run",
+            "beta",
+            *common,
+            "--discover-seconds",
+            "2",
+            timeout=90,
+        )
+        assert joined.returncode == 1, joined.stderr
+        said = joined.stderr
+        assert "no peer of run 'beta' showed up" in said and "trains run 'alpha'" in said, said
+        assert "--run alpha" in said and "--discover-seconds 0" in said, said
+        out = tmp_path / "beta.jsonl"
+        beta = start(
+            "join", "--initial-peers", address, "--run", "beta", *common, "--discover-seconds", "0",
+            stdout=out.open("w"),
+        )  # fmt: skip
+        assert wait_for(out, lambda e: e.get("event") == "other_run", 60)["runs"]
+        wait_for(out, lambda e: e.get("event") == "round", 60)
+        exposition = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        asked = next(line for line in exposition.splitlines() if 'reason="other_run"' in line)
+        assert float(asked.split()[-1]) >= 2, asked
+        # alpha trained on, alone: the questions cost it nothing
+        later = wait_for(first, lambda e: e.get("event") == "round" and e["round"] >= before + 3, 30)
+        assert later["participants"] == 1
+    finally:
+        for process in (alpha, beta):
+            if process is not None:
+                kill(process)

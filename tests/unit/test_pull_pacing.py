@@ -262,3 +262,38 @@ def test_a_payload_whose_sources_all_fail_at_once_is_not_transferring_but_a_stal
         assert not puller._attempts
 
     asyncio.run(main())
+
+
+def test_a_peer_that_says_it_can_be_dialed_and_cannot_is_counted_once_and_reached_through_a_relay():
+    from hivemind.p2p import P2PDaemonError
+
+    from shoal.peer.swarm.counters import SwarmCounters
+    from shoal.peer.swarm.pull import Puller
+
+    async def main():
+        counts = SwarmCounters()
+        puller = Puller(
+            None, run="r", channels=None, owner=b"me", timeout_s=1.0, max_concurrent=2,
+            strike=lambda *_: None, counts=counts, relays_of=lambda _peer: ("relay",),
+            claims_reachable=lambda peer: peer in ("liar", "honest-but-down"),
+        )  # fmt: skip
+        asked = []
+
+        async def checked(peer, _announcement, _request, relay):
+            asked.append(relay or peer)
+            if relay is None:  # behind NAT, whatever its record says
+                raise P2PDaemonError("routing: not found")
+            return b"x" * 10
+
+        puller._checked = checked
+        liar = Announcement(b"l", "liar", b"d" * 32, 10, 1, b"", True)
+        for round_number in range(3):
+            assert await puller.payload(round_number, liar, {}) == b"x" * 10
+        assert asked == ["liar", "relay"] * 3
+        assert counts.rejected["false_reachable"] == 1 and puller.false_claims == {"liar"}
+        # a peer behind NAT that says so is reached through the relay as well, and not counted
+        honest = Announcement(b"h", "natted", b"e" * 32, 10, 1, b"", True)
+        await puller.payload(0, honest, {})
+        assert counts.rejected["false_reachable"] == 1 and counts.via_relay["payload"] == 40
+
+    asyncio.run(main())
