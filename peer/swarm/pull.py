@@ -15,6 +15,8 @@
   (a capture); one at a time took the wire overhead from +6.8% to +3.1% (BENCHMARKS.md).
 - It is accepted only if its size and SHA-256 match the announcement; a source that sends other
   bytes is struck (the exchange's `strike`) and not asked again for it.
+- A piece of a butterfly round, or an owner's mean of one, is pulled from the one peer that serves
+  it, then through that peer's relays (`piece`).
 - A piece of a shared state is pulled from its source, then through the source's relays, by
   shoal.peer.swarm.state's `download`, which checks it against the state's manifest.
 
@@ -182,24 +184,35 @@ class Puller:
         self, peer: str, request: PayloadRequest, max_bytes: int, *, observe: bool = True
     ) -> bytes:
         """A piece of a butterfly round (shoal.peer.algorithms.butterfly) from the one peer that serves it,
-        paced like payloads; tried again with backoff while it answers with nothing or fails in transit, until
+        or through its relays when it cannot be dialed (the relay forwards pieces, and keeps none), paced
+        like payloads; tried again with backoff while it answers with nothing or fails in transit, until
         the caller cancels. Raises MalformedPayloadError (too_large). `observe`: whether the pull's time
         tells the link's rate (not when the peer may wait before it answers)."""
         cycle = 0
         while True:
-            try:
-                async with self._in_flight.hold(max_bytes):
-                    started = time.monotonic()
-                    data = await self.channels.pull(peer, request, max_bytes)
-                    if data and observe:
-                        self._in_flight.observe(len(data), time.monotonic() - started)
-            except TRANSIENT:
-                data = b""
-            if data:
-                self.received["payload"] += len(data)
-                return data
-            # not ready yet, most likely (an owner still averaging): asked again soon, without holding
-            # the byte budget meanwhile, so that the means that are ready come in first
+            data = b""
+            for relay in (None, *self.relays_of(peer)):
+                try:
+                    async with self._in_flight.hold(max_bytes):
+                        started = time.monotonic()
+                        if relay is None:
+                            data = await self.channels.pull(peer, request, max_bytes)
+                        else:
+                            asked = RelayRequest(run=self.run, peer=peer, payload=request)
+                            data = await self.pull(relay, RELAY_HANDLER, asked, max_bytes)
+                        if data and observe:
+                            self._in_flight.observe(len(data), time.monotonic() - started)
+                except TRANSIENT:
+                    continue
+                if data:
+                    self.received["payload"] += len(data)
+                    if relay is not None:
+                        self.via_relay["payload"] += len(data)
+                    return data
+                if relay is None:  # it answered: not ready yet, most likely (an owner still averaging)
+                    break
+            # asked again soon, without holding the byte budget meanwhile, so that the means that are
+            # ready come in first
             await asyncio.sleep(min(0.5, 0.05 * 2**cycle))
             cycle += 1
 

@@ -179,6 +179,31 @@ def test_under_a_coordinator_peers_that_lose_the_relay_sit_out_without_stretchin
         assert apart and max(apart) <= steady_max + 0.5, (steady_max, apart, lost)
 
 
+@pytest.mark.timeout(360)
+def test_three_peers_behind_nat_average_diloco_piece_by_piece_through_the_relay(tmp_path):
+    """Butterfly averaging under a coordinator, every peer behind NAT: each piece and each owner's mean
+    crosses the relay (forwarded, not kept), and no piece has to be averaged again for a lost owner."""
+    with NetLab(4, None, homes=[1, 2, 3]) as lab:
+        address, url = start_bootstrap(lab, tmp_path)
+        listen = f"{lab.address(0)}:7733"
+        state = ["--state", str(tmp_path / "coordinator.db"), "--min-peers", "3", "--min-compute-s", "3"]
+        lab.popen(
+            0, [*SHOAL, "coordinator", "--listen", listen, *state],
+            stdout=(tmp_path / "coordinator.out").open("w"), stderr=subprocess.STDOUT, env=ENV,
+        )  # fmt: skip
+        flags = ["--coordinator", listen, "--algorithm", "diloco", "--averaging", "butterfly"]
+        flags += ["--inner-steps", "4", "--round-seconds", "3", "--until-round", "10"]
+        outs = [join(lab, 1, tmp_path, address, *flags, "--discover-seconds", "0")]
+        outs += [join(lab, node, tmp_path, address, *flags, "--discover-seconds", "30") for node in (2, 3)]
+        done = summaries(outs, 300)
+        assert len({s["param_hash"] for s in done}) == 1, done
+        for summary in done:
+            assert summary["butterfly_rounds"] >= 5 and summary["via_relay"]["payload"] > 0, summary
+            assert summary["pieces_recomputed"] <= 1, summary
+        seen = metrics(lab, url)
+        assert seen['shoal_relay_sent_bytes_total{kind="piece"}'] > 0, seen
+
+
 @pytest.mark.timeout(300)
 def test_peers_behind_nat_with_relays_off_are_told_they_reach_nobody_and_sit_out(tmp_path):
     """`shoal join --relay off` behind NAT: the bootstrap still tells each peer it cannot be dialed,
