@@ -504,6 +504,7 @@ def _summary(settings, progress, exchange, trainer, model, reports, stopped, fin
         "clocks_adopted": exchange.counts.clocks_adopted,
         "late_rounds": exchange.counts.late,
         "isolated_rounds": exchange.isolation.rounds,
+        "steps_cut_short": trainer.cut_short,
         "rejected": dict(exchange.counts.rejected),
         "stopped": stopped,
         "checkpoint": str(store.directory) if stopped and store and not store.last_write_failed else None,

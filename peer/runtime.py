@@ -172,6 +172,8 @@ class Trainer:
         """Micro-batches accumulated per optimizer step, fitted to the compute window."""
         self.out_of_memory = 0
         """Times the micro-batch was halved after the device ran out of memory."""
+        self.cut_short = 0
+        """Steps whose accumulation stopped early, past their share of the compute window."""
         self._micro_seconds: float | None = None  # moving average of one micro-batch's compute time
         self.steps = 0
         """Optimizer steps taken; every round takes `inner_steps` of them."""
@@ -226,10 +228,14 @@ class Trainer:
         before = Counter(self._optimizer_phases())
         samples = tokens = 0
         loss_sum = 0.0
-        micro_batches = self.micro_batches
+        micro_batches, done = self.micro_batches, 0
+        # a step stops accumulating once past its share of the window (the device slowed down: another
+        # process, thermal throttling), so that the payload still makes the round's deadline
+        budget = None if self.compute_window is None else self.compute_window / self.inner_steps
         for _ in range(self.inner_steps):
             start = time.perf_counter()
-            loss, step_samples, step_tokens = self._accumulate(micro_batches)
+            loss, step_samples, step_tokens, step_micro = self._accumulate(micro_batches, budget)
+            done += step_micro
             middle = time.perf_counter()
             if self.diloco is None:
                 self.optimizer.step(samples=step_samples)
@@ -245,7 +251,7 @@ class Trainer:
             samples += step_samples
             tokens += step_tokens
             loss_sum += loss
-        self._fit_window(phases["compute"] / (self.inner_steps * micro_batches))
+        self._fit_window(phases["compute"] / done)
         phases.update({k: v - before[k] for k, v in self._optimizer_phases().items()})
         last_round = getattr(self.exchange, "last_round", None)
         return RoundReport(
@@ -260,14 +266,16 @@ class Trainer:
             phases={k: phases[k] for k in PHASES},
         )
 
-    def _accumulate(self, micro_batches: int) -> tuple[float, int, int]:
-        """Forward and backward over the step's micro-batches; on out-of-memory, halves the micro-batch
-        and starts the step's accumulation over. Returns (mean loss, samples, tokens); the loss is
-        read from the device once per step."""
+    def _accumulate(self, micro_batches: int, budget: float | None = None) -> tuple[float, int, int, int]:
+        """Forward and backward over the step's micro-batches, or those done when `budget` seconds have
+        passed (at least one; the gradient is then scaled to their mean, counted in `cut_short`); on
+        out-of-memory, halves the micro-batch and starts the step's accumulation over. Returns (mean
+        loss, samples, tokens, micro-batches done); the loss is read from the device once per step."""
         while True:
             try:
                 total = None
                 samples = tokens = 0
+                started = time.perf_counter()
                 for micro in range(micro_batches):
                     inputs, targets = self.batches(self.steps, micro, self.batch_size)
                     with self.autocast():
@@ -276,7 +284,14 @@ class Trainer:
                     total = loss.detach() if total is None else total + loss.detach()
                     samples += inputs.shape[0]
                     tokens += targets.numel()
-                return total.item() / micro_batches, samples, tokens
+                    done = micro + 1
+                    if budget is not None and done < micro_batches and time.perf_counter() - started > budget:
+                        for p in self.model.parameters():
+                            if p.grad is not None:
+                                p.grad.mul_(micro_batches / done)
+                        self.cut_short += 1
+                        break
+                return total.item() / done, samples, tokens, done
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise

@@ -125,6 +125,36 @@ def test_accumulated_micro_batches_give_the_mean_gradient():
         torch.testing.assert_close(got, expected)
 
 
+def test_a_step_whose_micro_batches_slow_down_stops_at_its_window_with_the_mean_gradient():
+    """Fitted to 10 micro-batches of 0.01 s in a 0.1 s window; then each takes 0.05 s (the device is
+    shared now): the step stops after the one that passes the window, not 0.5 s later, and the
+    gradient is the mean of the micro-batches it did."""
+    delay = [0.01]
+
+    def slow_loss(model, inputs, targets):
+        time.sleep(delay[0])
+        return model(inputs, targets)
+
+    peer = trainer(loss_fn=slow_loss, compute_window=0.1, max_micro_batches=50, batch_size=4)
+    for _ in range(4):
+        peer.round()
+    assert peer.micro_batches >= 4 and peer.cut_short == 0
+    planned, delay[0] = peer.micro_batches, 0.05
+    grads = []
+    peer.optimizer.step = lambda samples: grads.append([p.grad.clone() for p in peer.model.parameters()])
+    started = time.perf_counter()
+    report = peer.round()
+    assert time.perf_counter() - started < 0.1 + 3 * 0.05
+    assert peer.cut_short == 1 and 1 <= report.samples // 4 < planned
+    done = report.samples // 4
+    model = Linear()
+    model.load_state_dict(peer.model.state_dict())
+    (sum(model(*batches(peer.steps - 1, micro, 4)) for micro in range(done)) / done).backward()
+    for got, expected in zip(grads[0], [p.grad for p in model.parameters()], strict=True):
+        torch.testing.assert_close(got, expected)
+    assert peer.micro_batches < planned  # and the next rounds plan fewer
+
+
 def factory():
     model = Linear()
     model.seq_len = 4
