@@ -12,7 +12,8 @@
   of its own run; a question for another run is counted (`other_run`).
 
 It also keeps who pulled this peer's last payload (`pullers`), so that a peer leaving after its last
-round can wait until every other participant has it, or a relay that keeps it for them (`drain`).
+round can wait until every other participant has it, or a relay that keeps it for them, and until the
+payloads of others it re-serves are no longer asked for (`drain`).
 
 Everything here runs on the exchange's event loop thread. A test that plays a hostile peer subclasses
 it and sets its class as the `server_type` of its SwarmExchange.
@@ -46,6 +47,7 @@ MAX_PIECES = 4096  # a butterfly round has at most this many pieces (one per par
 MAX_CUT_COUNTS = 2  # ways a peer cuts one payload into pieces (honest peers agree on one count)
 MEAN_WAIT_S = 0.25  # a request for a mean its owner has not finished waits at most this long for it
 PARTS_QUIET_S = 1.0  # a leaving peer drains until this long has passed since it last served a piece
+RESERVED_QUIET_S = 2.0  # ... and since it last served another's payload of its last round (re-serving)
 
 
 class PayloadServer:
@@ -86,6 +88,7 @@ class PayloadServer:
         self._cuttable: dict[int, bytes] = {}  # round: digest of its payloads it serves in pieces
         self._cuts: dict[tuple[int, int], list[bytes]] = {}  # (round, count): the pieces, as served
         self._part_served_at = -math.inf  # monotonic time this peer last served a piece of its payload
+        self._reserved_at = -math.inf  # ... and another's payload of its last round
         self._probed: dict[PeerID, float] = {}  # asking peer: monotonic time of its last probe
         self._channels: ChannelServer | None = None
 
@@ -178,6 +181,8 @@ class PayloadServer:
             data = self.held.get(key, b"")
             if key == self.mine and context.remote_id is not None:
                 self.pullers.add(context.remote_id.to_base58())
+            elif data and self.mine is not None and request.round == self.mine[0]:
+                self._reserved_at = time.monotonic()
         for chunk in chunks(data):
             self.counts.sent["payload"] += len(chunk.data)
             yield chunk
@@ -238,10 +243,13 @@ class PayloadServer:
         butterfly round: its mean), and, where pieces of its payload were served lately, PARTS_QUIET_S
         without one: a peer averaging a lost owner's piece from the parts asks for them after the
         means, and one that found this peer gone while another got its part would end the round on
-        other parameters. At most until the monotonic time `until`; returns whether all of them had it."""
+        other parameters. Likewise RESERVED_QUIET_S without a request for another's payload of the
+        last round that it re-serves (peers that cannot dial that payload's author may depend on it).
+        At most until the monotonic time `until`; returns whether all of them had its own."""
         while not (
             (self.expected_pullers <= self.pullers or self.pullers & self.relays)
             and time.monotonic() - self._part_served_at >= PARTS_QUIET_S
+            and time.monotonic() - self._reserved_at >= RESERVED_QUIET_S
         ):
             if time.monotonic() >= until:
                 missing = len(self.expected_pullers - self.pullers)
