@@ -184,33 +184,48 @@ class CoordinatedRounds:
             )
             exchange_s = time.time() - started
         else:
-            fetches = {
-                asyncio.create_task(self.swarm._fetch(number, a, announced)): a.digest
-                for a in pull_order(list(announced.values()), me)
-                if not self.swarm.server.holds(number, a.digest)
-            }
-            finished = [started]
-            for fetch in fetches:
-                fetch.add_done_callback(lambda _task: finished.append(time.time()))
-            pending = set()
-            if fetches:
-                _, pending = await asyncio.wait(
-                    fetches, timeout=max(0.0, plan.exchange_deadline - time.time())
-                )
-                self.swarm.counts.rejected["missing"] += len(pending)
-            slow = self.swarm._puller.transferring([fetches[task] for task in pending])
-            exchange_s = measured_exchange(started, time.time(), max(finished), bool(pending), slow)
-            await abandon(list(fetches))
-            settling = time.time()
-            contributions = await self.swarm._settle(number, announced, mine, snapshot)
-            exchange_s += time.time() - settling
-            self.swarm.counts.codec_bytes_sent += mine.size * (len(announced) - 1) if me in announced else 0
+            contributions, exchange_s = await self._gather(
+                number, plan.exchange_deadline, announced, mine, snapshot
+            )
         self.swarm.counts.coordinated_rounds += 1
         self.swarm.counts.count_round(max(plan.expected, len(result.participants)), len(result.participants))
         link.progress.round, link.progress.exchange_s = number, exchange_s
         with contextlib.suppress(grpc.aio.AioRpcError):
             await link.heartbeat()  # finished: the coordinator may start the next round
         return contributions
+
+    async def _gather(
+        self,
+        number: int,
+        deadline: float,
+        announced: dict[bytes, Announcement],
+        mine: Announcement,
+        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
+    ) -> tuple[list[Contribution], float]:
+        """Pulls every decided payload this peer lacks until `deadline` and settles the round; returns
+        its contributions and the exchange time to report (`measured_exchange`)."""
+        started = time.time()
+        fetches = {
+            asyncio.create_task(self.swarm._fetch(number, a, announced)): a.digest
+            for a in pull_order(list(announced.values()), mine.owner)
+            if not self.swarm.server.holds(number, a.digest)
+        }
+        finished = [started]
+        for fetch in fetches:
+            fetch.add_done_callback(lambda _task: finished.append(time.time()))
+        pending = set()
+        if fetches:
+            _, pending = await asyncio.wait(fetches, timeout=max(0.0, deadline - time.time()))
+            self.swarm.counts.rejected["missing"] += len(pending)
+        slow = self.swarm._puller.transferring([fetches[task] for task in pending])
+        exchange_s = measured_exchange(started, time.time(), max(finished), bool(pending), slow)
+        await abandon(list(fetches))
+        settling = time.time()
+        contributions = await self.swarm._settle(number, announced, mine, snapshot)
+        exchange_s += time.time() - settling
+        sent = mine.size * (len(announced) - 1) if mine.owner in announced else 0
+        self.swarm.counts.codec_bytes_sent += sent
+        return contributions, exchange_s
 
     async def _butterfly(
         self,
