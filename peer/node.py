@@ -23,14 +23,12 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import IO
 
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
-from hivemind.utils.multiaddr import Multiaddr
 
 from shoal.compression import DenseCodec
 from shoal.peer.algorithms.configs import DiLoCoConfig
@@ -43,7 +41,7 @@ from shoal.peer.models import LoadedModel, ModelError, load_model
 from shoal.peer.progress import Progress
 from shoal.peer.runtime import OutOfMemory, SwarmPeer, stop_on_signals
 from shoal.peer.settings import PARSERS, JoinSettings, SettingsError
-from shoal.peer.swarm.bootstrap import BootstrapError, best_address, private_only
+from shoal.peer.swarm.bootstrap import BootstrapError, best_address, check_multiaddrs, private_only
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
 from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
@@ -102,8 +100,11 @@ def join(settings: JoinSettings, *, stream: IO[str] | None = None) -> dict:
 
 
 def _join(settings: JoinSettings, progress: Progress) -> dict:
-    check_initial_peers(settings.initial_peers)
-    check_announce_maddrs(settings.announce_maddrs)
+    try:
+        check_multiaddrs("--initial-peers", settings.initial_peers, dialable=True)
+        check_multiaddrs("--announce-maddrs", settings.announce_maddrs, dialable=False)
+    except ValueError as error:
+        raise SettingsError(str(error)) from None
     workload = _workload(settings)
     credentials = _check_coordinator(settings)
     identity = _identity(settings.identity, progress)
@@ -208,37 +209,6 @@ def _announce_address(
         relays=list(reach.relays),
         observed=reach.observed,
     )
-
-
-def check_announce_maddrs(addresses: Sequence[str]) -> None:
-    """SettingsError naming --announce-maddrs for an address that is not a TCP multiaddress."""
-    for address in addresses:
-        try:
-            protocols = [protocol.name for protocol in Multiaddr(address).protocols()]
-        except (ValueError, TypeError) as error:
-            protocols = [str(error)]
-        if "tcp" not in protocols or "p2p" in protocols:
-            raise SettingsError(
-                f"--announce-maddrs {address!r}: expected a TCP multiaddress without a peer id, like "
-                "/ip4/203.0.113.5/tcp/31337"
-            )
-
-
-def check_initial_peers(peers: Sequence[str]) -> None:
-    """SettingsError naming --initial-peers for an address the DHT could not dial: not a multiaddress,
-    or without the peer id (`/p2p/...`) that libp2p needs to dial it."""
-    example = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... (the join command a peer printed has one)"
-    for peer in peers:
-        try:
-            protocols = [protocol.name for protocol in Multiaddr(peer).protocols()]
-        except (ValueError, TypeError) as error:
-            raise SettingsError(
-                f"--initial-peers {peer!r} is not a multiaddress like {example}: {error}"
-            ) from None
-        if "p2p" not in protocols:
-            raise SettingsError(
-                f"--initial-peers {peer!r} has no peer id (/p2p/...): expected one like {example}"
-            )
 
 
 def _workload(settings: JoinSettings) -> Workload:

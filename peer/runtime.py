@@ -434,6 +434,7 @@ class SwarmPeer:
         self.drain = timedelta(0)
         self.reachability = UNCHECKED
         """Whether this peer can be dialed, and its relays (shoal.peer.swarm.relay)."""
+        self._encode_s = 0.0  # the last round's encode time
 
     @classmethod
     def start(
@@ -536,8 +537,6 @@ class SwarmPeer:
             if stop is not None and stop.is_set():
                 self.stopped = True
                 return
-
-    _encode_s = 0.0  # the last round's encode time
 
     def finish(self, *, until_round: int | None = None, left_alone: bool = False) -> bool:
         """Ends training: unless stopped, the round still in flight is applied; and when the swarm's run

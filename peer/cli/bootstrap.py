@@ -101,7 +101,8 @@ def _check(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from shoal.peer import preflight
-    from shoal.peer.swarm.bootstrap import check_multiaddr
+    from shoal.peer.settings import PARSERS
+    from shoal.peer.swarm.bootstrap import check_multiaddrs
     from shoal.peer.swarm.names import check_run_name
 
     try:
@@ -111,8 +112,11 @@ def _check(args: argparse.Namespace) -> None:
     if not 0 <= args.relay_cache_mb <= 1 << 20:
         raise ValueError(f"--relay-cache-mb {args.relay_cache_mb}: expected a size in [0, 1048576] MB")
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
-        if port is not None and not 0 <= port <= 65535:
-            raise ValueError(f"{flag} {port}: expected a TCP port in [0, 65535]")
+        if port is not None:
+            try:
+                PARSERS["port"](port)
+            except ValueError as error:
+                raise ValueError(f"{flag} {port}: {error}") from None
         if port:
             preflight.check_port(args.host, port, flag)
     if args.address_file:
@@ -124,10 +128,5 @@ def _check(args: argparse.Namespace) -> None:
             load_identity(args.identity)
         except IdentityError as error:
             raise ValueError(f"--identity: {error}") from None
-    for flag, addresses in (
-        ("--announce-maddrs", args.announce_maddrs),
-        ("--initial-peers", args.initial_peers),
-    ):
-        for address in addresses:
-            if not address.startswith("/") or check_multiaddr(address) is not None:
-                raise ValueError(f"{flag} {address!r}: not a multiaddress like /ip4/203.0.113.7/tcp/31337")
+    check_multiaddrs("--announce-maddrs", args.announce_maddrs, dialable=False)
+    check_multiaddrs("--initial-peers", args.initial_peers, dialable=True)

@@ -75,13 +75,28 @@ def start_dht(
         ) from None
 
 
-def check_multiaddr(address: str) -> str | None:
-    """Why `address` is not a multiaddress hivemind can use (None: it is)."""
-    try:
-        Multiaddr(address)
-    except (MultiaddrError, ValueError, TypeError) as error:
-        return str(error) or type(error).__name__
-    return None
+def check_multiaddrs(flag: str, addresses: Sequence[str], *, dialable: bool) -> None:
+    """ValueError naming `flag` for the first of `addresses` hivemind cannot use. `dialable`: peers to
+    dial (--initial-peers), which need the peer id libp2p dials by (/p2p/...); else addresses of this
+    peer's own (--announce-maddrs): TCP, without a peer id."""
+    example = (
+        "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... (the join command a peer printed has one)"
+        if dialable
+        else "/ip4/203.0.113.5/tcp/31337"
+    )
+    for address in addresses:
+        try:
+            protocols = [protocol.name for protocol in Multiaddr(address).protocols()]
+        except (MultiaddrError, ValueError, TypeError):
+            protocols = None
+        if protocols is None or not address.startswith("/"):
+            raise ValueError(f"{flag} {address!r} is not a multiaddress like {example}")
+        if dialable and "p2p" not in protocols:
+            raise ValueError(f"{flag} {address!r} has no peer id (/p2p/...): expected one like {example}")
+        if not dialable and ("tcp" not in protocols or "p2p" in protocols):
+            raise ValueError(
+                f"{flag} {address!r}: expected a TCP multiaddress without a peer id, like {example}"
+            )
 
 
 def best_address(addresses: Sequence[str]) -> str:

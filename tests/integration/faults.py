@@ -44,7 +44,10 @@ class LyingExchange(SwarmExchange):
     """A SwarmExchange that flips the signs of what it sends once `lying` is set (by `inject`)."""
 
     lying = False
-    _generator = torch.Generator().manual_seed(11)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._generator = torch.Generator().manual_seed(11)
 
     def gather(self, payload, samples, state=None):
         if self.lying:

@@ -136,7 +136,7 @@ def test_a_run_starts_through_shoal_bootstrap_which_counts_its_connections_and_s
         (["--port", "70000"], "--port 70000"),
         (["--run", "no spaces"], "--run"),
         (["--metrics-port", "-1"], "--metrics-port"),
-        (["--announce-maddrs", "garbage"], "--announce-maddrs 'garbage': not a multiaddress"),
+        (["--announce-maddrs", "garbage"], "--announce-maddrs 'garbage' is not a multiaddress"),
         (["--initial-peers", "/ip4/1.2.3.4/tcp/x"], "--initial-peers"),
         (["--identity", "IDENTITY"], "--identity: "),
     ],
