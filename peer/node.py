@@ -43,6 +43,7 @@ from shoal.peer.runtime import OutOfMemory, SwarmPeer, stop_on_signals
 from shoal.peer.settings import PARSERS, JoinSettings, SettingsError
 from shoal.peer.swarm.bootstrap import BootstrapError, best_address, check_multiaddrs, private_only
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
+from shoal.peer.swarm.directory import REJOIN_EVERY_S
 from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
 from shoal.peer.swarm.isolation import ISOLATED_AFTER
@@ -355,11 +356,16 @@ def _save_clock(settings: JoinSettings, schedule: RoundSchedule) -> None:
 def _loop(settings, progress, peer: SwarmPeer, model, metrics: PeerMetrics | None) -> dict:
     exchange, reports = peer.exchange, []
     adopted = 0  # round clocks taken from peers that started the run at once
-    isolated = False
+    isolated = alone = False
+    crowd = 1  # the most participants of a round so far
     stop = stop_on_signals()
     for done in peer.rounds(until_round=settings.until_round, max_rounds=settings.max_rounds, stop=stop):
         report = done.report
         reports.append(report)
+        crowd = max(crowd, report.participants)
+        if (crowd > 1 and report.participants <= 1) != alone:
+            alone = not alone
+            _tell_alone(progress, alone, report)
         if exchange.isolation.isolated != isolated:
             isolated = exchange.isolation.isolated
             _tell_isolation(progress, isolated, report.round, peer.reachability)
@@ -393,6 +399,19 @@ def _loop(settings, progress, peer: SwarmPeer, model, metrics: PeerMetrics | Non
     alone = bool(settings.max_rounds and len(reports) >= settings.max_rounds)
     final_resync = peer.finish(until_round=settings.until_round, left_alone=alone)
     return _summary(settings, progress, exchange, peer.trainer, model, reports, peer.stopped, final_resync)
+
+
+def _tell_alone(progress: Progress, alone: bool, report) -> None:
+    """A peer that trained with others and finds itself alone (they left, or the node it joined through
+    is gone) is told so, and when it has company again."""
+    progress.event("alone", alone=alone, round=report.round)
+    if alone:
+        progress.message(
+            f"Round {report.round}: this peer sees no other peer of the run (they left, or the node it "
+            f"joined through is gone): it trains alone and dials its initial peers every {REJOIN_EVERY_S:g} s"
+        )
+    else:
+        progress.message(f"Round {report.round}: this peer trains with {report.participants} peers again.")
 
 
 def _tell_isolation(progress: Progress, isolated: bool, round_number: int, reach: Reachability) -> None:

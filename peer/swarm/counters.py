@@ -70,6 +70,7 @@ class SwarmCounters:
             "dht_stores": self.dht_stores,
             "butterfly_rounds": self.butterfly_rounds,
             "pieces_recomputed": self.pieces_recomputed,
+            "rejoins": self.rejoins,
         }
         return copied | totals | extra
 

@@ -143,12 +143,12 @@ def test_under_a_coordinator_peers_that_lose_the_relay_sit_out_without_stretchin
             0, [*SHOAL, "coordinator", "--listen", listen, *state, "--log-format", "json"],
             stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV,
         )  # fmt: skip
-        flags = ["--coordinator", listen, "--round-seconds", "3", "--until-round", "45"]
+        flags = ["--coordinator", listen, "--round-seconds", "3", "--until-round", "52"]
         outs = [join(lab, 1, tmp_path, address, *flags, "--discover-seconds", "0")]
         outs.append(join(lab, 2, tmp_path, address, *flags, "--discover-seconds", "30"))
         whole = wait_for(outs[1], lambda e: e.get("event") == "round" and e["participants"] == 2, 120)
         steady = wait_for(
-            outs[1], lambda e: e.get("event") == "round" and e["round"] >= whole["round"] + 8, 90
+            outs[1], lambda e: e.get("event") == "round" and e["round"] >= whole["round"] + 15, 90
         )
         os.killpg(node.pid, signal.SIGKILL)
         node.wait()
@@ -323,6 +323,9 @@ def test_the_bootstrap_killed_and_restarted_mid_run_leaves_no_split(tmp_path):
         assert sum(s["resyncs"] for s in done) >= 1, done  # the two had forked while apart
         later = [e for e in events(outs[0]) if e.get("event") == "round" and e["round"] >= back["round"]]
         assert sum(e["participants"] == 2 for e in later) >= 0.9 * len(later), later
+        told = [e["alone"] for e in events(outs[0]) if e.get("event") == "alone"]
+        assert told[:2] == [True, False], told  # told it lost the swarm, and that it is back
+        assert "it trains alone and dials its initial peers" in outs[0].read_text()
 
 
 @pytest.mark.timeout(180)

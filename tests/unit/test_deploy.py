@@ -60,6 +60,7 @@ def _counters() -> dict:
         "butterfly_rounds": 3,
         "pieces_recomputed": 1,
         "isolated": False,
+        "rejoins": 0,
         "isolated_rounds": 0,
     }
 
