@@ -14,6 +14,7 @@ on the same window, and every worker can compute any other's batch.
 """
 
 import hashlib
+import math
 import sysconfig
 from dataclasses import dataclass
 from functools import lru_cache
@@ -134,6 +135,31 @@ def validation_batches(
     windows = min(stream.numel() // window, batches * batch_size)
     rows = stream[: windows * window].view(windows, window)
     return [rows[i : i + batch_size] for i in range(0, windows, batch_size)]
+
+
+@torch.no_grad()
+def validation_loss(
+    model: torch.nn.Module,
+    loss_fn,
+    stream: torch.Tensor,
+    seq_len: int,
+    windows: int = 64,
+    batch_size: int = 8,
+) -> float | None:
+    """The mean of `loss_fn(model, inputs, targets)` over the first `windows` windows of `stream`
+    (held-out tokens; rounded up to whole batches of `batch_size`), on the model's device, in eval
+    mode: the same windows every time, so models compare, unlike a round's training loss (the noise
+    of its own batches). None where the stream holds no window."""
+    batches = validation_batches(stream, seq_len, batch_size, math.ceil(windows / batch_size))
+    if not batches:
+        return None
+    device, training = next(model.parameters()).device, model.training
+    model.eval()
+    try:
+        losses = [loss_fn(model, b[:, :-1].to(device), b[:, 1:].to(device)).float() * len(b) for b in batches]
+        return (torch.stack(losses).sum() / sum(len(b) for b in batches)).item()
+    finally:
+        model.train(training)
 
 
 def load_data(spec: str, max_bytes: int | None = 16 << 20) -> TokenStreams:

@@ -33,7 +33,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from shoal.compression import DenseCodec
 from shoal.peer.algorithms.configs import DiLoCoConfig
 from shoal.peer.checkpoint import CheckpointStore
-from shoal.peer.data import RoundSlices, TokenStreams, load_data
+from shoal.peer.data import RoundSlices, TokenStreams, load_data, validation_loss
 from shoal.peer.files import replace_text
 from shoal.peer.hardware import DeviceError, autocast_for, choose_device, memory_in_use
 from shoal.peer.metrics import PeerMetrics, build_info
@@ -288,7 +288,7 @@ def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, cr
             f"training {settings.model} ({numel:,} parameters) with {settings.algorithm} on {device}, "
             f"data {streams.name}; rounds of {schedule.round_seconds:g} s"
         )
-        return _loop(settings, progress, peer, model, metrics)
+        return _loop(settings, progress, peer, workload, metrics)
     except OutOfMemory as error:
         raise JoinError(str(error)) from None
     except CoordinatorError as error:  # the coordinator refused the token it accepted at the start
@@ -353,7 +353,7 @@ def _save_clock(settings: JoinSettings, schedule: RoundSchedule) -> None:
             ) from None
 
 
-def _loop(settings, progress, peer: SwarmPeer, model, metrics: PeerMetrics | None) -> dict:
+def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: PeerMetrics | None) -> dict:
     exchange, reports = peer.exchange, []
     adopted = 0  # round clocks taken from peers that started the run at once
     isolated = alone = False
@@ -398,7 +398,10 @@ def _loop(settings, progress, peer: SwarmPeer, model, metrics: PeerMetrics | Non
     # the swarm's run ends together (not this peer alone: a stop, or its own --max-rounds)
     alone = bool(settings.max_rounds and len(reports) >= settings.max_rounds)
     final_resync = peer.finish(until_round=settings.until_round, left_alone=alone)
-    return _summary(settings, progress, exchange, peer.trainer, model, reports, peer.stopped, final_resync)
+    loaded, batch_size = workload.model, peer.trainer.batch_size
+    held_out = (loaded.module, loaded.loss_fn, workload.streams.validation, loaded.seq_len)
+    validation = validation_loss(*held_out, batch_size=batch_size) if reports else None
+    return _summary(settings, progress, peer, workload.model.module, reports, final_resync, validation)
 
 
 def _tell_alone(progress: Progress, alone: bool, report) -> None:
@@ -469,8 +472,9 @@ def _write_address(path: str, address: str) -> None:
         raise JoinError(f"--address-file {path}: {error.strerror}") from None
 
 
-def _summary(settings, progress, exchange, trainer, model, reports, stopped, final_resync) -> dict:
+def _summary(settings, progress, peer: SwarmPeer, model, reports, final_resync, validation) -> dict:
     """The run as this peer saw it, logged as the `summary` event (and, for a person, one line)."""
+    exchange, trainer, stopped = peer.exchange, peer.trainer, peer.stopped
     digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))
     store = trainer.checkpoints
     summary = {
@@ -479,6 +483,7 @@ def _summary(settings, progress, exchange, trainer, model, reports, stopped, fin
         "last_round": reports[-1].round if reports else None,
         "initial_loss": reports[0].loss if reports else None,
         "final_loss": reports[-1].loss if reports else None,
+        "validation_loss": validation,
         "param_hash": digest.hexdigest(),
         "bytes_sent": exchange.counts.bytes_sent,
         "bytes_received": exchange.counts.bytes_received,
@@ -504,6 +509,7 @@ def _summary(settings, progress, exchange, trainer, model, reports, stopped, fin
         progress.message(
             f"{ending}: {len(reports)} rounds, "
             f"loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
+            + ("" if validation is None else f", validation loss {validation:.4f}")
             if reports
             else f"{ending}: no round finished"
         )

@@ -32,7 +32,8 @@ import torch
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Exchange, run_loopback
-from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus, validation_batches
+from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
+from shoal.peer.data import validation_loss as held_out_loss
 from shoal.peer.model import GPTConfig, TinyGPT
 
 METHODS = ("adamw_dp", "demo_reference", "demo_compact", "diloco_standard", "diloco_delayed", "diloco_eager")
@@ -169,15 +170,9 @@ TRAINERS: dict[str, Callable[..., int]] = {
 }
 
 
-@torch.no_grad()
 def validation_loss(model: TinyGPT, streams: TokenStreams, config: ConvergeConfig) -> float:
-    model.eval()
-    windows = validation_batches(
-        streams.validation, config.gpt.seq_len, config.batch_size, config.eval_batches
-    )
-    losses = [_loss(model, w[:, :-1], w[:, 1:]).item() for w in windows]
-    model.train()
-    return sum(losses) / len(losses)
+    windows = config.eval_batches * config.batch_size
+    return held_out_loss(model, _loss, streams.validation, config.gpt.seq_len, windows, config.batch_size)
 
 
 def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> MethodResult:

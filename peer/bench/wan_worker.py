@@ -31,9 +31,10 @@ from pathlib import Path
 import torch
 
 from shoal.peer.algorithms.configs import AlgorithmConfig, DeMoConfig, DiLoCoConfig
-from shoal.peer.data import BatchPlan, stdlib_corpus, validation_batches
+from shoal.peer.data import BatchPlan, stdlib_corpus, validation_loss
 from shoal.peer.files import replace_text
 from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.runtime import model_loss
 
 MODELS = {
     "tiny": GPTConfig.preset("tiny"),
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         result = _swarm(args, model, batch)
     else:
         result = _data_parallel(args, model, batch)
-    result["final_val_loss"] = validation_loss(model, streams.validation, config.seq_len)
+    result["final_val_loss"] = validation_loss(model, model_loss, streams.validation, config.seq_len)
     result["params"] = sum(p.numel() for p in model.parameters())
     result["tokens"] = args.steps * args.batch_size * config.seq_len
     Path(args.out).write_text(json.dumps(result))
@@ -224,14 +225,6 @@ def _swarm_time(
     spent = {"compute": compute, "plan": planning, "exchange": blocking, "finish": finishing}
     spent["other"] = wall - sum(spent.values())
     return {**spent, **background}
-
-
-@torch.no_grad()
-def validation_loss(model: TinyGPT, stream: torch.Tensor, seq_len: int, batches: int = 8) -> float:
-    model.eval()
-    windows = validation_batches(stream, seq_len, batch_size=8, batches=batches)
-    losses = [model(w[:, :-1], targets=w[:, 1:]).item() for w in windows]
-    return sum(losses) / len(losses)
 
 
 def interface_bytes(device: str = "eth0") -> tuple[int, int]:

@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json",
         action="store_true",
         help="print one JSON object at the end (the live view goes to stderr): peers, rounds, initial_loss, "
-        "final_loss, param_hash_agree, bytes_sent_per_peer_per_round, wall_s",
+        "final_loss, validation_loss, param_hash_agree, bytes_sent_per_peer_per_round, wall_s",
     )
 
 

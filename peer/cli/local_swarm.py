@@ -99,7 +99,8 @@ def main(
             agree += f"; {summary['stragglers_excluded']} late payloads left out"
         stream.write(
             f"{summary['peers']} peers, {summary['rounds']} rounds in {summary['wall_s']:.0f} s: loss "
-            f"{summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}; {agree}; "
+            f"{summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} "
+            f"(validation {summary['validation_loss']:.3f}); {agree}; "
             f"{summary['bytes_sent_per_peer_per_round'] / 1024:.1f} KiB sent per peer per round\n"
         )
     return 0 if summary["param_hash_agree"] else 1
@@ -207,6 +208,8 @@ def _summary(summaries: dict, demo: dict, *, slow_peer: int | None, stragglers: 
         "rounds": demo["rounds"],
         "initial_loss": fmean(losses[min(losses)]),
         "final_loss": fmean(losses[max(losses)]),
+        # the honest peers' final model on the embedded data's held-out files (one value where they agree)
+        "validation_loss": fmean(s["validation_loss"] for s in honest.values()),
         "param_hash_agree": len(hashes) == 1,
         "bytes_sent_per_peer_per_round": fmean(
             s["bytes_sent"] / max(s["rounds"], 1) for s in summaries.values()

@@ -21,6 +21,7 @@ def test_demo_json_summary():
     assert summary["peers"] == 3 and summary["rounds"] == 10
     assert summary["param_hash_agree"] is True
     assert summary["final_loss"] < summary["initial_loss"] - 0.3
+    assert summary["validation_loss"] < summary["initial_loss"] - 0.3  # held-out data, the final model
     assert 1000 < summary["bytes_sent_per_peer_per_round"] < 1 << 20
     assert 5 < summary["wall_s"] < 200
     assert summary["coordinator"] is True and summary["coordinated_rounds"] >= 3 * 10 - 3

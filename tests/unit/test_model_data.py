@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from shoal.peer.data import BatchPlan, stdlib_corpus, text_directory, token_file, validation_batches
+from shoal.peer.data import (
+    BatchPlan,
+    stdlib_corpus,
+    text_directory,
+    token_file,
+    validation_batches,
+    validation_loss,
+)
 from shoal.peer.model import GPTConfig, TinyGPT
 
 
@@ -75,3 +82,29 @@ def test_text_directory_and_token_file(tmp_path):
 def test_validation_batches_are_fixed():
     batches = validation_batches(torch.arange(1000), seq_len=9, batch_size=4, batches=3)
     assert [b.shape for b in batches] == [(4, 10)] * 3
+
+
+def test_validation_loss_is_the_mean_over_fixed_windows_and_keeps_the_mode():
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig.preset("tiny"))
+    seq_len = model.config.seq_len
+    stream = torch.randint(0, 256, (40 * (seq_len + 1),))
+
+    def loss_fn(m, inputs, targets):
+        return m(inputs, targets=targets)
+
+    # 10 windows in batches of 4 (4 + 4 + 2): a mean over windows, not over batches
+    windows = validation_batches(stream, seq_len, batch_size=4, batches=3)[:3]
+    windows[-1] = windows[-1][:2]
+    with torch.no_grad():
+        expected = sum(loss_fn(model, w[:, :-1], w[:, 1:]).item() * len(w) for w in windows) / 10
+    model.train()
+    loss = validation_loss(model, loss_fn, stream[: 10 * (seq_len + 1)], seq_len, windows=12, batch_size=4)
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert model.training  # the mode it was in
+    model.eval()
+    assert validation_loss(model, loss_fn, stream, seq_len, windows=8, batch_size=4) == pytest.approx(
+        validation_loss(model, loss_fn, stream, seq_len, windows=8, batch_size=2), rel=1e-5
+    )
+    assert not model.training
+    assert validation_loss(model, loss_fn, stream[:seq_len], seq_len) is None  # not one window
