@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.compression import bitpack, dct, streams, values
+from shoal.compression import bitpack, dct, elias_fano, streams, values
 from shoal.compression.codec import (
     WIRE_DTYPES,
     Codec,
@@ -27,7 +27,7 @@ from shoal.compression.codec import (
     wire_dtype,
 )
 from shoal.compression.dense import DenseCodec
-from shoal.protocol import CodecId, EncodedTensor, MalformedPayloadError
+from shoal.protocol import CodecId, EncodedTensor, IndexCoding, MalformedPayloadError
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +64,8 @@ class DCTTopKCodec(Codec):
             magnitude for the whole tensor: DeMo's update takes a sign anyway).
         zstd: try zstd on the value and scale streams, keeping it where it is smaller (indices
             and sign bits are incompressible and always travel raw).
+        elias_fano: code the indices with Elias-Fano (shoal.compression.elias_fano: 8 bits per index
+            for 64 of 4096 instead of 12) rather than packed at ceil(log2(chunk numel)) bits.
         limits: what a decoded message may claim.
 
     0-d and one-element tensors are sent dense and exact. An instance keeps scratch buffers
@@ -79,6 +81,7 @@ class DCTTopKCodec(Codec):
         value_bits: int = 32,
         *,
         zstd: bool = True,
+        elias_fano: bool = False,
         limits: DecodeLimits | None = None,
     ):
         super().__init__(limits=limits)
@@ -90,6 +93,7 @@ class DCTTopKCodec(Codec):
         self.topk = topk
         self.encoding = values.encoding_for_bits(value_bits)
         self.zstd = zstd
+        self.elias_fano = elias_fano
         self.workspace = dct.Workspace()
         self._exact = DenseCodec(32)
 
@@ -115,15 +119,27 @@ class DCTTopKCodec(Codec):
         indices = self._top_indices(torch.abs(coeffs, out=magnitudes), plan)
         return TopKCoefficients(plan, indices, torch.gather(coeffs, 1, indices))
 
+    def kept_per_chunk(self, plan: dct.ChunkPlan) -> int:
+        """k for the chunks of `plan`: `topk`, or every coefficient of a smaller chunk."""
+        return min(self.topk, plan.chunk_numel)
+
     def _top_indices(self, magnitudes: torch.Tensor, plan: dct.ChunkPlan) -> torch.Tensor:
-        k = min(self.topk, plan.chunk_numel)
+        k = self.kept_per_chunk(plan)
         return torch.topk(magnitudes, k, dim=1, sorted=False).indices.sort(dim=1).values
 
     def pack(self, selection: TopKCoefficients, dtype: torch.dtype) -> EncodedTensor:
         """The message for a selection of a tensor of `dtype`."""
         plan = selection.plan
-        bits = index_bits(plan.chunk_numel)
-        index_bytes, _ = streams.to_wire(bitpack.pack(selection.indices, bits), try_zstd=False)
+        if self.elias_fano:
+            bits, coding = (
+                elias_fano.low_bits(plan.chunk_numel, selection.topk),
+                IndexCoding.INDEX_CODING_ELIAS_FANO,
+            )
+            index_stream = elias_fano.encode(selection.indices, plan.chunk_numel)
+        else:
+            bits, coding = index_bits(plan.chunk_numel), IndexCoding.INDEX_CODING_PACKED
+            index_stream = bitpack.pack(selection.indices, bits)
+        index_bytes, _ = streams.to_wire(index_stream, try_zstd=False)
         return EncodedTensor(
             codec=self.codec_id,
             shape=plan.shape,
@@ -131,6 +147,7 @@ class DCTTopKCodec(Codec):
             chunk_shape=(plan.chunk_rows, plan.chunk_cols),
             topk=selection.topk,
             index_bits=bits,
+            index_coding=coding,
             indices=index_bytes,
             **values.message_fields(selection.values, self.encoding, selection.topk, zstd=self.zstd),
         )
@@ -185,14 +202,24 @@ def unpack(message: EncodedTensor, device: torch.device, limits: DecodeLimits) -
     plan = dct.ChunkPlan(shape, math.prod(shape[:-1]), shape[-1], chunk_rows, chunk_cols)
     if not 1 <= message.topk <= plan.chunk_numel:
         raise MalformedPayloadError("bad_topk", f"topk {message.topk} outside [1, {plan.chunk_numel}]")
-    bits = index_bits(plan.chunk_numel)
+    k, count = message.topk, plan.num_chunks * message.topk
+    if message.index_coding == IndexCoding.INDEX_CODING_ELIAS_FANO:
+        bits, expected = (
+            elias_fano.low_bits(plan.chunk_numel, k),
+            elias_fano.size(plan.num_chunks, k, plan.chunk_numel),
+        )
+    elif message.index_coding == IndexCoding.INDEX_CODING_PACKED:
+        bits = index_bits(plan.chunk_numel)
+        expected = bitpack.packed_size(count, bits)
+    else:
+        raise MalformedPayloadError("bad_index_coding", f"index coding {message.index_coding} is not known")
     if message.index_bits != bits:
         raise MalformedPayloadError("bad_index_bits", f"index_bits {message.index_bits}, expected {bits}")
-    k, count = message.topk, plan.num_chunks * message.topk
-    index_stream = streams.from_wire(
-        message.indices, message.indices_zstd, bitpack.packed_size(count, bits), "indices", device
-    )
-    indices = bitpack.unpack(index_stream, bits, count).view(plan.num_chunks, k)
+    index_stream = streams.from_wire(message.indices, message.indices_zstd, expected, "indices", device)
+    if message.index_coding == IndexCoding.INDEX_CODING_ELIAS_FANO:
+        indices = elias_fano.decode(index_stream, plan.num_chunks, k, plan.chunk_numel)
+    else:
+        indices = bitpack.unpack(index_stream, bits, count).view(plan.num_chunks, k)
     in_range = bool((indices[:, -1] < plan.chunk_numel).all())
     increasing = k == 1 or bool((indices[:, 1:] > indices[:, :-1]).all())
     if not (in_range and increasing):

@@ -12,6 +12,14 @@ with `s` the group's scale:
 | INT8     | 8    | s / 254 (half a step of s / 127)              |
 | INT4     | 4    | s / 14 (half a step of s / 7)                 |
 | SIGN     | 1    | none: magnitude replaced by the tensor's mean |value| |
+| LEVELS2  | 2    | none: each value becomes the mean of the values given its code |
+
+LEVELS2 is for top-k values (large magnitudes of both signs, none near zero), as SparseLoCo sends
+them at 2 bits (Templar, arXiv 2508.15706, which bins by the values' standard deviation and decodes
+each bin to its mean). Here the bins keep the sign: code 0 for v < -m, 1 for -m <= v < 0, 2 for
+0 <= v < m, 3 for v >= m, with m the tensor's mean |v|; the message carries one table of 4 float32
+levels per tensor, the mean of the values in each bin (0 for an empty one). Mean squared error is
+that of a 4-level quantizer after one Lloyd step from these bins.
 """
 
 import sys
@@ -32,6 +40,7 @@ BITS = {
     ValueEncoding.VALUE_ENCODING_INT8: 8,
     ValueEncoding.VALUE_ENCODING_INT4: 4,
     ValueEncoding.VALUE_ENCODING_SIGN: 1,
+    ValueEncoding.VALUE_ENCODING_LEVELS2: 2,
 }
 _LEVELS = {ValueEncoding.VALUE_ENCODING_INT8: 127, ValueEncoding.VALUE_ENCODING_INT4: 7}
 
@@ -48,10 +57,11 @@ def encoding_for_bits(value_bits: int, *, half: str = "bf16") -> int:
         32: ValueEncoding.VALUE_ENCODING_FLOAT32,
         8: ValueEncoding.VALUE_ENCODING_INT8,
         4: ValueEncoding.VALUE_ENCODING_INT4,
+        2: ValueEncoding.VALUE_ENCODING_LEVELS2,
         1: ValueEncoding.VALUE_ENCODING_SIGN,
     }
     if value_bits not in by_bits:
-        raise ValueError(f"value_bits must be one of 32, 16, 8, 4, 1; got {value_bits}")
+        raise ValueError(f"value_bits must be one of 32, 16, 8, 4, 2, 1; got {value_bits}")
     return by_bits[value_bits]
 
 
@@ -63,7 +73,9 @@ def scale_count(encoding: int, groups: int) -> int:
     """How many float32 scales travel with `groups` groups."""
     if not is_scaled(encoding):
         return 0
-    return 1 if encoding == ValueEncoding.VALUE_ENCODING_SIGN else groups
+    return {ValueEncoding.VALUE_ENCODING_SIGN: 1, ValueEncoding.VALUE_ENCODING_LEVELS2: 4}.get(
+        encoding, groups
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +103,8 @@ def encode(values: torch.Tensor, encoding: int, group: int) -> EncodedValues:
     if encoding == ValueEncoding.VALUE_ENCODING_SIGN:
         scale = values.abs().mean().reshape(1) if values.numel() else torch.zeros(1, device=values.device)
         return EncodedValues(bitpack.pack(values < 0, 1), _as_bytes(scale))
+    if encoding == ValueEncoding.VALUE_ENCODING_LEVELS2:
+        return _levels2(values)
     count = values.numel()
     groups = -(-count // group)
     padded = torch.zeros(groups * group, device=values.device)  # zeros leave every group's absmax as is
@@ -119,6 +133,11 @@ def decode(encoded: EncodedValues, encoding: int, count: int, group: int) -> tor
         decoded = stream.view(torch.float32).clone()
     elif encoding == ValueEncoding.VALUE_ENCODING_BFLOAT16:
         decoded = stream.view(torch.bfloat16).float()
+    elif encoding == ValueEncoding.VALUE_ENCODING_LEVELS2:  # any code is valid; levels of either sign
+        levels = encoded.scales.view(torch.float32)
+        if not bool(torch.isfinite(levels).all()):
+            raise MalformedPayloadError("bad_scale", "a level is NaN or infinite")
+        return levels[bitpack.unpack(stream, 2, count)]
     else:
         scales = encoded.scales.view(torch.float32)
         if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
@@ -192,6 +211,17 @@ def _decode_unit(stream: torch.Tensor, encoding: int, out: torch.Tensor) -> None
     if offset:
         out.sub_(offset)
     out.div_(limit)
+
+
+def _levels2(values: torch.Tensor) -> EncodedValues:
+    """LEVELS2 (module docstring): the 2-bit codes and the table of 4 levels."""
+    bound = values.abs().mean() if values.numel() else values.new_zeros(())
+    large = (values.abs() >= bound).long()
+    codes = torch.where(values < 0, 1 - large, 2 + large)
+    totals = values.new_zeros(4).index_add_(0, codes, values)
+    counts = values.new_zeros(4).index_add_(0, codes, torch.ones_like(values))
+    levels = totals / counts.clamp(min=1)
+    return EncodedValues(bitpack.pack(codes, 2), _as_bytes(levels))
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

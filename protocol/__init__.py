@@ -8,12 +8,13 @@ package imports neither torch nor anything else of shoal, so the coordinator can
 from shoal.protocol.errors import MalformedPayloadError
 from shoal.protocol.parse import parse_message
 from shoal.protocol.payload_pb2 import Payload
-from shoal.protocol.tensor_pb2 import CodecId, DType, EncodedTensor, ValueEncoding
+from shoal.protocol.tensor_pb2 import CodecId, DType, EncodedTensor, IndexCoding, ValueEncoding
 
 __all__ = [
     "CodecId",
     "DType",
     "EncodedTensor",
+    "IndexCoding",
     "MalformedPayloadError",
     "Payload",
     "ValueEncoding",

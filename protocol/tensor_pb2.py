@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bshoal/protocol/tensor.proto\x12\x08shoal.v1\"\xcd\x02\n\rEncodedTensor\x12 \n\x05\x63odec\x18\x01 \x01(\x0e\x32\x11.shoal.v1.CodecId\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x1e\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0f.shoal.v1.DType\x12\x13\n\x0b\x63hunk_shape\x18\x04 \x03(\r\x12\x0c\n\x04topk\x18\x05 \x01(\r\x12\x12\n\nindex_bits\x18\x06 \x01(\r\x12\x0f\n\x07indices\x18\x07 \x01(\x0c\x12\x14\n\x0cindices_zstd\x18\x08 \x01(\x08\x12/\n\x0evalue_encoding\x18\t \x01(\x0e\x32\x17.shoal.v1.ValueEncoding\x12\x0e\n\x06values\x18\n \x01(\x0c\x12\x13\n\x0bvalues_zstd\x18\x0b \x01(\x08\x12\x12\n\nblock_size\x18\x0c \x01(\r\x12\x0e\n\x06scales\x18\r \x01(\x0c\x12\x13\n\x0bscales_zstd\x18\x0e \x01(\x08*N\n\x07\x43odecId\x12\x18\n\x14\x43ODEC_ID_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x43ODEC_ID_DENSE\x10\x01\x12\x15\n\x11\x43ODEC_ID_DCT_TOPK\x10\x02*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04*\xcf\x01\n\rValueEncoding\x12\x1e\n\x1aVALUE_ENCODING_UNSPECIFIED\x10\x00\x12\x1a\n\x16VALUE_ENCODING_FLOAT32\x10\x01\x12\x1b\n\x17VALUE_ENCODING_BFLOAT16\x10\x02\x12\x1a\n\x16VALUE_ENCODING_FLOAT16\x10\x03\x12\x17\n\x13VALUE_ENCODING_INT8\x10\x04\x12\x17\n\x13VALUE_ENCODING_INT4\x10\x05\x12\x17\n\x13VALUE_ENCODING_SIGN\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bshoal/protocol/tensor.proto\x12\x08shoal.v1\"\xfa\x02\n\rEncodedTensor\x12 \n\x05\x63odec\x18\x01 \x01(\x0e\x32\x11.shoal.v1.CodecId\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x1e\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0f.shoal.v1.DType\x12\x13\n\x0b\x63hunk_shape\x18\x04 \x03(\r\x12\x0c\n\x04topk\x18\x05 \x01(\r\x12\x12\n\nindex_bits\x18\x06 \x01(\r\x12\x0f\n\x07indices\x18\x07 \x01(\x0c\x12\x14\n\x0cindices_zstd\x18\x08 \x01(\x08\x12/\n\x0evalue_encoding\x18\t \x01(\x0e\x32\x17.shoal.v1.ValueEncoding\x12\x0e\n\x06values\x18\n \x01(\x0c\x12\x13\n\x0bvalues_zstd\x18\x0b \x01(\x08\x12\x12\n\nblock_size\x18\x0c \x01(\r\x12\x0e\n\x06scales\x18\r \x01(\x0c\x12\x13\n\x0bscales_zstd\x18\x0e \x01(\x08\x12+\n\x0cindex_coding\x18\x0f \x01(\x0e\x32\x15.shoal.v1.IndexCoding*a\n\x07\x43odecId\x12\x18\n\x14\x43ODEC_ID_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x43ODEC_ID_DENSE\x10\x01\x12\x15\n\x11\x43ODEC_ID_DCT_TOPK\x10\x02\x12\x11\n\rCODEC_ID_TOPK\x10\x03*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04*\xeb\x01\n\rValueEncoding\x12\x1e\n\x1aVALUE_ENCODING_UNSPECIFIED\x10\x00\x12\x1a\n\x16VALUE_ENCODING_FLOAT32\x10\x01\x12\x1b\n\x17VALUE_ENCODING_BFLOAT16\x10\x02\x12\x1a\n\x16VALUE_ENCODING_FLOAT16\x10\x03\x12\x17\n\x13VALUE_ENCODING_INT8\x10\x04\x12\x17\n\x13VALUE_ENCODING_INT4\x10\x05\x12\x17\n\x13VALUE_ENCODING_SIGN\x10\x06\x12\x1a\n\x16VALUE_ENCODING_LEVELS2\x10\x07*C\n\x0bIndexCoding\x12\x17\n\x13INDEX_CODING_PACKED\x10\x00\x12\x1b\n\x17INDEX_CODING_ELIAS_FANO\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shoal.protocol.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODECID']._serialized_start=377
-  _globals['_CODECID']._serialized_end=455
-  _globals['_DTYPE']._serialized_start=457
-  _globals['_DTYPE']._serialized_end=564
-  _globals['_VALUEENCODING']._serialized_start=567
-  _globals['_VALUEENCODING']._serialized_end=774
+  _globals['_CODECID']._serialized_start=422
+  _globals['_CODECID']._serialized_end=519
+  _globals['_DTYPE']._serialized_start=521
+  _globals['_DTYPE']._serialized_end=628
+  _globals['_VALUEENCODING']._serialized_start=631
+  _globals['_VALUEENCODING']._serialized_end=866
+  _globals['_INDEXCODING']._serialized_start=868
+  _globals['_INDEXCODING']._serialized_end=935
   _globals['_ENCODEDTENSOR']._serialized_start=42
-  _globals['_ENCODEDTENSOR']._serialized_end=375
+  _globals['_ENCODEDTENSOR']._serialized_end=420
 # @@protoc_insertion_point(module_scope)

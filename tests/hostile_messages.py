@@ -23,6 +23,7 @@ from shoal.compression import (
     DenseCodec,
     EncodedTensor,
     MalformedPayloadError,
+    TopKCodec,
     decode_tensor,
 )
 from shoal.protocol import CodecId, DType, ValueEncoding, parse_message
@@ -30,6 +31,7 @@ from shoal.protocol import CodecId, DType, ValueEncoding, parse_message
 VE = ValueEncoding
 DCT = CodecId.CODEC_ID_DCT_TOPK
 DENSE = CodecId.CODEC_ID_DENSE
+TOPK = CodecId.CODEC_ID_TOPK
 STREAMS = ("indices", "values", "scales")
 MAX_BYTES = 1 << 22
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -46,6 +48,7 @@ BITS = {
     VE.VALUE_ENCODING_INT8: 8,
     VE.VALUE_ENCODING_INT4: 4,
     VE.VALUE_ENCODING_SIGN: 1,
+    VE.VALUE_ENCODING_LEVELS2: 2,
 }
 UNSCALED = (VE.VALUE_ENCODING_FLOAT32, VE.VALUE_ENCODING_BFLOAT16)
 LABEL = {
@@ -55,6 +58,7 @@ LABEL = {
     VE.VALUE_ENCODING_INT8: "int8",
     VE.VALUE_ENCODING_INT4: "int4",
     VE.VALUE_ENCODING_SIGN: "sign",
+    VE.VALUE_ENCODING_LEVELS2: "levels2",
 }
 
 
@@ -173,6 +177,7 @@ DECODERS: dict[str, Callable[..., torch.Tensor]] = {
     "decode_tensor": lambda m, limits=None: decode_tensor(m, device="cpu", limits=limits),
     "DCTTopKCodec.decode": lambda m, limits=None: DCTTopKCodec(limits=limits).decode(m),
     "DenseCodec.decode": lambda m, limits=None: DenseCodec(limits=limits).decode(m),
+    "TopKCodec.decode": lambda m, limits=None: TopKCodec(limits=limits).decode(m),
 }
 
 
@@ -223,7 +228,7 @@ def _build_variants() -> dict[str, Variant]:
         variants[name] = Variant(message, source, flags)
 
     for zstd in (False, True):
-        for bits in (32, 16, 8, 4, 1):
+        for bits in (32, 16, 8, 4, 2, 1):
             x = dct_tiled if zstd else dct_plain
             add("dct", DCTTopKCodec(chunk=64, topk=32, value_bits=bits, zstd=zstd).encode(x), x, zstd)
         add(
@@ -232,9 +237,21 @@ def _build_variants() -> dict[str, Variant]:
             dct_tiled if zstd else dct_plain,
             zstd,
         )
-        for bits, half in ((32, "bf16"), (16, "bf16"), (16, "fp16"), (8, "bf16"), (4, "bf16"), (1, "bf16")):
+        for bits, half in (
+            (32, "bf16"),
+            (16, "bf16"),
+            (16, "fp16"),
+            (8, "bf16"),
+            (4, "bf16"),
+            (2, "bf16"),
+            (1, "bf16"),
+        ):
             x = dense_tiled if zstd else dense_plain
             add("dense", DenseCodec(bits, block=64, half=half, zstd=zstd).encode(x), x, zstd)
+        # plain top-k, Elias-Fano indices: k=256 of each 64x64 chunk (4096, 4 low bits) and 48x64 (3072)
+        for bits in (32, 8, 2):
+            x = dct_tiled if zstd else dct_plain
+            add("topk", TopKCodec(chunk=64, topk=256, value_bits=bits, zstd=zstd).encode(x), x, zstd)
     return variants
 
 

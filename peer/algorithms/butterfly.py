@@ -47,7 +47,8 @@ MIN_PARTICIPANTS = 3
 
 def shardable(codec: Codec) -> bool:
     """Whether payloads of `codec` can be cut into pieces along its blocks."""
-    if not isinstance(codec, DenseCodec) or codec.encoding == ValueEncoding.VALUE_ENCODING_SIGN:
+    per_tensor = (ValueEncoding.VALUE_ENCODING_SIGN, ValueEncoding.VALUE_ENCODING_LEVELS2)  # one scale table
+    if not isinstance(codec, DenseCodec) or codec.encoding in per_tensor:
         return False
     return codec.block * values.BITS[codec.encoding] % 8 == 0
 

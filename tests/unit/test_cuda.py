@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from shoal.compression import DCTTopKCodec, DenseCodec
+from shoal.compression import DCTTopKCodec, DenseCodec, TopKCodec
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import LoopbackExchange, TorchDistributedExchange
@@ -43,6 +43,19 @@ def test_dct_topk_payload_from_the_gpu_decodes_like_the_cpus(value_bits):
     assert on_gpu.device == CUDA
     # the same coefficients are kept (ties aside, which random data has none of)
     torch.testing.assert_close(on_gpu.cpu(), on_cpu, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("value_bits", [32, 8, 2])
+def test_sparse_topk_payload_from_the_gpu_is_the_cpus(value_bits):
+    """Plain top-k with Elias-Fano indices: the GPU's message is byte for byte the CPU's."""
+    torch.manual_seed(0)
+    tensor = torch.randn(256, 192)
+    on_cpu = TopKCodec(topk=64, value_bits=value_bits).encode(tensor)
+    on_gpu = TopKCodec(topk=64, value_bits=value_bits).encode(tensor.to(CUDA))
+    assert on_gpu.indices == on_cpu.indices and on_gpu.values == on_cpu.values
+    decoded = TopKCodec().decode(on_gpu, device=CUDA)
+    assert decoded.device == CUDA
+    torch.testing.assert_close(decoded.cpu(), TopKCodec().decode(on_cpu), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("value_bits", [32, 8, 4])

@@ -272,7 +272,7 @@ def test_scalar_and_unused_parameters_take_part():
         ({"compression_decay": 1.0}, "compression_decay"),
         ({"error_feedback": 1.5}, "error_feedback"),
         ({"weight_decay": -1}, "weight_decay"),
-        ({"value_bits": 2}, "value_bits"),
+        ({"value_bits": 3}, "value_bits"),
         ({"compression_topk": 0}, "topk"),
         ({"lookahead": True}, "lookahead needs overlap"),
     ],

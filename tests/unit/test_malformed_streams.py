@@ -30,6 +30,7 @@ from tests.hostile_messages import (
     RAW_NAMES,
     STREAM_CASES,
     STREAMS,
+    TOPK,
     UNSCALED,
     VARIANTS,
     VE,
@@ -57,9 +58,13 @@ from tests.hostile_messages import (
 
 
 def test_variant_set_is_complete():
-    assert len(NAMES) == 24
-    for codec in (DCT, DENSE):
-        for encoding in BITS:
+    assert len(NAMES) == 34
+    for codec, encodings in (
+        (DCT, BITS),
+        (DENSE, BITS),
+        (TOPK, (VE.VALUE_ENCODING_FLOAT32, VE.VALUE_ENCODING_INT8, VE.VALUE_ENCODING_LEVELS2)),
+    ):
+        for encoding in encodings:
             for zstd in (False, True):
                 assert any(
                     VARIANTS[n].message.codec == codec
@@ -86,7 +91,7 @@ def test_zstd_variants_really_carry_zstd_frames(name):
     if variant.message.value_encoding != VE.VALUE_ENCODING_SIGN:
         # the encoder itself compressed the repetitive values (and scales) of these inputs
         assert variant.encoder_zstd[1], f"encoder did not zstd the values of {name}"
-        if variant.message.value_encoding not in UNSCALED:
+        if variant.message.value_encoding not in (*UNSCALED, VE.VALUE_ENCODING_LEVELS2):  # 16-byte table
             assert variant.encoder_zstd[2], f"encoder did not zstd the scales of {name}"
     for stream in STREAMS:
         data = getattr(variant.message, stream)
@@ -383,19 +388,19 @@ SCALED_NAMES = [n for n in NAMES if VARIANTS[n].message.value_encoding not in UN
 
 @pytest.mark.parametrize("name", SCALED_NAMES)
 def test_bad_scale_is_rejected(name):
-    """NaN (either sign), negative (even tiny), or infinite scales."""
+    """NaN (either sign), negative (even tiny), or infinite scales; LEVELS2's are levels of either
+    sign, and only the non-finite ones are refused."""
     message = VARIANTS[name].message
     groups = len(raw_stream(message, "scales")) // 4
-    for scale in (
-        f32(math.nan),
-        struct.pack("<I", 0xFFC00000),
-        f32(-1.0),
-        f32(-1e-30),
-        f32(math.inf),
-        f32(-math.inf),
-    ):
+    levels = message.value_encoding == VE.VALUE_ENCODING_LEVELS2
+    negative = (f32(-1.0), f32(-1e-30))
+    for scale in (f32(math.nan), struct.pack("<I", 0xFFC00000), f32(math.inf), f32(-math.inf), *negative):
         for group in sorted({0, groups - 1}):
-            assert_malformed(patched(message, "scales", 4 * group, scale), "bad_scale")
+            bad = patched(message, "scales", 4 * group, scale)
+            if levels and scale in negative:
+                assert decode_or_reject(bad.SerializeToString()) is not None
+            else:
+                assert_malformed(bad, "bad_scale")
 
 
 def _overflowing_messages() -> dict[str, EncodedTensor]:
