@@ -15,10 +15,11 @@ with `s` the group's scale:
 | LEVELS2  | 2    | none: each value becomes the mean of the values given its code |
 
 LEVELS2 is for top-k values (large magnitudes of both signs, none near zero), as SparseLoCo sends
-them at 2 bits (Templar, arXiv 2508.15706, which bins by the values' standard deviation and decodes
-each bin to its mean). Here the bins keep the sign: code 0 for v < -m, 1 for -m <= v < 0, 2 for
-0 <= v < m, 3 for v >= m, with m the tensor's mean |v|; the message carries one table of 4 float32
-levels per tensor, the mean of the values in each bin (0 for an empty one). Mean squared error is
+them at 2 bits (Templar, arXiv 2508.15706, which bins a tensor's values by their standard deviation and
+decodes each bin to its mean). Here the bins keep the sign and are per group (chunk): code 0 for
+v < -m, 1 for -m <= v < 0, 2 for 0 <= v < m, 3 for v >= m, with m the group's mean |v|; the group's
+4 levels, in `scales` as bfloat16 (8 bytes a group; their 2**-9 rounding is far below the 2-bit
+error), are the means of its values in each bin (0 for an empty one). The mean squared error is
 that of a 4-level quantizer after one Lloyd step from these bins.
 """
 
@@ -69,13 +70,14 @@ def is_scaled(encoding: int) -> bool:
     return encoding not in (ValueEncoding.VALUE_ENCODING_FLOAT32, ValueEncoding.VALUE_ENCODING_BFLOAT16)
 
 
-def scale_count(encoding: int, groups: int) -> int:
-    """How many float32 scales travel with `groups` groups."""
+def scale_bytes(encoding: int, groups: int) -> int:
+    """Bytes of the `scales` stream for `groups` groups: a float32 scale per group (one for SIGN), or
+    LEVELS2's 4 bfloat16 levels per group."""
     if not is_scaled(encoding):
         return 0
-    return {ValueEncoding.VALUE_ENCODING_SIGN: 1, ValueEncoding.VALUE_ENCODING_LEVELS2: 4}.get(
-        encoding, groups
-    )
+    if encoding == ValueEncoding.VALUE_ENCODING_SIGN:
+        return 4
+    return 8 * groups if encoding == ValueEncoding.VALUE_ENCODING_LEVELS2 else 4 * groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +106,7 @@ def encode(values: torch.Tensor, encoding: int, group: int) -> EncodedValues:
         scale = values.abs().mean().reshape(1) if values.numel() else torch.zeros(1, device=values.device)
         return EncodedValues(bitpack.pack(values < 0, 1), _as_bytes(scale))
     if encoding == ValueEncoding.VALUE_ENCODING_LEVELS2:
-        return _levels2(values)
+        return _levels2(values, group)
     count = values.numel()
     groups = -(-count // group)
     padded = torch.zeros(groups * group, device=values.device)  # zeros leave every group's absmax as is
@@ -125,7 +127,7 @@ def encode(values: torch.Tensor, encoding: int, group: int) -> EncodedValues:
 def decode(encoded: EncodedValues, encoding: int, count: int, group: int) -> torch.Tensor:
     """The `count` float32 values; raises MalformedPayloadError for untrusted garbage.
 
-    The stream lengths must already match `values_size` and `scale_count` (checked by the caller
+    The stream lengths must already match `values_size` and `scale_bytes` (checked by the caller
     against the message's claimed shape before any allocation).
     """
     stream = encoded.values
@@ -134,10 +136,11 @@ def decode(encoded: EncodedValues, encoding: int, count: int, group: int) -> tor
     elif encoding == ValueEncoding.VALUE_ENCODING_BFLOAT16:
         decoded = stream.view(torch.bfloat16).float()
     elif encoding == ValueEncoding.VALUE_ENCODING_LEVELS2:  # any code is valid; levels of either sign
-        levels = encoded.scales.view(torch.float32)
+        levels = encoded.scales.view(torch.bfloat16).float()
         if not bool(torch.isfinite(levels).all()):
             raise MalformedPayloadError("bad_scale", "a level is NaN or infinite")
-        return levels[bitpack.unpack(stream, 2, count)]
+        group_of = torch.arange(count, device=stream.device) // group
+        return levels[group_of * 4 + bitpack.unpack(stream, 2, count)]
     else:
         scales = encoded.scales.view(torch.float32)
         if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
@@ -184,7 +187,7 @@ def from_message(message, count: int, group: int, device: torch.device) -> torch
             message.values, message.values_zstd, values_size(encoding, count), "values", device
         ),
         streams.from_wire(
-            message.scales, message.scales_zstd, 4 * scale_count(encoding, groups), "scales", device
+            message.scales, message.scales_zstd, scale_bytes(encoding, groups), "scales", device
         ),
     )
     return decode(encoded, encoding, count, group)
@@ -213,15 +216,20 @@ def _decode_unit(stream: torch.Tensor, encoding: int, out: torch.Tensor) -> None
     out.div_(limit)
 
 
-def _levels2(values: torch.Tensor) -> EncodedValues:
-    """LEVELS2 (module docstring): the 2-bit codes and the table of 4 levels."""
-    bound = values.abs().mean() if values.numel() else values.new_zeros(())
-    large = (values.abs() >= bound).long()
-    codes = torch.where(values < 0, 1 - large, 2 + large)
-    totals = values.new_zeros(4).index_add_(0, codes, values)
-    counts = values.new_zeros(4).index_add_(0, codes, torch.ones_like(values))
-    levels = totals / counts.clamp(min=1)
-    return EncodedValues(bitpack.pack(codes, 2), _as_bytes(levels))
+def _levels2(values: torch.Tensor, group: int) -> EncodedValues:
+    """LEVELS2 (module docstring): the 2-bit codes and each group's 4 levels."""
+    count = values.numel()
+    groups = -(-count // group)
+    group_of = torch.arange(count, device=values.device) // group
+    magnitudes = values.abs()
+    sizes = torch.zeros(groups, device=values.device).index_add_(0, group_of, torch.ones_like(values))
+    bounds = torch.zeros(groups, device=values.device).index_add_(0, group_of, magnitudes) / sizes
+    large = (magnitudes >= bounds[group_of]).long()
+    slots = group_of * 4 + torch.where(values < 0, 1 - large, 2 + large)
+    totals = values.new_zeros(4 * groups).index_add_(0, slots, values)
+    counts = values.new_zeros(4 * groups).index_add_(0, slots, torch.ones_like(values))
+    levels = (totals / counts.clamp(min=1)).bfloat16()
+    return EncodedValues(bitpack.pack(slots % 4, 2), _as_bytes(levels))
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,8 @@ from typing import IO
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
-from shoal.compression import DenseCodec
 from shoal.peer.algorithms.configs import DiLoCoConfig
+from shoal.peer.algorithms.diloco import codec_for
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data import RoundSlices, TokenStreams, load_data, validation_loss
 from shoal.peer.files import replace_text
@@ -57,7 +57,10 @@ RUN_FLAGS = (
     "model",
     "algorithm",
     "lr",
+    "compression",
     "topk",
+    "value_bits",
+    "chunk",
     "inner_steps",
     "outer_lr",
     "outer_momentum",
@@ -271,7 +274,7 @@ def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, cr
         model,
         algorithm,
         batches,
-        codec=DenseCodec(8) if isinstance(algorithm, DiLoCoConfig) else None,
+        codec=codec_for(algorithm) if isinstance(algorithm, DiLoCoConfig) else None,
         checkpoints=_checkpoint_store(settings, progress),
         checkpoint_every=settings.checkpoint_every,
         loss_fn=loaded.loss_fn,

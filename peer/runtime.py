@@ -185,6 +185,7 @@ class Trainer:
                 exchange=exchange,
                 compression_topk=algorithm.topk,
                 value_bits=algorithm.value_bits,
+                compression_chunk=algorithm.chunk,
                 overlap=algorithm.overlapped,
                 lookahead=algorithm.overlapped,  # Psyche's: see shoal.peer.algorithms.demo
             )
@@ -202,6 +203,7 @@ class Trainer:
                 outer_lr=algorithm.outer_lr,
                 outer_momentum=algorithm.outer_momentum,
                 codec=codec,
+                error_decay=algorithm.error_decay,
                 butterfly=algorithm.averaging == "butterfly",
             )
 

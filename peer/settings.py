@@ -16,7 +16,17 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from shoal.peer.algorithms.configs import AVERAGING, DEFAULTS, AlgorithmConfig, DeMoConfig
+from shoal.peer.algorithms.configs import (
+    AVERAGING,
+    COMPRESSION,
+    DEFAULT_COMPRESSION,
+    DEFAULTS,
+    SPARSE_OUTER,
+    VALUE_BITS,
+    AlgorithmConfig,
+    DeMoConfig,
+    DiLoCoConfig,
+)
 from shoal.peer.swarm.names import check_run_name
 
 ALGORITHMS = {
@@ -65,9 +75,12 @@ class JoinSettings:
     discover_seconds: float = 60.0
     compute_fraction: float = 0.5
     lr: float = 0.0
-    topk: int = 32
+    compression: str | None = None
+    topk: int | None = None
+    value_bits: int | None = None
+    chunk: int | None = None
     inner_steps: int = 10
-    outer_lr: float = 0.4
+    outer_lr: float | None = None
     outer_momentum: float | None = None
     averaging: str = "gather"
     batch_size: int = 8
@@ -83,15 +96,30 @@ class JoinSettings:
             raise ValueError(f"algorithm must be one of {', '.join(DEFAULTS)}; got {self.algorithm!r}")
         named = DEFAULTS[self.algorithm]
         lr = self.lr or named.lr
-        if isinstance(named, DeMoConfig):
-            return replace(named, lr=lr, topk=self.topk)
+        family = "demo" if isinstance(named, DeMoConfig) else "diloco"
+        preset = self.compression or DEFAULT_COMPRESSION[family]
+        fits, codec = COMPRESSION[preset]
+        if fits != family:
+            takes = ", ".join(name for name, (f, _) in COMPRESSION.items() if f == family)
+            raise ValueError(f"compression {preset} is not for {self.algorithm}, which takes {takes}")
+        if preset == "int8" and self.topk is not None:
+            raise ValueError(
+                "topk does not apply to compression int8, which sends every value (sparse: the top-k)"
+            )
+        overrides = {"topk": self.topk, "value_bits": self.value_bits, "chunk": self.chunk}
+        codec = codec | {name: value for name, value in overrides.items() if value is not None}
+        if family == "demo":
+            return replace(named, lr=lr, **codec)
         return replace(
             named,
             lr=lr,
             inner_steps=self.inner_steps,
-            outer_lr=self.outer_lr,
-            outer_momentum=self.outer_momentum,
+            # the sparse codec's own outer step where none is given (configs.SPARSE_OUTER)
+            outer_lr=_first(self.outer_lr, SPARSE_OUTER[0] if preset == "sparse" else named.outer_lr),
+            outer_momentum=_first(self.outer_momentum, SPARSE_OUTER[1] if preset == "sparse" else None),
             averaging=self.averaging,
+            compression=preset,
+            **codec,
         )
 
     def run_config(self) -> dict[str, str]:
@@ -99,8 +127,11 @@ class JoinSettings:
         algorithm = self.algorithm_config()
         config = {"model": self.model, "algorithm": self.algorithm, "lr": repr(algorithm.lr)}
         config["seed"] = str(self.seed)
+        # codec settings only where they are not the defaults, so that older runs keep their hash
         if isinstance(algorithm, DeMoConfig):
-            return config | {"compression_topk": str(algorithm.topk)}
+            config["compression_topk"] = str(algorithm.topk)
+            return config | _changed(algorithm, DeMoConfig(), ("value_bits", "chunk"))
+        config |= _changed(algorithm, DiLoCoConfig(), ("compression", "topk", "value_bits", "chunk"))
         config |= {
             "inner_steps": str(algorithm.inner_steps),
             "outer_lr": repr(algorithm.outer_lr),
@@ -108,6 +139,16 @@ class JoinSettings:
         }
         # only where it is not the default, so that the runs from before the setting keep their hash
         return config | {"averaging": algorithm.averaging} if algorithm.averaging != "gather" else config
+
+
+def _first(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _changed(config: AlgorithmConfig, default: AlgorithmConfig, names: tuple[str, ...]) -> dict[str, str]:
+    return {
+        name: str(getattr(config, name)) for name in names if getattr(config, name) != getattr(default, name)
+    }
 
 
 def _text(value: Any) -> str:
@@ -136,6 +177,16 @@ def _float(low: float, high: float, *, open_low: bool = False) -> Callable[[Any]
         if not math.isfinite(number) or number > high or number < low or (open_low and number == low):
             bound = "(" if open_low else "["
             raise ValueError(f"expected a number in {bound}{low}, {high}], got {value!r}")
+        return number
+
+    return parse
+
+
+def _choice_int(options: tuple[int, ...]) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        number = _int(min(options), max(options))(value)
+        if number not in options:
+            raise ValueError(f"expected one of {', '.join(map(str, options))}, got {number}")
         return number
 
     return parse
@@ -200,7 +251,10 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "discover_seconds": _float(0.0, 86400),
     "compute_fraction": _float(0.0, 0.95, open_low=True),
     "lr": _float(0.0, 10.0),
+    "compression": _choice(tuple(COMPRESSION)),
     "topk": _int(1, 4096),
+    "value_bits": _choice_int(VALUE_BITS),
+    "chunk": _int(1, 256),
     "inner_steps": _int(1, 100_000),
     "outer_lr": _float(0.0, 10.0, open_low=True),
     "outer_momentum": _float(0.0, 0.999),
@@ -237,7 +291,14 @@ def resolve(
                 raise SettingsError(f"{where}: {error}") from None
             break
     settings = JoinSettings(**values)
-    if settings.averaging == "butterfly" and isinstance(settings.algorithm_config(), DeMoConfig):
+    try:
+        algorithm = settings.algorithm_config()
+    except ValueError as error:  # settings that each parse but do not fit together, named
+        name = str(error).split()[0]
+        raise SettingsError(
+            f"--{name.replace('_', '-') if name in PARSERS else 'algorithm'}: {error}"
+        ) from None
+    if settings.averaging == "butterfly" and isinstance(algorithm, DeMoConfig):
         raise SettingsError("--averaging butterfly: DiLoCo only (DeMo's payloads are sparse)")
     return settings
 

@@ -74,7 +74,7 @@ def cut(payload: Payload, count: int) -> list[bytes]:
         )
         groups = -(-numel // block)
         scales = streams.from_wire(
-            message.scales, message.scales_zstd, 4 * values.scale_count(encoding, groups), "scales", "cpu"
+            message.scales, message.scales_zstd, values.scale_bytes(encoding, groups), "scales", "cpu"
         )
         stream, scales = stream.numpy().tobytes(), scales.numpy().tobytes()
         for piece, (start, end) in zip(pieces, ranges(numel, block, count), strict=True):

@@ -26,8 +26,37 @@ lr 0.7 reaches 3.87 against standard's 2.51; `shoal bench wan`, 48 steps at lr 0
 AVERAGING = ("gather", "butterfly")
 """How a DiLoCo round is averaged: every peer pulls every payload, or piece by piece
 (shoal.peer.algorithms.butterfly)."""
-VALUE_BITS = (32, 16, 8, 4, 1)
-"""The bits per value DeMo's codec can send (shoal.compression.values)."""
+VALUE_BITS = (32, 16, 8, 4, 2, 1)
+"""The bits per value the codecs can send (shoal.compression.values)."""
+COMPRESSION = {
+    "reference": ("demo", {"topk": 32, "value_bits": 32}),
+    "compact": ("demo", {"topk": 4, "value_bits": 1}),
+    "int8": ("diloco", {"value_bits": 8}),
+    "sparse": ("diloco", {"topk": 64, "value_bits": 2}),
+}
+"""`--compression` presets: the algorithm each is for and the codec settings it stands for.
+- reference: DeMo's paper settings, the DCT top-32 of every 64x64 chunk in float32 (104x smaller
+  than float32 gradients);
+- compact: the DCT top-4 at 1 bit (signs and one magnitude): 2,500x;
+- int8: DiLoCo's pseudo-gradients, every value at 8 bits, one scale per 64 (3.8x);
+- sparse: the top 64 of every 64x64 chunk at 2 bits (4 levels per chunk), Elias-Fano indices and
+  error feedback (SparseLoCo, arXiv 2508.15706): 170x."""
+DEFAULT_COMPRESSION = {"demo": "reference", "diloco": "int8"}
+SPARSE_OUTER = (1.0, 0.0)
+"""The outer (learning rate, Nesterov momentum) of `--compression sparse` unless given: SparseLoCo's
+plain SGD step (arXiv 2508.15706), whose error feedback stands in for the momentum. On the quick
+`shoal bench converge` setting it beats int8's 0.4 and 0.9 by 0.35 in loss (BENCHMARKS.md)."""
+SPARSE_ERROR_DECAY = 0.95
+"""The error feedback's beta with the sparse codec (SparseLoCo's Covenant-72B setting)."""
+
+
+def _check_codec(topk: int, value_bits: int, chunk: int) -> None:
+    if not 1 <= topk <= 4096:
+        raise ValueError(f"topk must be in [1, 4096], got {topk}")
+    if value_bits not in VALUE_BITS:
+        raise ValueError(f"value_bits must be one of {', '.join(map(str, VALUE_BITS))}; got {value_bits!r}")
+    if not 1 <= chunk <= 256:  # DecodeLimits.max_chunk: a receiver refuses larger chunks
+        raise ValueError(f"chunk must be in [1, 256], got {chunk}")
 
 
 def _positive(name: str, value: float) -> None:
@@ -48,16 +77,13 @@ class DeMoConfig:
     topk: int = 32
     """DCT coefficients sent per chunk (DeMo's compression_topk)."""
     value_bits: int = 32
-    """Bits per sent coefficient: 32, 16 (bf16), 8, 4, or 1 (signs only)."""
+    """Bits per sent coefficient: 32, 16 (bf16), 8, 4, 2, or 1 (signs only)."""
+    chunk: int = 64
+    """The side of the DCT chunks."""
 
     def __post_init__(self) -> None:
         _positive("lr", self.lr)
-        if self.topk < 1:
-            raise ValueError(f"topk must be >= 1, got {self.topk}")
-        if self.value_bits not in VALUE_BITS:
-            raise ValueError(
-                f"value_bits must be one of {', '.join(map(str, VALUE_BITS))}; got {self.value_bits!r}"
-            )
+        _check_codec(self.topk, self.value_bits, self.chunk)
 
     @property
     def name(self) -> str:
@@ -91,6 +117,15 @@ class DiLoCoConfig:
     averaging: str = "gather"
     """How a round is averaged: "gather" (every peer pulls every payload) or "butterfly" (piece by
     piece, shoal.peer.algorithms.butterfly)."""
+    compression: str = "int8"
+    """How pseudo-gradients travel: "int8" (every value, quantized per block of 64) or "sparse" (the
+    top-k of every chunk, with error feedback); `COMPRESSION`."""
+    topk: int = 64
+    """sparse: values kept per chunk of chunk x chunk."""
+    value_bits: int = 8
+    """Bits per sent value: 32, 16, 8, 4, 2 or 1."""
+    chunk: int = 64
+    """sparse: the side of the chunks; int8: values per scale."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -105,6 +140,18 @@ class DiLoCoConfig:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
         if self.averaging not in AVERAGING:
             raise ValueError(f"averaging must be one of {', '.join(AVERAGING)}; got {self.averaging!r}")
+        if self.compression not in ("int8", "sparse"):
+            raise ValueError(f"compression must be int8 or sparse for DiLoCo; got {self.compression!r}")
+        _check_codec(self.topk, self.value_bits, self.chunk)
+        if self.compression == "sparse" and self.averaging == "butterfly":
+            raise ValueError(
+                "averaging butterfly needs a dense codec (compression int8): sparse payloads are gathered"
+            )
+
+    @property
+    def error_decay(self) -> float:
+        """The error feedback's beta: SPARSE_ERROR_DECAY for sparse, 1 (all that was dropped) for int8."""
+        return SPARSE_ERROR_DECAY if self.compression == "sparse" else 1.0
 
     @property
     def name(self) -> str:

@@ -50,12 +50,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shoal.compression import Codec, DecodeLimits, DenseCodec, MalformedPayloadError, decode_tensor
+from shoal.compression import Codec, DecodeLimits, DenseCodec, MalformedPayloadError, TopKCodec, decode_tensor
 from shoal.peer.algorithms.butterfly import Pieces
-from shoal.peer.algorithms.configs import MODES, OUTER_MOMENTUM
+from shoal.peer.algorithms.configs import MODES, OUTER_MOMENTUM, DiLoCoConfig
 from shoal.peer.algorithms.exchange import Contribution, Exchange
 from shoal.peer.algorithms.robust import DILOCO, Robustness, Suspicion, add_screened_mean, report, sender_keys
 from shoal.protocol import Payload, parse_message
+
+
+def codec_for(config: DiLoCoConfig) -> Codec:
+    """The codec of a run's `--compression`: int8 sends every value (blocks of `chunk` sharing a scale),
+    sparse the top-k of every chunk (shoal.compression.TopKCodec), both at `value_bits`."""
+    if config.compression == "sparse":
+        return TopKCodec(chunk=config.chunk, topk=config.topk, value_bits=config.value_bits)
+    return DenseCodec(config.value_bits, block=config.chunk)
 
 
 @dataclass(slots=True)
@@ -124,6 +132,8 @@ class DiLoCo:
         mode: "standard", "delayed" or "eager".
         codec: how pseudo-gradients travel; None sends them exactly (float32). A lossy codec gets
             error feedback: what it dropped joins the next round's pseudo-gradient.
+        error_decay: beta of the error feedback, as SparseLoCo places it (arXiv 2508.15706): the
+            codec encodes `e = beta * e + delta_m` and keeps `e - sent` (1: all that was dropped).
         max_payload_bytes: contributions larger than this are rejected unread.
         robust: how each round screens its contributions (shoal.peer.algorithms.robust); `robust.NONE` for
             trusted participants (plain weighted means).
@@ -145,6 +155,7 @@ class DiLoCo:
         nesterov: bool = True,
         mode: str = "standard",
         codec: Codec | None = None,
+        error_decay: float = 1.0,
         max_payload_bytes: int = 1 << 31,
         robust: Robustness = DILOCO,
         butterfly: bool = False,
@@ -159,6 +170,9 @@ class DiLoCo:
             outer_momentum = OUTER_MOMENTUM[mode]
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
+        if not 0 <= error_decay <= 1:
+            raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
+        self.error_decay = error_decay
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner_optimizer = inner_optimizer
         self.exchange = exchange
@@ -291,7 +305,7 @@ class DiLoCo:
         """Encodes the pseudo-gradient (plus error feedback); keeps what the codec dropped."""
         start = time.perf_counter()
         if self.residuals is not None:
-            pseudo = [d + r for d, r in zip(pseudo, self.residuals, strict=True)]
+            pseudo = [d.add_(r, alpha=self.error_decay) for d, r in zip(pseudo, self.residuals, strict=True)]
         payload = Payload(tensors=[self.codec.encode(d) for d in pseudo])
         decoded = [
             self.codec.decode(m, device=d.device).to(d.dtype)

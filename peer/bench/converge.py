@@ -29,12 +29,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from shoal.compression import Codec, DCTTopKCodec, DenseCodec, TopKCodec
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Exchange, run_loopback
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
 from shoal.peer.data import validation_loss as held_out_loss
 from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.protocol import ValueEncoding
 
 METHODS = ("adamw_dp", "demo_reference", "demo_compact", "diloco_standard", "diloco_delayed", "diloco_eager")
 EXTRA_METHODS = ("demo_compact_overlap", "demo_compact_lookahead")
@@ -42,6 +44,9 @@ OUTER = {"standard": (0.4, 0.5), "delayed": (0.4, 0.0), "eager": (0.4, 0.0)}
 """DiLoCo's outer (learning rate, Nesterov momentum) per mode: the best of a sweep on the quick setting
 (BENCHMARKS.md). The late modes want no momentum: it carries the stale part of each update forward.
 At DiLoCo's 0.7 and 0.9, delayed and eager diverge on this short run."""
+SPARSE_OUTER = (0.4, 0.5)
+"""The outer (learning rate, momentum) of DiLoCo with a lossy codec (diloco_int8, diloco_sparse*)."""
+FLOAT32 = ValueEncoding.VALUE_ENCODING_FLOAT32
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +70,8 @@ class ConvergeConfig:
     """AdamW learning rate, also DiLoCo's inner one."""
     demo_lr: float = 2e-3
     """DeMo's sign-step learning rate."""
+    error_decay: float = 0.95
+    """DiLoCo's error feedback beta with a lossy codec (SparseLoCo's Covenant-72B setting)."""
     eval_batches: int = 8
     seed: int = 0
 
@@ -128,8 +135,8 @@ def _train_demo(model, exchange, batches, config, **settings) -> int:
     return optimizer.bytes_sent
 
 
-def _train_diloco(model, exchange, batches, config, mode: str) -> int:
-    outer_lr, outer_momentum = OUTER[mode]
+def _train_diloco(model, exchange, batches, config, mode: str, codec: Codec | None = None) -> int:
+    outer_lr, outer_momentum = OUTER[mode] if codec is None or codec.encoding == FLOAT32 else SPARSE_OUTER
     with DiLoCo(
         model,
         _adamw(model, config),
@@ -138,6 +145,8 @@ def _train_diloco(model, exchange, batches, config, mode: str) -> int:
         mode=mode,
         outer_lr=outer_lr if config.outer_lr is None else config.outer_lr,
         outer_momentum=outer_momentum if config.outer_momentum is None else config.outer_momentum,
+        codec=codec,
+        error_decay=config.error_decay,
     ) as diloco:
         for inputs, targets in batches:
             _loss(model, inputs, targets).backward()
@@ -167,6 +176,20 @@ TRAINERS: dict[str, Callable[..., int]] = {
     "diloco_standard": lambda *a: _train_diloco(*a, mode="standard"),
     "diloco_delayed": lambda *a: _train_diloco(*a, mode="delayed"),
     "diloco_eager": lambda *a: _train_diloco(*a, mode="eager"),
+    "diloco_int8": lambda *a: _train_diloco(*a, mode="standard", codec=DenseCodec(8)),
+    "diloco_sparse": lambda *a: _train_diloco(*a, mode="standard", codec=TopKCodec(topk=64, value_bits=2)),
+    "diloco_sparse_eager": lambda *a: _train_diloco(*a, mode="eager", codec=TopKCodec(topk=64, value_bits=2)),
+    "diloco_sparse_dct": lambda *a: _train_diloco(
+        *a, mode="standard", codec=DCTTopKCodec(topk=64, value_bits=2, elias_fano=True)
+    ),
+    **{
+        # a codec per worker: codecs keep scratch buffers and are not thread-safe
+        f"diloco_sparse_k{k}_{bits}bit": lambda *a, k=k, bits=bits: _train_diloco(
+            *a, mode="standard", codec=TopKCodec(topk=k, value_bits=bits)
+        )
+        for k in (32, 64, 128)
+        for bits in (1, 2, 4)
+    },
 }
 
 

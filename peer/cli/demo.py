@@ -6,7 +6,6 @@ import os
 import sys
 
 from shoal.peer import settings as settings_module
-from shoal.peer.algorithms.configs import DEFAULTS, DeMoConfig
 from shoal.peer.cli.flags import positive_int
 
 HELP = "a local swarm of peer processes training the embedded model, no download"
@@ -14,6 +13,14 @@ DESCRIPTION = (
     "Start a swarm of `shoal join` processes on 127.0.0.1 that train the embedded byte-level "
     "GPT on the Python standard library's sources; show their rounds live and end with a summary."
 )
+
+
+CODEC_FLAGS = {
+    "--compression": "reference or compact (DeMo), int8 or sparse (DiLoCo)",
+    "--topk": "values sent per chunk",
+    "--value-bits": "bits per sent value",
+    "--chunk": "side of the chunks",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="gather",
         help="DiLoCo: how rounds are averaged (see shoal join --help; default: gather)",
     )
+    for flag, help_text in CODEC_FLAGS.items():
+        parser.add_argument(flag, help=help_text + " (as shoal join; default: the algorithm's)")
     parser.add_argument("--round-seconds", type=float, default=3.0, help="length of a round (default: 3)")
     parser.add_argument("--model", choices=["tiny", "small", "base"], default="tiny", help="default: tiny")
     parser.add_argument(
@@ -67,13 +76,20 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return "--round-seconds must be in [0.5, 3600]"
     if args.slow_peer is not None and not 0 <= args.slow_peer < args.peers:
         return f"--slow-peer must be in [0, {args.peers - 1}]"
-    algorithm = DEFAULTS[settings_module.ALGORITHMS[args.algorithm]]
-    if args.averaging == "butterfly" and isinstance(algorithm, DeMoConfig):
-        return "--averaging butterfly: DiLoCo only"
+    try:  # the peers' own check, before any of them starts
+        settings_module.resolve(
+            {"algorithm": args.algorithm, "averaging": args.averaging, **_codec(args)}, {}
+        )
+    except settings_module.SettingsError as error:
+        return str(error)
     if args.keep_logs and os.path.exists(args.keep_logs) and not _empty_folder(args.keep_logs):
         # the peers would resume from the checkpoints there, the coordinator from its state
         return f"--keep-logs {args.keep_logs}: not an empty folder (a previous demo's?): choose a new one"
     return None
+
+
+def _codec(args: argparse.Namespace) -> dict[str, str]:
+    return {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag in CODEC_FLAGS}
 
 
 def _empty_folder(path: str) -> bool:
@@ -99,4 +115,10 @@ def run(args: argparse.Namespace) -> int:
         slow_peer=args.slow_peer,
         metrics_targets=args.metrics_targets,
         keep_logs=args.keep_logs,
+        codec=tuple(
+            part
+            for name, value in _codec(args).items()
+            if value
+            for part in (f"--{name.replace('_', '-')}", value)
+        ),
     )

@@ -62,6 +62,7 @@ def main(
     slow_peer: int | None = None,
     metrics_targets: str | None = None,
     keep_logs: str | None = None,
+    codec: tuple[str, ...] = (),
     stream: IO[str] | None = None,
 ) -> int:
     stream = stream or sys.stdout
@@ -81,6 +82,7 @@ def main(
             slow_peer=slow_peer,
             metrics_targets=metrics_targets,
             keep_logs=keep_logs,
+            codec=codec,
         )
     except DemoError as error:
         progress.close()
@@ -119,6 +121,7 @@ def run(
     slow_peer: int | None = None,
     metrics_targets: str | None = None,
     keep_logs: str | None = None,
+    codec: tuple[str, ...] = (),
 ) -> dict:
     """Runs the demo; returns its summary. The log folder is `keep_logs` (kept), else a temporary one,
     removed at the end unless the demo fails (DemoError, whose message names it)."""
@@ -130,7 +133,7 @@ def run(
     threads = str(max(1, (os.cpu_count() or 1) // peers))
     common = ["--host", "127.0.0.1", "--run", "demo", "--log-format", "json", "--model", model]
     common += ["--algorithm", algorithm, "--averaging", averaging, "--round-seconds", str(round_seconds)]
-    common += ["--until-round", str(rounds - 1), "--metrics-port", "0"]
+    common += ["--until-round", str(rounds - 1), "--metrics-port", "0", *codec]
     targets = TargetsFile(Path(metrics_targets) if metrics_targets else logs / "prometheus-targets.json")
 
     def launch(index: int, *flags: str) -> None:

@@ -31,6 +31,36 @@ def test_demo_json_summary():
     assert "round 9" in result.stderr  # the live view went to stderr
 
 
+@pytest.mark.timeout(240)
+def test_demo_with_sparse_diloco_trains_one_model_at_a_fraction_of_int8s_bytes():
+    """`--compression sparse` reaches every peer (they refuse each other otherwise) and shrinks what
+    they send; a preset of the other algorithm exits 2 before anything starts."""
+    common = [
+        "demo",
+        "--peers",
+        "3",
+        "--rounds",
+        "6",
+        "--round-seconds",
+        "3",
+        "--algorithm",
+        "diloco",
+        "--json",
+    ]
+    runs = {}
+    for compression in ("sparse", "int8"):
+        result = shoal(*common, "--compression", compression, timeout=220)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[compression] = json.loads(result.stdout)
+    sparse, dense = runs["sparse"], runs["int8"]
+    assert sparse["param_hash_agree"] is True
+    assert sparse["validation_loss"] < sparse["initial_loss"] - 0.3
+    # the tiny model: 478k parameters, 20 tensors (12 of them 64 values, a header each)
+    assert dense["bytes_sent_per_peer_per_round"] > 30 * sparse["bytes_sent_per_peer_per_round"]
+    refused = shoal("demo", "--algorithm", "demo", "--compression", "sparse", timeout=60)
+    assert refused.returncode == 2 and "--compression: compression sparse is not for demo" in refused.stderr
+
+
 @pytest.mark.timeout(180)
 def test_join_twice_status_and_sigterm_checkpoint(tmp_path):
     first_out, second_out = tmp_path / "first.jsonl", tmp_path / "second.jsonl"

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from shoal.peer.algorithms.configs import DEFAULTS, OUTER_MOMENTUM, DeMoConfig, DiLoCoConfig
-from shoal.peer.settings import ALGORITHMS, JoinSettings, resolve
+from shoal.peer.algorithms.configs import DEFAULTS, OUTER_MOMENTUM, SPARSE_OUTER, DeMoConfig, DiLoCoConfig
+from shoal.peer.settings import ALGORITHMS, JoinSettings, SettingsError, resolve
 from shoal.peer.swarm.membership import run_hash
 
 
@@ -47,10 +47,13 @@ def test_the_settings_fill_in_the_hyperparameters_and_lr_0_is_the_algorithms_def
     flags = {"topk": "8", "inner_steps": "20", "outer_lr": "0.7", "averaging": "butterfly"}
     demo = resolve({"algorithm": "demo", **flags, "averaging": None}, {}).algorithm_config()
     assert demo == DeMoConfig(lr=2e-3, topk=8)
-    diloco = resolve({"algorithm": "diloco-standard", "lr": "0", **flags}, {}).algorithm_config()
+    diloco = resolve(
+        {"algorithm": "diloco-standard", "lr": "0", **flags, "topk": None}, {}
+    ).algorithm_config()
     assert diloco == DiLoCoConfig(
         mode="standard", lr=1e-3, inner_steps=20, outer_lr=0.7, outer_momentum=0.9, averaging="butterfly"
     )
+    assert diloco.compression == "int8" and diloco.value_bits == 8 and diloco.error_decay == 1.0
     chosen = JoinSettings(algorithm="diloco-eager", lr=0.01, outer_momentum=0.5).algorithm_config()
     assert (chosen.lr, chosen.outer_momentum) == (0.01, 0.5)
 
@@ -107,3 +110,43 @@ def test_settings_built_with_an_unknown_algorithm_raise_naming_it():
 def test_the_run_hash_is_the_one_from_before_the_typed_configs(algorithm, expected):
     """Peers of an older shoal at the same settings must stay compatible: the hashes are pinned."""
     assert run_hash(JoinSettings(algorithm=algorithm).run_config()) == expected
+
+
+def test_compression_presets_and_overrides():
+    def config(**flags):
+        return resolve({k: str(v) for k, v in flags.items()}, {}).algorithm_config()
+
+    assert (config(algorithm="demo").topk, config(algorithm="demo").value_bits) == (32, 32)
+    compact = config(algorithm="demo", compression="compact")
+    assert (compact.topk, compact.value_bits, compact.chunk) == (4, 1, 64)
+    assert config(algorithm="demo", compression="compact", topk=8).topk == 8
+    sparse = config(algorithm="diloco", compression="sparse", value_bits=4, chunk=32)
+    assert (sparse.compression, sparse.topk, sparse.value_bits, sparse.chunk) == ("sparse", 64, 4, 32)
+    assert sparse.error_decay == 0.95
+    assert (sparse.outer_lr, sparse.outer_momentum) == SPARSE_OUTER  # unless given
+    given = config(algorithm="diloco", compression="sparse", outer_lr=0.5, outer_momentum=0.9)
+    assert (given.outer_lr, given.outer_momentum) == (0.5, 0.9)
+    assert config(algorithm="diloco-eager", compression="int8", value_bits=4).value_bits == 4
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        ({"algorithm": "demo", "compression": "sparse"}, "--compression: compression sparse is not for demo"),
+        ({"algorithm": "diloco", "compression": "compact"}, "--compression"),
+        ({"algorithm": "diloco", "topk": "8"}, "--topk: topk does not apply to compression int8"),
+        ({"algorithm": "diloco", "compression": "lossy"}, "--compression: expected one of"),
+        ({"algorithm": "demo", "value_bits": "3"}, "--value-bits: expected one of 32, 16, 8, 4, 2, 1"),
+        ({"algorithm": "demo", "topk": "0"}, "--topk"),
+        ({"algorithm": "demo", "topk": "5000"}, "--topk"),
+        ({"algorithm": "diloco", "compression": "sparse", "chunk": "300"}, "--chunk"),
+        (
+            {"algorithm": "diloco", "compression": "sparse", "averaging": "butterfly"},
+            "--averaging: averaging butterfly needs a dense codec",
+        ),
+    ],
+)
+def test_compression_that_does_not_fit_names_the_setting(flags, named):
+    with pytest.raises(SettingsError) as error:
+        resolve(flags, {})
+    assert str(error.value).startswith(named), str(error.value)

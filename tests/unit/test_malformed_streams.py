@@ -391,12 +391,13 @@ def test_bad_scale_is_rejected(name):
     """NaN (either sign), negative (even tiny), or infinite scales; LEVELS2's are levels of either
     sign, and only the non-finite ones are refused."""
     message = VARIANTS[name].message
-    groups = len(raw_stream(message, "scales")) // 4
     levels = message.value_encoding == VE.VALUE_ENCODING_LEVELS2
+    width = 2 if levels else 4  # LEVELS2: bfloat16 levels, the upper half of a float32
+    groups = len(raw_stream(message, "scales")) // width
     negative = (f32(-1.0), f32(-1e-30))
     for scale in (f32(math.nan), struct.pack("<I", 0xFFC00000), f32(math.inf), f32(-math.inf), *negative):
         for group in sorted({0, groups - 1}):
-            bad = patched(message, "scales", 4 * group, scale)
+            bad = patched(message, "scales", width * group, scale[4 - width :])
             if levels and scale in negative:
                 assert decode_or_reject(bad.SerializeToString()) is not None
             else:

@@ -35,27 +35,37 @@ def test_small_chunks_keep_the_full_chunks_share_and_at_least_one():
     assert unpack(codec.encode(torch.randn(32, 64)), torch.device("cpu"), codec.limits).topk == 32
 
 
-@pytest.mark.parametrize(("topk", "at_least"), [(64, 190), (32, 340), (128, 105)])
+@pytest.mark.parametrize(("topk", "at_least"), [(64, 180), (32, 300), (128, 105)])
 def test_size_of_a_2_bit_message(topk, at_least):
-    """64 of 4096 at 2 bits with Elias-Fano indices: 10 bits per value, about 205x smaller than fp32
-    (the packed 12-bit indices of SparseLoCo's 146x would be 14)."""
+    """64 of 4096 at 2 bits with Elias-Fano indices: 10 bits per value and 4 bfloat16 levels per
+    chunk, 186x smaller than fp32 (SparseLoCo's 146x is packed 12-bit indices, and no scale)."""
     x = torch.randn(512, 512)
     message = TopKCodec(topk=topk, value_bits=2).encode(x)
     assert message.index_coding == IndexCoding.INDEX_CODING_ELIAS_FANO
     assert x.numel() * 4 / len(message.SerializeToString()) >= at_least
     packed = TopKCodec(topk=64, value_bits=2, elias_fano=False).encode(x)
-    assert 140 < x.numel() * 4 / len(packed.SerializeToString()) < 146.3
+    assert 125 < x.numel() * 4 / len(packed.SerializeToString()) < 146.3
 
 
 def test_levels2_keeps_signs_and_decodes_each_bin_to_its_mean():
     torch.manual_seed(1)
     v = torch.cat([torch.rand(500) + 1, -(torch.rand(500) * 3 + 1)])
-    encoded = encode_values(v, ValueEncoding.VALUE_ENCODING_LEVELS2, 64)
-    out = decode_values(encoded, ValueEncoding.VALUE_ENCODING_LEVELS2, v.numel(), 64)
+    v = v[torch.randperm(1000)]
+    encoded = encode_values(v, ValueEncoding.VALUE_ENCODING_LEVELS2, 300)  # groups of 300, the last 100
+    assert encoded.values.numel() == 250 and encoded.scales.numel() == 4 * 4 * 2  # bfloat16 levels
+    out = decode_values(encoded, ValueEncoding.VALUE_ENCODING_LEVELS2, v.numel(), 300)
     assert torch.equal(torch.sign(out), torch.sign(v))
-    bound = v.abs().mean()
-    for mask in (v < -bound, (v < 0) & (v >= -bound), (v >= 0) & (v < bound), v >= bound):
-        assert torch.allclose(out[mask], v[mask].mean().expand(int(mask.sum())))
+    for start in (0, 300, 600, 900):
+        part, decoded = v[start : start + 300], out[start : start + 300]
+        bound = part.abs().mean()
+        for mask in (
+            part < -bound,
+            (part < 0) & (part >= -bound),
+            (part >= 0) & (part < bound),
+            part >= bound,
+        ):
+            mean = part[mask].mean().expand(int(mask.sum()))
+            assert torch.allclose(decoded[mask], mean, rtol=2**-8)  # bfloat16
     assert (out - v).norm() < 0.5 * v.norm()  # coarse, and kept by the error feedback
 
 
