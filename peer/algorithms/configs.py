@@ -40,14 +40,17 @@ COMPRESSION = {
 - compact: the DCT top-4 at 1 bit (signs and one magnitude): 2,500x;
 - int8: DiLoCo's pseudo-gradients, every value at 8 bits, one scale per 64 (3.8x);
 - sparse: the top 64 of every 64x64 chunk at 2 bits (4 levels per chunk), Elias-Fano indices and
-  error feedback (SparseLoCo, arXiv 2508.15706): 170x."""
+  error feedback (SparseLoCo, arXiv 2508.15706): 186x for 64x64 chunks, 148x for the tiny model (its
+  many 64-value tensors cost a header each)."""
 DEFAULT_COMPRESSION = {"demo": "reference", "diloco": "int8"}
-SPARSE_OUTER = (1.0, 0.0)
-"""The outer (learning rate, Nesterov momentum) of `--compression sparse` unless given: SparseLoCo's
-plain SGD step (arXiv 2508.15706), whose error feedback stands in for the momentum. On the quick
-`shoal bench converge` setting it beats int8's 0.4 and 0.9 by 0.35 in loss (BENCHMARKS.md)."""
-SPARSE_ERROR_DECAY = 0.95
-"""The error feedback's beta with the sparse codec (SparseLoCo's Covenant-72B setting)."""
+SPARSE_OUTER = (1.5, 0.0)
+"""The outer (learning rate, Nesterov momentum) of `--compression sparse` unless given: a plain SGD
+step, as SparseLoCo's (arXiv 2508.15706), whose error feedback stands in for the momentum; the best
+of a sweep on `shoal bench converge --quick --inner-steps 5` (BENCHMARKS.md).
+"""
+SPARSE_ERROR_DECAY = 1.0
+"""The error feedback's beta with the sparse codec: all that was dropped is sent later. SparseLoCo's
+Covenant-72B setting, 0.95, did worse on `shoal bench converge` (BENCHMARKS.md)."""
 
 
 def _check_codec(topk: int, value_bits: int, chunk: int) -> None:

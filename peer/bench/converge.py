@@ -21,6 +21,7 @@ Reported per method: validation loss of worker 0's final parameters on fixed val
 payload bytes each worker sent, and wall time.
 """
 
+import dataclasses
 import json
 import math
 import time
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from shoal.compression import Codec, DCTTopKCodec, DenseCodec, TopKCodec
+from shoal.peer.algorithms.configs import SPARSE_ERROR_DECAY, SPARSE_OUTER
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Exchange, run_loopback
@@ -44,8 +46,6 @@ OUTER = {"standard": (0.4, 0.5), "delayed": (0.4, 0.0), "eager": (0.4, 0.0)}
 """DiLoCo's outer (learning rate, Nesterov momentum) per mode: the best of a sweep on the quick setting
 (BENCHMARKS.md). The late modes want no momentum: it carries the stale part of each update forward.
 At DiLoCo's 0.7 and 0.9, delayed and eager diverge on this short run."""
-SPARSE_OUTER = (0.4, 0.5)
-"""The outer (learning rate, momentum) of DiLoCo with a lossy codec (diloco_int8, diloco_sparse*)."""
 FLOAT32 = ValueEncoding.VALUE_ENCODING_FLOAT32
 
 
@@ -70,8 +70,8 @@ class ConvergeConfig:
     """AdamW learning rate, also DiLoCo's inner one."""
     demo_lr: float = 2e-3
     """DeMo's sign-step learning rate."""
-    error_decay: float = 0.95
-    """DiLoCo's error feedback beta with a lossy codec (SparseLoCo's Covenant-72B setting)."""
+    error_decay: float = SPARSE_ERROR_DECAY
+    """DiLoCo's error feedback beta with a lossy codec (SparseLoCo's 0.95 did worse here: BENCHMARKS.md)."""
     eval_batches: int = 8
     seed: int = 0
 
@@ -136,7 +136,8 @@ def _train_demo(model, exchange, batches, config, **settings) -> int:
 
 
 def _train_diloco(model, exchange, batches, config, mode: str, codec: Codec | None = None) -> int:
-    outer_lr, outer_momentum = OUTER[mode] if codec is None or codec.encoding == FLOAT32 else SPARSE_OUTER
+    sparse = isinstance(codec, DCTTopKCodec)  # and TopKCodec: what `--compression sparse` runs with
+    outer_lr, outer_momentum = SPARSE_OUTER if sparse else OUTER[mode]
     with DiLoCo(
         model,
         _adamw(model, config),
@@ -221,8 +222,9 @@ def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> Me
     return MethodResult(method, loss, outcomes[0].bytes_sent, wall)
 
 
-def main(*, as_json: bool, quick: bool, methods: tuple[str, ...] = METHODS) -> int:
-    config = QUICK if quick else FULL
+def main(*, as_json: bool, quick: bool, methods: tuple[str, ...] = METHODS, **overrides: float) -> int:
+    """`overrides`: ConvergeConfig fields (inner_steps, outer_lr, outer_momentum, error_decay)."""
+    config = dataclasses.replace(QUICK if quick else FULL, **overrides)
     streams = stdlib_corpus()
     results = []
     for method in methods:

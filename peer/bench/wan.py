@@ -32,7 +32,7 @@ from pathlib import Path
 from shoal.peer.bench.netlab import NetLab, NetLabError, available, raise_on_sigterm
 from shoal.peer.bench.wan_worker import BUTTERFLY, METHODS, SWARM_METHODS
 
-__all__ = ["METHODS", "QUICK", "WanConfig", "main", "parse_bandwidths", "run"]
+__all__ = ["METHODS", "QUICK", "SWARM_METHODS", "WanConfig", "main", "parse_bandwidths", "run"]
 
 RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(kbit|mbit|gbit)$", re.IGNORECASE)
 UNITS = {"kbit": 1e-3, "mbit": 1.0, "gbit": 1e3}

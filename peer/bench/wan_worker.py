@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from shoal.peer.algorithms.configs import AlgorithmConfig, DeMoConfig, DiLoCoConfig
+from shoal.peer.algorithms.configs import SPARSE_OUTER, AlgorithmConfig, DeMoConfig, DiLoCoConfig
 from shoal.peer.data import BatchPlan, stdlib_corpus, validation_loss
 from shoal.peer.files import replace_text
 from shoal.peer.model import GPTConfig, TinyGPT
@@ -47,21 +47,33 @@ SWARM_METHODS: dict[str, AlgorithmConfig] = {
     "diloco_eager": DiLoCoConfig(mode="eager"),
     "diloco_standard_butterfly": DiLoCoConfig(mode="standard", averaging="butterfly"),
     "diloco_eager_butterfly": DiLoCoConfig(mode="eager", averaging="butterfly"),
+    "diloco_int8": DiLoCoConfig(mode="standard", value_bits=8),
+    "diloco_sparse": DiLoCoConfig(
+        mode="standard",
+        compression="sparse",
+        topk=64,
+        value_bits=2,
+        outer_lr=SPARSE_OUTER[0],
+        outer_momentum=SPARSE_OUTER[1],
+    ),
 }
-"""The shoal methods, each the algorithm its peers run (DiLoCo's inner_steps: --inner-steps)."""
+"""The shoal methods, each the algorithm its peers run (DiLoCo's inner_steps: --inner-steps). DiLoCo's
+pseudo-gradients travel at 4 bits (blocks of 64) unless the method says otherwise (`_codec`)."""
+EXTRA_METHODS = ("diloco_int8", "diloco_sparse")
+"""Run only when named (`--methods`): `--compression int8` and `sparse`, as `shoal join` sends them."""
 BUTTERFLY = tuple(
     method
     for method, algorithm in SWARM_METHODS.items()
     if isinstance(algorithm, DiLoCoConfig) and algorithm.averaging == "butterfly"
 )
 """Averaged piece by piece (shoal.peer.algorithms.butterfly) instead of every peer pulling every payload."""
-METHODS = ("compute_only", "ddp", *SWARM_METHODS)
+METHODS = ("compute_only", "ddp", *(m for m in SWARM_METHODS if m not in EXTRA_METHODS))
 DDP_PORT = 29517
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--method", choices=METHODS, required=True)
+    parser.add_argument("--method", choices=(*METHODS, *EXTRA_METHODS), required=True)
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--peers", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
@@ -147,6 +159,7 @@ def _data_parallel(args, model, batch) -> dict:
 
 def _swarm(args, model, batch) -> dict:
     from shoal.compression import DenseCodec
+    from shoal.peer.algorithms.diloco import codec_for
     from shoal.peer.runtime import SwarmPeer
     from shoal.peer.swarm.coordinator_link import CoordinatorLink
     from shoal.peer.swarm.records import RoundSchedule
@@ -170,7 +183,7 @@ def _swarm(args, model, batch) -> dict:
             model,
             algorithm,
             lambda step, _micro, _size: batch(step),
-            codec=DenseCodec(4),
+            codec=codec_for(algorithm) if args.method in EXTRA_METHODS else DenseCodec(4),
             batch_size=args.batch_size,
         )
         # round 0 starts once every peer has joined the coordinator: time and wire count from its plan

@@ -59,7 +59,24 @@ def _converge_arguments(benchmarks: argparse._SubParsersAction) -> None:
     converge.add_argument(
         "--methods",
         help="comma-separated, of adamw_dp,demo_reference,demo_compact,diloco_standard,diloco_delayed,"
-        "diloco_eager (the default: all six) and demo_compact_overlap,demo_compact_lookahead",
+        "diloco_eager (the default: all six) and demo_compact_overlap,demo_compact_lookahead, diloco_int8, "
+        "diloco_sparse (top-64 of 4096 at 2 bits), diloco_sparse_eager, diloco_sparse_dct, "
+        "diloco_sparse_k{32,64,128}_{1,2,4}bit",
+    )
+    converge.add_argument(
+        "--inner-steps", type=positive_int, metavar="H", help="DiLoCo's H (default: 25 quick, 50 full)"
+    )
+    converge.add_argument(
+        "--outer-lr", type=float, metavar="LR", help="DiLoCo's outer lr (default: per method)"
+    )
+    converge.add_argument(
+        "--outer-momentum", type=float, metavar="M", help="DiLoCo's outer momentum (default: per method)"
+    )
+    converge.add_argument(
+        "--error-decay",
+        type=float,
+        metavar="BETA",
+        help="DiLoCo's error feedback beta with a lossy codec (1)",
     )
 
 
@@ -90,7 +107,7 @@ def _wan_arguments(benchmarks: argparse._SubParsersAction) -> None:
         "--methods",
         help="comma-separated subset of compute_only,ddp,demo_compact,demo_overlap,diloco_standard,"
         "diloco_eager,diloco_standard_butterfly,diloco_eager_butterfly (default: all; --quick: all but "
-        "the butterfly ones)",
+        "the butterfly ones); on request diloco_int8 and diloco_sparse (--compression int8, sparse)",
     )
     wan.add_argument("--plot", metavar="PNG", help="also plot tokens/s against bandwidth (needs matplotlib)")
     wan.add_argument(
@@ -142,7 +159,9 @@ def _converge(args: argparse.Namespace) -> int:
             f"shoal bench converge: error: --methods: unknown {', '.join(sorted(unknown))}", file=sys.stderr
         )
         return 2
-    return converge.main(as_json=args.json, quick=args.quick, methods=methods)
+    names = ("inner_steps", "outer_lr", "outer_momentum", "error_decay")
+    overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return converge.main(as_json=args.json, quick=args.quick, methods=methods, **overrides)
 
 
 def _swarm_local(args: argparse.Namespace) -> int:
@@ -193,7 +212,7 @@ def _wan(args: argparse.Namespace) -> int:
             "10mbit" if args.quick and args.bandwidth == "10mbit,100mbit" else args.bandwidth
         )
         methods = tuple(args.methods.split(",")) if args.methods else config.methods
-        unknown = set(methods) - set(wan.METHODS)
+        unknown = set(methods) - {*wan.METHODS, *wan.SWARM_METHODS}
         if unknown:
             raise ValueError(f"--methods: unknown {', '.join(sorted(unknown))}")
     except ValueError as error:

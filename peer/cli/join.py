@@ -68,13 +68,13 @@ JOIN_FLAGS = {
         "PRESET",
         "how updates travel: DeMo reference (DCT top-32 per 64x64 chunk, float32: the paper's) or compact "
         "(top-4 at 1 bit, 2,500x smaller); DiLoCo int8 (every value at 8 bits, 3.8x) or sparse (top-64 of "
-        "4096 at 2 bits with error feedback, 170x). Default: reference, int8",
+        "4096 at 2 bits with error feedback, 186x). Default: reference, int8",
     ),
     "topk": ("K", "values (DeMo: DCT coefficients) sent per chunk (default: the preset's)"),
     "value_bits": ("BITS", "bits per sent value: 32, 16, 8, 4, 2 or 1 (default: the preset's)"),
     "chunk": ("N", "side of the chunks top-k chooses in (DiLoCo int8: values per scale; default 64)"),
     "inner_steps": ("H", "DiLoCo: inner steps per round"),
-    "outer_lr": ("LR", "DiLoCo: outer learning rate (default: 0.4; 1.0 with --compression sparse)"),
+    "outer_lr": ("LR", "DiLoCo: outer learning rate (default: 0.4; 1.5 with --compression sparse)"),
     "outer_momentum": (
         "M",
         "DiLoCo: outer Nesterov momentum (default: 0.9 standard, 0 delayed and eager, 0 with --compression "

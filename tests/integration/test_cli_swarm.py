@@ -54,7 +54,7 @@ def test_demo_with_sparse_diloco_trains_one_model_at_a_fraction_of_int8s_bytes()
         runs[compression] = json.loads(result.stdout)
     sparse, dense = runs["sparse"], runs["int8"]
     assert sparse["param_hash_agree"] is True
-    assert sparse["validation_loss"] < sparse["initial_loss"] - 0.3
+    assert sparse["validation_loss"] < sparse["initial_loss"] - 0.2  # 4.49 from 4.96 (int8: 4.04)
     # the tiny model: 478k parameters, 20 tensors (12 of them 64 values, a header each)
     assert dense["bytes_sent_per_peer_per_round"] > 30 * sparse["bytes_sent_per_peer_per_round"]
     refused = shoal("demo", "--algorithm", "demo", "--compression", "sparse", timeout=60)

@@ -6,7 +6,14 @@ import dataclasses
 
 import pytest
 
-from shoal.peer.algorithms.configs import DEFAULTS, OUTER_MOMENTUM, SPARSE_OUTER, DeMoConfig, DiLoCoConfig
+from shoal.peer.algorithms.configs import (
+    DEFAULTS,
+    OUTER_MOMENTUM,
+    SPARSE_ERROR_DECAY,
+    SPARSE_OUTER,
+    DeMoConfig,
+    DiLoCoConfig,
+)
 from shoal.peer.settings import ALGORITHMS, JoinSettings, SettingsError, resolve
 from shoal.peer.swarm.membership import run_hash
 
@@ -122,7 +129,7 @@ def test_compression_presets_and_overrides():
     assert config(algorithm="demo", compression="compact", topk=8).topk == 8
     sparse = config(algorithm="diloco", compression="sparse", value_bits=4, chunk=32)
     assert (sparse.compression, sparse.topk, sparse.value_bits, sparse.chunk) == ("sparse", 64, 4, 32)
-    assert sparse.error_decay == 0.95
+    assert sparse.error_decay == SPARSE_ERROR_DECAY
     assert (sparse.outer_lr, sparse.outer_momentum) == SPARSE_OUTER  # unless given
     given = config(algorithm="diloco", compression="sparse", outer_lr=0.5, outer_momentum=0.9)
     assert (given.outer_lr, given.outer_momentum) == (0.5, 0.9)
