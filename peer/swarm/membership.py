@@ -95,6 +95,6 @@ def incompatibility(mine: PeerRecord, theirs: PeerRecord) -> str | None:
     if not differing:
         return f"run hash {theirs.run_hash[:12]} there does not match its own configuration"
     return "; ".join(
-        f"{k} is {theirs.config.get(k, '(unset)')} there, {mine.config.get(k, '(unset)')} here"
+        f"{k} is {theirs.config.get(k, 'the default')} there, {mine.config.get(k, 'the default')} here"
         for k in differing
     )

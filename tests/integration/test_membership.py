@@ -77,7 +77,7 @@ def test_compatible_records_and_named_differences():
     assert incompatibility(record(), record(peer_id="other", device="cuda:0")) is None
     other = {**CONFIG, "compression_topk": "4", "lr": "1e-3"}
     reason = incompatibility(record(), record(config=other, run_hash=run_hash(other)))
-    assert reason == "compression_topk is 4 there, 32 here; lr is 1e-3 there, (unset) here"
+    assert reason == "compression_topk is 4 there, 32 here; lr is 1e-3 there, the default here"
     assert "major.minor" in incompatibility(record(), record(version="9.0.0"))
     assert "does not match" in incompatibility(record(), record(run_hash="0" * 64))
 
