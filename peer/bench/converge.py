@@ -38,7 +38,6 @@ from shoal.peer.algorithms.exchange import Exchange, run_loopback
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
 from shoal.peer.data import validation_loss as held_out_loss
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.protocol import ValueEncoding
 
 METHODS = ("adamw_dp", "demo_reference", "demo_compact", "diloco_standard", "diloco_delayed", "diloco_eager")
 EXTRA_METHODS = ("demo_compact_overlap", "demo_compact_lookahead")
@@ -46,7 +45,6 @@ OUTER = {"standard": (0.4, 0.5), "delayed": (0.4, 0.0), "eager": (0.4, 0.0)}
 """DiLoCo's outer (learning rate, Nesterov momentum) per mode: the best of a sweep on the quick setting
 (BENCHMARKS.md). The late modes want no momentum: it carries the stale part of each update forward.
 At DiLoCo's 0.7 and 0.9, delayed and eager diverge on this short run."""
-FLOAT32 = ValueEncoding.VALUE_ENCODING_FLOAT32
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
