@@ -1,7 +1,8 @@
 """`shoal bench codec`: payload size and encode/decode throughput of the codecs on transformer shapes.
 
-    shoal bench codec            # a table
-    shoal bench codec --json     # one JSON object, {"results": [...]}
+    shoal bench codec                 # a table
+    shoal bench codec --json          # one JSON object, {"results": [...]}
+    shoal bench codec --device cuda   # the same on a GPU (timings wait for the device)
 
 Throughput is MB of float32 input per second (tensor bytes / median seconds). For the DCT top-k
 settings the same run times a baseline written the way the DeMo paper's published reference code
@@ -18,10 +19,11 @@ from dataclasses import asdict, dataclass
 import torch
 import zstandard
 
-from shoal.compression import dct, streams
+from shoal.compression import dct, streams, values
 from shoal.compression.codec import Codec
 from shoal.compression.dct_topk import DCTTopKCodec
 from shoal.compression.dense import DenseCodec
+from shoal.compression.topk import TopKCodec
 
 SHAPES: tuple[tuple[int, ...], ...] = (
     (768, 768),
@@ -37,6 +39,7 @@ SETTINGS: tuple[tuple[str, Callable[[], Codec]], ...] = (
     ("demo_compact", lambda: DCTTopKCodec(chunk=64, topk=4, value_bits=1)),
     ("dense_int8", lambda: DenseCodec(value_bits=8, block=64)),
     ("dense_int4", lambda: DenseCodec(value_bits=4, block=64)),
+    ("diloco_sparse", lambda: TopKCodec(chunk=64, topk=64, value_bits=2)),
 )
 
 
@@ -57,11 +60,11 @@ class CodecResult:
 class ReferenceStyleDCT:
     """The transform as the DeMo reference code writes it, used only as a timing baseline."""
 
-    def __init__(self, shape: tuple[int, ...], chunk: int, topk: int):
+    def __init__(self, shape: tuple[int, ...], chunk: int, topk: int, device: torch.device):
         plan = dct.ChunkPlan.for_shape(shape, chunk)
         self.plan, self.topk = plan, min(topk, plan.chunk_numel)
-        self.rows = dct.dct_basis(plan.chunk_rows, torch.device("cpu"), torch.float32).T.contiguous()
-        self.cols = dct.dct_basis(plan.chunk_cols, torch.device("cpu"), torch.float32).T.contiguous()
+        self.rows = dct.dct_basis(plan.chunk_rows, device, torch.float32).T.contiguous()
+        self.cols = dct.dct_basis(plan.chunk_cols, device, torch.float32).T.contiguous()
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.plan
@@ -75,43 +78,53 @@ class ReferenceStyleDCT:
 
     def decode(self, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         p = self.plan
-        coeffs = torch.zeros(p.rows // p.chunk_rows, p.tiles_per_row, p.chunk_numel)
+        coeffs = values.new_zeros(p.rows // p.chunk_rows, p.tiles_per_row, p.chunk_numel)
         coeffs.scatter_reduce_(-1, indices, values, reduce="mean", include_self=False)
         coeffs = coeffs.reshape(p.tile_layout())
         return torch.einsum("yxbd,hb,wd->yhxw", coeffs, self.rows, self.cols).reshape(p.shape)
 
 
-def median_seconds(fn: Callable[[], object], repeat: int) -> float:
+def median_seconds(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
+    """The median wall time of `fn`, waiting for the device's queued work before each clock read."""
+
+    def wait() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()  # warm-up: caches, workspace, lazy init
     times = []
     for _ in range(repeat):
+        wait()
         start = time.perf_counter()
         fn()
+        wait()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def measure(name: str, make: Callable[[], Codec], shape: tuple[int, ...], repeat: int) -> CodecResult:
+def measure(
+    name: str, make: Callable[[], Codec], shape: tuple[int, ...], repeat: int, device: torch.device
+) -> CodecResult:
     torch.manual_seed(0)
-    x = torch.randn(shape)
+    x = torch.randn(shape).to(device)
     megabytes = x.numel() * 4 / 1e6
     codec = make()
     message = codec.encode(x)
     size = message.ByteSize()
-    encode_s = median_seconds(lambda: codec.encode(x), repeat)
-    decode_s = median_seconds(lambda: codec.decode(message), repeat)
-    topk = codec.topk if isinstance(codec, DCTTopKCodec) else None
+    encode_s = median_seconds(lambda: codec.encode(x), repeat, device)
+    decode_s = median_seconds(lambda: codec.decode(message, device=device), repeat, device)
+    topk = codec.topk if isinstance(codec, DCTTopKCodec) else None  # TopKCodec is one
     baseline_encode = baseline_decode = None
-    if isinstance(codec, DCTTopKCodec):
-        reference = ReferenceStyleDCT(shape, codec.chunk, codec.topk)
+    if isinstance(codec, DCTTopKCodec) and not isinstance(codec, TopKCodec):
+        reference = ReferenceStyleDCT(shape, codec.chunk, codec.topk, device)
         indices, kept = reference.encode(x)
-        baseline_encode = megabytes / median_seconds(lambda: reference.encode(x), repeat)
-        baseline_decode = megabytes / median_seconds(lambda: reference.decode(indices, kept), repeat)
+        baseline_encode = megabytes / median_seconds(lambda: reference.encode(x), repeat, device)
+        baseline_decode = megabytes / median_seconds(lambda: reference.decode(indices, kept), repeat, device)
     return CodecResult(
         codec=name,
         shape=list(shape),
         topk=topk,
-        value_bits=_value_bits(name),
+        value_bits=values.BITS[codec.encoding],
         bytes=size,
         ratio_vs_fp32=x.numel() * 4 / size,
         encode_mb_s=megabytes / encode_s,
@@ -119,10 +132,6 @@ def measure(name: str, make: Callable[[], Codec], shape: tuple[int, ...], repeat
         baseline_encode_mb_s=baseline_encode,
         baseline_decode_mb_s=baseline_decode,
     )
-
-
-def _value_bits(name: str) -> int:
-    return {"demo_reference": 32, "demo_compact": 1, "dense_int8": 8, "dense_int4": 4}[name]
 
 
 @dataclass(slots=True)
@@ -151,8 +160,9 @@ def zstd_gains(shape: tuple[int, ...]) -> list[ZstdGain]:
     return gains
 
 
-def run(*, repeat: int = 5) -> list[CodecResult]:
-    return [measure(name, make, shape, repeat) for name, make in SETTINGS for shape in SHAPES]
+def run(*, repeat: int = 5, device: torch.device | None = None) -> list[CodecResult]:
+    device = device or torch.device("cpu")
+    return [measure(name, make, shape, repeat, device) for name, make in SETTINGS for shape in SHAPES]
 
 
 def format_table(results: list[CodecResult]) -> str:
@@ -186,15 +196,17 @@ def format_zstd_table(gains: list[ZstdGain]) -> str:
     return "\n".join(lines)
 
 
-def main(*, as_json: bool, repeat: int) -> int:
-    results = run(repeat=repeat)
+def main(*, as_json: bool, repeat: int, device: str = "cpu") -> int:
+    on = torch.device(device)
+    results = run(repeat=repeat, device=on)
     gains = zstd_gains(ZSTD_SHAPE)
     if as_json:
         print(
             json.dumps({"results": [asdict(r) for r in results], "zstd_streams": [asdict(g) for g in gains]})
         )
     else:
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 input on CPU")
+        where = torch.cuda.get_device_name(on) if on.type == "cuda" else "CPU"
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 input on {where}")
         print(format_table(results))
         print("\nzstd level 3 on each stream (Gaussian input):")
         print(format_zstd_table(gains))

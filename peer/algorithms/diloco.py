@@ -50,11 +50,27 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shoal.compression import Codec, DecodeLimits, DenseCodec, MalformedPayloadError, TopKCodec, decode_tensor
+from shoal.compression import (
+    Codec,
+    DCTTopKCodec,
+    DecodeLimits,
+    DenseCodec,
+    MalformedPayloadError,
+    TopKCodec,
+    decode_tensor,
+)
 from shoal.peer.algorithms.butterfly import Pieces
 from shoal.peer.algorithms.configs import MODES, OUTER_MOMENTUM, DiLoCoConfig
 from shoal.peer.algorithms.exchange import Contribution, Exchange
-from shoal.peer.algorithms.robust import DILOCO, Robustness, Suspicion, add_screened_mean, report, sender_keys
+from shoal.peer.algorithms.robust import (
+    DILOCO,
+    DILOCO_SPARSE,
+    Robustness,
+    Suspicion,
+    add_screened_mean,
+    report,
+    sender_keys,
+)
 from shoal.protocol import Payload, parse_message
 
 
@@ -112,9 +128,12 @@ class _RoundResult:
     mean: list[torch.Tensor]
     """The sample-weighted mean of every accepted participant's pseudo-gradient, per parameter."""
     total_samples: float
-    """The weight behind the mean: shares of it are samples / total_samples."""
+    """The weight behind the mean: shares of it are samples / total_samples (0: nothing accepted)."""
     adopted: list[torch.Tensor] | None = None
     """The swarm's shared state, when this participant's differed at the start of the round."""
+    own_share: float | None = None
+    """The weight this participant's own payload had in the mean (0: left out); None: not known (the
+    exchange averaged it), so samples / total_samples."""
 
 
 class DiLoCo:
@@ -136,7 +155,8 @@ class DiLoCo:
             codec encodes `e = beta * e + delta_m` and keeps `e - sent` (1: all that was dropped).
         max_payload_bytes: contributions larger than this are rejected unread.
         robust: how each round screens its contributions (shoal.peer.algorithms.robust); `robust.NONE` for
-            trusted participants (plain weighted means).
+            trusted participants (plain weighted means). None: `DILOCO`, or `DILOCO_SPARSE` with a
+            top-k codec, whose payloads overlap too little for a per-round drop.
         butterfly: let the exchange average pseudo-gradients piece by piece, where it can
             (shoal.peer.algorithms.butterfly: the swarm under a coordinator); the codec must be dense and
             block-aligned (int8, int4, 16 or 32 bits). Each piece's parts are clipped against the
@@ -157,7 +177,7 @@ class DiLoCo:
         codec: Codec | None = None,
         error_decay: float = 1.0,
         max_payload_bytes: int = 1 << 31,
-        robust: Robustness = DILOCO,
+        robust: Robustness | None = None,
         butterfly: bool = False,
     ):
         if inner_steps < 1:
@@ -180,6 +200,8 @@ class DiLoCo:
         self.mode = mode
         self.codec = codec if codec is not None else DenseCodec(value_bits=32, zstd=False)
         self.max_payload_bytes = max_payload_bytes
+        if robust is None:
+            robust = DILOCO_SPARSE if isinstance(self.codec, DCTTopKCodec) else DILOCO
         self.robust = robust
         self.suspicion = Suspicion(robust)
         settings = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov and outer_momentum > 0}
@@ -278,13 +300,17 @@ class DiLoCo:
     def _eager_direction(self, previous: _RoundResult | None, fresh: _Sent) -> list[torch.Tensor]:
         """delta(t-1) - own stale share + own fresh share (arXiv 2502.12996).
 
-        The fresh share is weighted against the last round's total (this round's is not known yet);
-        in the first round, against M equal participants.
+        The stale share is the weight the last round's mean gave this participant's payload (0 if
+        screening left it out; less if it was clipped). The fresh share is weighted against the last
+        round's total (this round's is not known yet); in the first round, or after a round that
+        accepted nothing, against M equal participants.
         """
-        if previous is None or self._last_sent is None:
+        if previous is None or self._last_sent is None or previous.total_samples <= 0:
             return [d / self.exchange.world_size for d in fresh.decoded]
         stale = self._last_sent
-        stale_share = stale.samples / previous.total_samples
+        stale_share = previous.own_share
+        if stale_share is None:
+            stale_share = stale.samples / previous.total_samples
         fresh_share = fresh.samples / previous.total_samples
         return [
             mean - stale_share * old + fresh_share * new
@@ -351,12 +377,13 @@ class DiLoCo:
                 self.exchange.reject(contribution, error.reason)
         # rank order: the same sums everywhere
         total, verdict = add_screened_mean(mean, accepted, self.robust, self.suspicion, sender_keys(senders))
+        own = [f for c, f in zip(senders, verdict.factors, strict=True) if c.payload == sent.payload]
         self.stats.clipped += verdict.clipped
         report(self.exchange, senders, verdict, self.stats.screened)
         end = time.perf_counter()
         self.stats.phase_seconds["decode"] += end - gathered
         self.stats.exchange_s += end - start
-        return _RoundResult(mean, total, adopted)
+        return _RoundResult(mean, total, adopted, own_share=own[0] / total if own and total > 0 else 0.0)
 
     def _decode(self, contribution: Contribution) -> list[torch.Tensor]:
         if contribution.samples <= 0:

@@ -34,16 +34,24 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from shoal.compression import DCTTopKCodec, DecodeLimits, DenseCodec, EncodedTensor, decode_tensor, values
+from shoal.compression import (
+    DCTTopKCodec,
+    DecodeLimits,
+    DenseCodec,
+    EncodedTensor,
+    TopKCodec,
+    decode_tensor,
+    values,
+)
 from shoal.compression.dct_topk import unpack
-from shoal.peer.algorithms.configs import AlgorithmConfig, DeMoConfig, DiLoCoConfig
+from shoal.peer.algorithms.configs import SPARSE_OUTER, AlgorithmConfig, DeMoConfig, DiLoCoConfig
 from shoal.peer.algorithms.demo import DeMo
-from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.algorithms.diloco import DiLoCo, codec_for
 from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, run_loopback
 from shoal.peer.bench import converge
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
 from shoal.peer.model import TinyGPT
-from shoal.protocol import CodecId, Payload, ValueEncoding
+from shoal.protocol import CodecId, IndexCoding, Payload, ValueEncoding
 
 ATTACKS = ("none", "sign_flip", "sample_lie", "random")
 METHODS: dict[str, AlgorithmConfig] = {
@@ -54,6 +62,15 @@ METHODS: dict[str, AlgorithmConfig] = {
         inner_steps=converge.QUICK.inner_steps,
         outer_lr=converge.OUTER["eager"][0],
         outer_momentum=converge.OUTER["eager"][1],
+    ),
+    "diloco_sparse": DiLoCoConfig(
+        lr=converge.QUICK.adamw_lr,
+        inner_steps=5,  # as converge's sparse figures: 60 rounds, for error feedback and rule 4
+        outer_lr=SPARSE_OUTER[0],
+        outer_momentum=SPARSE_OUTER[1],
+        compression="sparse",
+        topk=64,
+        value_bits=2,
     ),
 }
 """Each method's algorithm, on the `shoal bench converge --quick` setting (DeMo there: momentum decay
@@ -76,8 +93,12 @@ def poison(payload: bytes, attack: str, generator: torch.Generator) -> bytes:
 def _poison_tensor(message: EncodedTensor, attack: str, generator: torch.Generator) -> EncodedTensor:
     limits = DecodeLimits(max_numel=1 << 30)
     bits = values.BITS[message.value_encoding]
-    if message.codec == CodecId.CODEC_ID_DCT_TOPK:
-        codec = DCTTopKCodec(chunk=max(message.chunk_shape), topk=message.topk, value_bits=bits)
+    if message.codec in (CodecId.CODEC_ID_DCT_TOPK, CodecId.CODEC_ID_TOPK):
+        make = TopKCodec if message.codec == CodecId.CODEC_ID_TOPK else DCTTopKCodec
+        elias_fano = message.index_coding == IndexCoding.INDEX_CODING_ELIAS_FANO
+        codec = make(
+            chunk=max(message.chunk_shape), topk=message.topk, value_bits=bits, elias_fano=elias_fano
+        )
         coeffs = unpack(message, torch.device("cpu"), limits)
         sent = coeffs.values.float()
         if attack == "topk":
@@ -245,6 +266,8 @@ def _optimizer(
         mode=algorithm.mode,
         outer_lr=algorithm.outer_lr,
         outer_momentum=algorithm.outer_momentum,
+        codec=codec_for(algorithm) if algorithm.compression == "sparse" else None,  # else float32
+        error_decay=algorithm.error_decay,
     )
 
 

@@ -25,6 +25,7 @@ def _codec_arguments(benchmarks: argparse._SubParsersAction) -> None:
     )
     codec.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
     codec.add_argument("--repeat", type=positive_int, default=5, help="timed runs per measurement (median)")
+    codec.add_argument("--device", default="cpu", help="where the tensors live: cpu (default) or cuda")
 
 
 def _hostile_arguments(benchmarks: argparse._SubParsersAction) -> None:
@@ -38,7 +39,9 @@ def _hostile_arguments(benchmarks: argparse._SubParsersAction) -> None:
         "--attackers", type=positive_int, default=2, help="hostile ones among them (default 2)"
     )
     hostile.add_argument(
-        "--methods", default="demo_compact,diloco_eager", help="comma-separated, of demo_compact,diloco_eager"
+        "--methods",
+        default="demo_compact,diloco_eager",
+        help="comma-separated, of demo_compact,diloco_eager,diloco_sparse",
     )
     hostile.add_argument(
         "--attacks",
@@ -146,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
 def _codec(args: argparse.Namespace) -> int:
     from shoal.compression import benchmark  # imports torch: only when needed
 
-    return benchmark.main(as_json=args.json, repeat=args.repeat)
+    return benchmark.main(as_json=args.json, repeat=args.repeat, device=args.device)
 
 
 def _converge(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 real peer, changing only what it sends), with and without a coordinator: the honest peers end on one
 model, as good as a clean run of the same seed, and strike and then ban the attacker, counted by
 reason. Attacks: a sign flip at the largest scale the defences allow, random directions, a lie about
-samples, another top-k than the run's, announcements never served, and replays with new bytes."""
+samples, another top-k than the run's, announcements never served, and replays with new bytes; and a
+sign flip in sparse DiLoCo's top-k payloads (`--compression sparse`)."""
 
 import contextlib
 import os
@@ -91,6 +92,7 @@ def final_loss(summaries: list[dict]) -> float:
 ONE_MICRO = ["--max-micro-batches", "1"]
 DEMO = ["--algorithm", "demo", "--round-seconds", "2", *ONE_MICRO]
 DILOCO = ["--algorithm", "diloco", "--round-seconds", "3", "--inner-steps", "4", *ONE_MICRO]
+SPARSE = [*DILOCO, "--compression", "sparse"]
 ROUNDS = 10
 _clean: dict[tuple[str, ...], list[dict]] = {}
 
@@ -126,8 +128,16 @@ def check(honest: list[dict], clean_run: list[dict], *reasons: str) -> None:
         (DEMO, "topk", ["config_mismatch"]),
         (DEMO, "unserved_and_replay", ["unserved", "replayed"]),
         (DILOCO, "sample_lie", ["opposed"]),
+        (SPARSE, "sign_flip", ["outlier"]),
     ],
-    ids=["demo-sign_flip", "demo-random", "demo-topk", "demo-unserved_and_replay", "diloco-sample_lie"],
+    ids=[
+        "demo-sign_flip",
+        "demo-random",
+        "demo-topk",
+        "demo-unserved_and_replay",
+        "diloco-sample_lie",
+        "diloco_sparse-sign_flip",
+    ],
 )
 def test_one_attacker_in_four_is_banned_and_moves_nothing(
     tmp_path, tmp_path_factory, algorithm, attack, reasons

@@ -47,7 +47,13 @@ def test_bench_codec_json_has_the_documented_schema(monkeypatch, capsys):
     report = json.loads(capsys.readouterr().out)
     rows = report["results"]
     assert {tuple(r["shape"]) for r in rows} == {(128, 192), (96,)}
-    assert {r["codec"] for r in rows} == {"demo_reference", "demo_compact", "dense_int8", "dense_int4"}
+    assert {r["codec"] for r in rows} == {
+        "demo_reference",
+        "demo_compact",
+        "dense_int8",
+        "dense_int4",
+        "diloco_sparse",
+    }
     for row in rows:
         assert set(row) == {
             "codec",
@@ -62,9 +68,12 @@ def test_bench_codec_json_has_the_documented_schema(monkeypatch, capsys):
             "baseline_decode_mb_s",
         }
         assert row["bytes"] > 0 and row["encode_mb_s"] > 0 and row["decode_mb_s"] > 0
-        has_baseline = row["codec"].startswith("demo")
+        has_baseline = row["codec"].startswith("demo")  # the DCT ones
         assert (row["baseline_encode_mb_s"] is not None) == has_baseline
-        assert (row["topk"] is not None) == has_baseline
+        assert (row["topk"] is not None) == (has_baseline or row["codec"] == "diloco_sparse")
+        assert row["value_bits"] == {"demo_reference": 32, "demo_compact": 1, "dense_int8": 8}.get(
+            row["codec"], row["value_bits"]
+        )
 
 
 @pytest.mark.parametrize("shape", [(128, 192), (96,), (50, 64)])
@@ -74,7 +83,7 @@ def test_reference_style_baseline_computes_the_same_transform(shape):
     from shoal.compression import DCTTopKCodec
 
     x = torch.randn(shape)
-    reference = benchmark.ReferenceStyleDCT(shape, 64, 8)
+    reference = benchmark.ReferenceStyleDCT(shape, 64, 8, x.device)
     indices, values = reference.encode(x)
     expected = DCTTopKCodec(topk=8).select(x)
     got = values.abs().reshape(-1, 8).sort(dim=1).values

@@ -10,7 +10,7 @@ from shoal.peer.algorithms.configs import DiLoCoConfig
 from shoal.peer.algorithms.diloco import DiLoCo, codec_for
 from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.algorithms.exchange import run_loopback as run_workers
-from shoal.peer.algorithms.robust import NONE
+from shoal.peer.algorithms.robust import DILOCO, DILOCO_SPARSE, NONE, Robustness
 from shoal.peer.model import GPTConfig, TinyGPT
 
 CONFIG = GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16)
@@ -212,6 +212,71 @@ def test_eager_direction_replaces_the_stale_own_share_by_the_fresh_one():
         mean1 = [(x + y) / 2 for x, y in zip(histories[0][0][1], histories[1][0][1], strict=True)]
         for b, m, o1, o2, a in zip(before2, mean1, own1, own2, after2, strict=True):
             torch.testing.assert_close(a, b - (m - o1 / 2 + o2 / 2), rtol=0, atol=1e-6)
+
+
+def eager_histories(workers: int, robust: Robustness) -> list[list]:
+    """Every worker's (theta before, own pseudo-gradient, theta after) per outer step, 3 of 2 inner
+    steps, eager mode, outer SGD lr 1 without momentum; and each outer step's round result."""
+
+    def work(rank, exchange):
+        model = make_model()
+        settings = {"inner_steps": 2, "mode": "eager", "outer_lr": 1.0, "outer_momentum": 0.0}
+        diloco = DiLoCo(model, adamw(model), exchange=exchange, robust=robust, **settings)
+        snapshots, results = [], []
+        outer_step, collect = diloco.outer_step, diloco._collect_pending
+
+        def recorded_outer_step():
+            before = [g.clone() for g in diloco.global_params]
+            own = [b - p.detach() for b, p in zip(before, diloco.params, strict=True)]
+            outer_step()
+            snapshots.append((before, own, [g.clone() for g in diloco.global_params]))
+
+        def recorded_collect():
+            result = collect()
+            results.append(result)
+            return result
+
+        diloco.outer_step, diloco._collect_pending = recorded_outer_step, recorded_collect
+        train(model, diloco, batches(rank, 6))
+        diloco.close()
+        return snapshots, results
+
+    return run_workers(workers, work)
+
+
+def test_eager_subtracts_only_the_share_the_mean_gave_its_own_payload():
+    """Norm bound at the median: of two workers, the larger pseudo-gradient is clipped, so its share
+    of the mean is less than samples / total; its eager step removes exactly what the mean held."""
+    (snaps0, results0), (snaps1, _) = eager_histories(2, Robustness(min_agreement=None, suspect_below=None))
+    previous = results0[1]  # round 1's result, collected in outer step 2
+    assert previous is not None and previous.total_samples > 0
+    (_, own1, _), (before2, own2, after2) = snaps0[0], snaps0[1]
+    norms = [sum(float(d.float().norm() ** 2) for d in snaps[0][1]) ** 0.5 for snaps in (snaps0, snaps1)]
+    clipped = norms[0] > norms[1]
+    share = previous.own_share
+    assert share == pytest.approx(min(1.0, norms[1] / norms[0]) / 2 if clipped else 0.5, rel=1e-5)
+    for b, m, o1, o2, a in zip(before2, previous.mean, own1, own2, after2, strict=True):
+        torch.testing.assert_close(a, b - (m - share * o1 + o2 / 2), rtol=0, atol=1e-6)
+
+
+def test_eager_after_a_round_that_accepted_nothing_steps_on_its_own_share():
+    """A per-round drop that no payload passes (agreement 0.99) leaves every one out, as DILOCO's does
+    for top-k payloads of random data: each eager step then takes the fresh pseudo-gradient over M, as
+    in round 1, instead of dividing by a total of 0."""
+    histories = eager_histories(3, Robustness(min_agreement=0.99))
+    for snapshots, results in histories:
+        assert [r.total_samples for r in results if r is not None] == [0.0, 0.0]
+        for before, own, after in snapshots:
+            for b, o, a in zip(before, own, after, strict=True):
+                torch.testing.assert_close(a, b - o / 3, rtol=0, atol=1e-6)
+
+
+def test_a_top_k_codec_defaults_to_screening_without_a_per_round_drop():
+    model = make_model()
+    exchange = LoopbackExchange.group(1)[0]
+    assert DiLoCo(model, adamw(model), exchange=exchange, inner_steps=2).robust is DILOCO
+    sparse = DiLoCo(model, adamw(model), exchange=exchange, inner_steps=2, codec=TopKCodec())
+    assert sparse.robust is DILOCO_SPARSE and sparse.robust.min_agreement is None
 
 
 @pytest.mark.parametrize("mode", ["standard", "delayed", "eager"])
