@@ -42,6 +42,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 TICK_S = 0.1
 MAX_REQUEST_BYTES = 16 * 1024  # every request is a few hundred bytes
 MAX_WAIT_S = 600.0  # RoundResult waits at most this long, whatever the caller's deadline
+RESULTS_KEPT = 4  # round results kept built (a late peer may still ask for an older one: built again)
 SUBSCRIBER_BACKLOG = 4  # announcements queued for a slow `Rounds` stream before the oldest is dropped
 
 
@@ -67,6 +68,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics, self.clock = metrics, clock
         self._subscribers: set[asyncio.Queue] = set()
         self._changed = asyncio.Event()  # set (and replaced) whenever a round is decided or abandoned
+        self._results: dict[int, tuple[Round, pb.RoundResultReply]] = {}
+        """Each decided round's reply, built once: every member asks for it, and it lists every one."""
 
     # --- the state machine ---
 
@@ -202,12 +205,24 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if isinstance(found, Refused):
                 await self._abort(context, found)
             if isinstance(found, Round):
-                return result_reply(found, self.clock())
+                return self._result_reply(found)
             changed = self._changed
             try:
                 await asyncio.wait_for(changed.wait(), max(0.0, give_up - time.monotonic()))
             except TimeoutError:
                 await self._abort(context, Refused("DEADLINE_EXCEEDED", f"round {request.round} undecided"))
+
+    def _result_reply(self, decided: Round) -> pb.RoundResultReply:
+        cached = self._results.get(decided.number)
+        if cached is None or cached[0] is not decided:
+            cached = (decided, result_reply(decided, 0.0))
+            self._results[decided.number] = cached
+            for number in sorted(self._results)[:-RESULTS_KEPT]:
+                del self._results[number]
+        reply = pb.RoundResultReply()
+        reply.CopyFrom(cached[1])
+        reply.now = self.clock()
+        return reply
 
     async def SwarmStatus(self, request: pb.SwarmStatusRequest, context) -> pb.SwarmStatusReply:
         await self._request(context, None)
@@ -310,7 +325,10 @@ class Coordinator:
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-                ("grpc.max_concurrent_streams", 1000),
+                # every peer holds two streams at once (its `Rounds` and, after reporting, a waiting
+                # `RoundResult`); grpc's aio server applies this limit to the whole server, and calls
+                # beyond it wait (1,000 stalled every call of 600 peers for 2.5 s, mid-round)
+                ("grpc.max_concurrent_streams", 4 * self.policy.max_members + 100),
                 ("grpc.so_reuseport", 0),  # a second coordinator on a port in use must fail, not share it
                 # small calls: no bandwidth-estimation pings (peer/swarm/coordinator_link.py)
                 ("grpc.http2.bdp_probe", 0),

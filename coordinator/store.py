@@ -94,23 +94,33 @@ class StateStore:
         """Writes what changed from `old` (None: everything) to `new`, atomically."""
         if old is new:
             return
+        old_members = {} if old is None else old.members
+        # members are immutable records: one that is the same object did not change (the common case:
+        # one event touches one member), so only the others are compared field by field
+        changed = [
+            _durable(member)
+            for peer_id, member in new.members.items()
+            if old_members.get(peer_id) is not member
+            and (peer_id not in old_members or _durable(old_members[peer_id]) != _durable(member))
+        ]
+        left = old_members.keys() - new.members.keys()
+        meta = None if old is not None and _meta(old) == _meta(new) else _meta(new)
+        old_rounds = {} if old is None else {r.number: r for r in _rounds(old)}
+        new_rounds = {r.number: r for r in _rounds(new)}
+        rounds_same = new_rounds.keys() == old_rounds.keys() and all(
+            old_rounds[n] is r for n, r in new_rounds.items()
+        )
+        if old is not None and not (changed or left or meta or not rounds_same or old.evicted != new.evicted):
+            return  # a heartbeat that changed only liveness: nothing durable, no transaction
         with self._transaction():
-            if old is None or _meta(old) != _meta(new):
-                self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", _meta(new).items())
-            old_members = {} if old is None else old.members
-            for peer_id in old_members.keys() - new.members.keys():
+            if meta is not None:
+                self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", meta.items())
+            for peer_id in left:
                 self._db.execute("DELETE FROM members WHERE peer_id = ?", (peer_id,))
-            for peer_id, member in new.members.items():
-                previous = old_members.get(peer_id)
-                if previous is None or _durable(previous) != _durable(member):
-                    self._db.execute(
-                        "INSERT OR REPLACE INTO members VALUES (?, ?, ?, ?, ?, ?, ?, ?)", _durable(member)
-                    )
+            self._db.executemany("INSERT OR REPLACE INTO members VALUES (?, ?, ?, ?, ?, ?, ?, ?)", changed)
             if old is None or old.evicted != new.evicted:
                 self._db.execute("DELETE FROM evicted")
                 self._db.executemany("INSERT INTO evicted VALUES (?, ?)", new.evicted.items())
-            old_rounds = {} if old is None else {r.number: r for r in _rounds(old)}
-            new_rounds = {r.number: r for r in _rounds(new)}
             for number, saved in new_rounds.items():
                 if old_rounds.get(number) is not saved:
                     self._save_round(saved, old_rounds.get(number))
@@ -122,20 +132,14 @@ class StateStore:
                 self._db.execute(f"DELETE FROM reports WHERE round NOT IN ({kept or '-1'})")
 
     def _save_round(self, saved: Round, previous: Round | None) -> None:
-        self._db.execute(
-            "INSERT OR REPLACE INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                saved.number,
-                saved.announced_at,
-                saved.compute_deadline,
-                saved.exchange_deadline,
-                saved.data_seed,
-                json.dumps(saved.expected),
-                saved.decided_at,
-                json.dumps(saved.stragglers),
-            ),
-        )
         known = previous.reports if previous is not None and previous.number == saved.number else {}
+        # a report changes only the reports: the row (with every member's id) is written when the round
+        # is announced and when it is decided, not once per report (N reports of N ids each)
+        row = _round_row(saved)
+        if previous is None or _round_row(previous) != row:
+            *timing, decided_at, stragglers = row
+            values = (*timing, json.dumps(saved.expected), decided_at, json.dumps(stragglers))
+            self._db.execute("INSERT OR REPLACE INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?)", values)
         for peer_id, report in saved.reports.items():
             if peer_id not in known:
                 self._db.execute(
@@ -181,6 +185,19 @@ class StateStore:
             self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
+
+
+def _round_row(saved: Round) -> tuple:
+    """What of a round its `rounds` row holds, but the member list (fixed when it is announced)."""
+    return (
+        saved.number,
+        saved.announced_at,
+        saved.compute_deadline,
+        saved.exchange_deadline,
+        saved.data_seed,
+        saved.decided_at,
+        saved.stragglers,
+    )
 
 
 def _rounds(state: SwarmState) -> list[Round]:

@@ -17,6 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _converge_arguments(benchmarks)
     _wan_arguments(benchmarks)
     _swarm_local_arguments(benchmarks)
+    _coordinator_arguments(benchmarks)
 
 
 def _codec_arguments(benchmarks: argparse._SubParsersAction) -> None:
@@ -136,9 +137,31 @@ def _swarm_local_arguments(benchmarks: argparse._SubParsersAction) -> None:
     swarm.add_argument("--round-seconds", type=float, default=2.0, help="length of a round")
 
 
+def _coordinator_arguments(benchmarks: argparse._SubParsersAction) -> None:
+    coordinator = benchmarks.add_parser(
+        "coordinator",
+        help="a real `shoal coordinator` under N simulated peers: call latency, rounds on time, its CPU "
+        "and memory",
+    )
+    coordinator.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
+    coordinator.add_argument(
+        "--peers", type=positive_int, nargs="+", default=[100, 1000], help="swarm sizes (default: 100 1000)"
+    )
+    coordinator.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=5,
+        help="rounds measured per size, after the first (default: 5)",
+    )
+    coordinator.add_argument(
+        "--compute-s", type=float, default=5.0, help="the coordinator's shortest compute window (default: 5)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     return {
         "codec": _codec,
+        "coordinator": _coordinator,
         "converge": _converge,
         "hostile": _hostile,
         "swarm-local": _swarm_local,
@@ -150,6 +173,12 @@ def _codec(args: argparse.Namespace) -> int:
     from shoal.compression import benchmark  # imports torch: only when needed
 
     return benchmark.main(as_json=args.json, repeat=args.repeat, device=args.device)
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from shoal.peer.bench import coordinator
+
+    return coordinator.main(peers=args.peers, rounds=args.rounds, compute_s=args.compute_s, as_json=args.json)
 
 
 def _converge(args: argparse.Namespace) -> int:

@@ -211,6 +211,19 @@ def test_a_heartbeat_that_changes_nothing_durable_writes_nothing(tmp_path):
         assert observer.execute("PRAGMA data_version").fetchone() == before
 
 
+def test_a_report_writes_its_row_and_not_the_rounds_list_of_every_member_again(tmp_path):
+    """N reports of a round of N members must not write N copies of its member list (at 1,000 peers
+    that was 50 kB per report); the round's row is written when it is announced and decided."""
+    coordinator = two_members(tmp_path / "coordinator.db")
+    db = coordinator.store._db
+    before = db.total_changes
+    coordinator((3, report(A, 1)))
+    assert db.total_changes - before == 2  # the report, and A's member row (on time: +1)
+    assert reloaded(tmp_path / "coordinator.db").round.reports.keys() == {A}
+    coordinator((4, report(B, 1)))  # everyone reported: decided, so the row changes
+    assert reloaded(tmp_path / "coordinator.db").round.decided_at == 4
+
+
 def test_a_restart_continues_the_rounds_and_the_round_in_progress(tmp_path):
     path = tmp_path / "coordinator.db"
     coordinator = two_members(path)

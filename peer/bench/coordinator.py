@@ -1,0 +1,325 @@
+"""`shoal bench coordinator`: the real coordinator under many simulated peers.
+
+    shoal bench coordinator --peers 1000 --rounds 5 --json
+
+A `shoal coordinator` process (its gRPC server, SQLite store and round policy, as shipped) on
+127.0.0.1, and in this process N light peers, each on its own gRPC channel (one TCP connection, as
+real peers have), doing what a `shoal join` peer does with its coordinator (peer/swarm/
+coordinator_link.py): join, follow the `Rounds` stream, heartbeat whenever the coordinator has not
+heard from it for a third of the heartbeat timeout, and in every round it is expected in: compute for
+a random part of the compute window, report its payload, wait for the round's result, exchange for a
+random fraction of a second, then report the round finished in its next heartbeat. No training and
+no payloads: this measures the coordinator.
+
+The first round waits for all N (`--min-peers N`). Figures, over the rounds after the first:
+- `p50_ms`, `p99_ms`: latency of every unary call (Join, Heartbeat, ReportReady) seen by the peers;
+- `rounds`: rounds decided; `rounds_on_time`: those in which every peer's report was included and
+  every peer had the result within `ON_TIME_S` of the compute deadline (or before it, when all
+  reported early);
+- `coordinator_cpu_s_per_round` (user + system, from /proc) and `coordinator_peak_rss_mb` (VmHWM).
+"""
+
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+from shoal.coordinator.policy import Policy
+from shoal.protocol import coordinator_pb2 as pb
+from shoal.protocol import coordinator_pb2_grpc
+
+ON_TIME_S = 1.0
+"""How long after a round's compute deadline and the coordinator's report grace its result may reach
+a peer and still count as on time."""
+THROUGHPUT = 100.0  # samples per second each simulated peer states
+MIN_SAMPLES = 8
+CALL_S = 10.0
+CHANNEL_OPTIONS = (("grpc.http2.bdp_probe", 0),)  # as peers' (coordinator_link.CHANNEL_OPTIONS)
+BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+@dataclass(slots=True)
+class Observed:
+    """What the simulated peers saw."""
+
+    latencies: list[float] = field(default_factory=list)
+    """Seconds of every unary call after the first round."""
+    failures: dict[str, int] = field(default_factory=dict)
+    """Failed calls by method and status code."""
+    lags: dict[int, list[float]] = field(default_factory=dict)
+    """Per round: for every peer, when it had the result, seconds after the compute deadline."""
+    excluded: dict[int, int] = field(default_factory=dict)
+    """Per round: reports answered `included=False`."""
+    measuring: bool = False
+
+    def failed(self, what: str, error: grpc.aio.AioRpcError) -> None:
+        key = f"{what}:{error.code().name}"
+        self.failures[key] = self.failures.get(key, 0) + 1
+
+
+@dataclass(slots=True)
+class CoordinatorLoad:
+    peers: int
+    rounds: int
+    """Rounds decided of those asked for (fewer: the swarm stalled)."""
+    rounds_on_time: int
+    p50_ms: float
+    p99_ms: float
+    calls: int
+    failures: dict[str, int]
+    round_s: float
+    """Mean seconds from one round's announcement to the next's."""
+    max_lag_s: float | None
+    """The latest any peer had a round's result, seconds after its compute deadline (None: no round)."""
+    coordinator_cpu_s_per_round: float
+    coordinator_peak_rss_mb: float
+
+
+def peer_ids(count: int, seed: int = 0) -> list[str]:
+    """`count` distinct ids of the shape of libp2p ones (what the coordinator validates)."""
+    rng = random.Random(seed)
+    return [f"12D3KooW{''.join(rng.choices(BASE58, k=44))}" for _ in range(count)]
+
+
+class SimulatedPeer:
+    """One peer's conversation with the coordinator (the shape of coordinator_link.CoordinatorLink)."""
+
+    def __init__(self, peer_id: str, address: str, observed: Observed, rng: random.Random):
+        self.peer_id, self.observed, self.rng = peer_id, observed, rng
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.finished = -1  # the last round it finished
+        self.interval = 2.0
+        self.heard_at = 0.0
+
+    async def call(self, what: str, method, request):
+        start = time.perf_counter()
+        try:
+            reply = await method(request, timeout=CALL_S)
+        except grpc.aio.AioRpcError as error:
+            self.observed.failed(what, error)
+            return None
+        if self.observed.measuring:
+            self.observed.latencies.append(time.perf_counter() - start)
+        self.heard_at = time.monotonic()
+        return reply
+
+    async def run(self, until: asyncio.Event) -> None:
+        joined = await self.call(
+            "join",
+            self.stub.Join,
+            pb.JoinRequest(peer_id=self.peer_id, throughput=THROUGHPUT, min_samples=MIN_SAMPLES),
+        )
+        if joined is None:
+            return
+        self.interval = joined.heartbeat_timeout_s / 3
+        tasks = [asyncio.create_task(self.heartbeats()), asyncio.create_task(self.rounds())]
+        try:
+            await until.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.channel.close()
+
+    async def heartbeat(self) -> None:
+        request = pb.HeartbeatRequest(
+            peer_id=self.peer_id,
+            round=self.finished,
+            throughput=THROUGHPUT,
+            min_samples=MIN_SAMPLES,
+            exchange_s=0.5,
+        )
+        await self.call("heartbeat", self.stub.Heartbeat, request)
+
+    async def heartbeats(self) -> None:
+        while True:
+            wait = self.heard_at + self.interval - time.monotonic()
+            if wait <= 0:
+                await self.heartbeat()
+                wait = self.interval
+            await asyncio.sleep(wait)
+
+    async def rounds(self) -> None:
+        stream = self.stub.Rounds(pb.RoundsRequest(peer_id=self.peer_id))
+        try:
+            async for announced in stream:
+                if self.peer_id in announced.peers:
+                    await self.take_part(announced)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.CANCELLED:
+                self.observed.failed("rounds", error)
+
+    async def take_part(self, announced: pb.RoundAnnouncement) -> None:
+        offset = time.time() - announced.now  # the same clock here: ~0
+        compute_s = announced.compute_deadline - announced.now
+        await asyncio.sleep(max(0.0, self.rng.uniform(0.2, 0.8) * compute_s))
+        report = pb.ReportRequest(
+            peer_id=self.peer_id,
+            round=announced.round,
+            digest=self.rng.randbytes(32),
+            size=100_000,
+            samples=MIN_SAMPLES,
+            synced=True,
+        )
+        reply = await self.call("report", self.stub.ReportReady, report)
+        if reply is not None and not reply.included:
+            self.observed.excluded[announced.round] = self.observed.excluded.get(announced.round, 0) + 1
+        try:
+            await self.stub.RoundResult(pb.RoundResultRequest(round=announced.round), timeout=compute_s + 60)
+        except grpc.aio.AioRpcError as error:
+            self.observed.failed("round_result", error)
+            return
+        lag = time.time() - offset - announced.compute_deadline
+        self.observed.lags.setdefault(announced.round, []).append(lag)
+        await asyncio.sleep(self.rng.uniform(0.1, 0.5))  # the exchange
+        self.finished = announced.round
+        self.heard_at = 0.0  # report it at the next heartbeat check
+        await self.heartbeat()
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _start_coordinator(workdir: Path, peers: int, compute_s: float) -> tuple[subprocess.Popen, str]:
+    command = [
+        sys.executable,
+        "-m",
+        "shoal.peer.cli",
+        "coordinator",
+        "--listen",
+        "127.0.0.1:0",
+        "--state",
+        str(workdir / "coordinator.db"),
+        "--min-peers",
+        str(peers),
+        "--min-compute-s",
+        str(compute_s),
+        "--log-format",
+        "json",
+    ]
+    log = (workdir / "coordinator.log").open("w")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    line = process.stdout.readline()
+    if not line:
+        raise RuntimeError(
+            f"the coordinator did not start: {(workdir / 'coordinator.log').read_text()[-2000:]}"
+        )
+    return process, json.loads(line)["address"]
+
+
+async def _announcements(stream, stalled_s: float):
+    """The stream's announcements, then None if none came for `stalled_s`."""
+    iterator = stream.__aiter__()
+    while True:
+        try:
+            yield await asyncio.wait_for(iterator.__anext__(), stalled_s)
+        except (TimeoutError, StopAsyncIteration):
+            yield None
+            return
+
+
+async def _drive(
+    address: str, peers: int, rounds: int, compute_s: float, pid: int, seed: int
+) -> tuple[Observed, dict]:
+    observed = Observed()
+    until = asyncio.Event()
+    rng = random.Random(seed)
+    simulated = [
+        SimulatedPeer(p, address, observed, random.Random(rng.random())) for p in peer_ids(peers, seed)
+    ]
+    tasks = [asyncio.create_task(s.run(until)) for s in simulated]
+    watcher = coordinator_pb2_grpc.CoordinatorStub(grpc.aio.insecure_channel(address))
+    marks: dict[str, float] = {}
+    stream = watcher.Rounds(pb.RoundsRequest(peer_id=peer_ids(1, seed + 1)[0]))
+    stalled_s = max(60.0, 10 * compute_s)  # no new round for this long: the swarm fell apart
+    async for announcement in _announcements(stream, stalled_s):  # the watcher is no member
+        if announcement is None:
+            marks |= {"cpu_end": _cpu_seconds(pid), "end": time.monotonic(), "rss": _peak_rss_mb(pid)}
+            marks.setdefault("cpu", marks["cpu_end"])
+            marks.setdefault("at", marks["end"])
+            break
+        if announcement.round == 1:  # the first round (all joined) is done: measure from here
+            observed.measuring = True
+            marks = {"cpu": _cpu_seconds(pid), "at": time.monotonic()}
+        if announcement.round == rounds + 1:
+            marks |= {"cpu_end": _cpu_seconds(pid), "end": time.monotonic(), "rss": _peak_rss_mb(pid)}
+            break
+    stream.cancel()
+    until.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    marks["round_s"] = (
+        marks["end"] - marks["at"]
+    ) / rounds  # a stalled swarm's is too short: see rounds_on_time
+    return observed, marks
+
+
+def run(*, peers: int, rounds: int, compute_s: float = 5.0, seed: int = 0) -> CoordinatorLoad:
+    with tempfile.TemporaryDirectory(prefix="shoal-bench-coordinator-") as tmp:
+        process, address = _start_coordinator(Path(tmp), peers, compute_s)
+        try:
+            observed, marks = asyncio.run(_drive(address, peers, rounds, compute_s, process.pid, seed))
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=30)
+    measured = [r for r in range(1, rounds + 1) if observed.lags.get(r)]  # decided: a peer had the result
+    late = Policy().report_grace_s + ON_TIME_S
+    on_time = sum(
+        len(observed.lags[r]) == peers and not observed.excluded.get(r) and max(observed.lags[r]) <= late
+        for r in measured
+    )
+    quantiles = statistics.quantiles(observed.latencies, n=100) if len(observed.latencies) > 1 else [0.0] * 99
+    return CoordinatorLoad(
+        peers=peers,
+        rounds=len(measured),
+        rounds_on_time=on_time,
+        p50_ms=quantiles[49] * 1000,
+        p99_ms=quantiles[98] * 1000,
+        calls=len(observed.latencies),
+        failures=observed.failures,
+        round_s=marks["round_s"],
+        max_lag_s=max((max(observed.lags[r]) for r in measured), default=None),
+        coordinator_cpu_s_per_round=(marks["cpu_end"] - marks["cpu"]) / rounds,
+        coordinator_peak_rss_mb=marks["rss"],
+    )
+
+
+def main(*, peers: list[int], rounds: int, compute_s: float, as_json: bool) -> int:
+    results = []
+    for count in peers:
+        result = run(peers=count, rounds=rounds, compute_s=compute_s)
+        results.append(result)
+        if not as_json:
+            print(_line(result, rounds), flush=True)
+    if as_json:
+        print(json.dumps({"results": [asdict(r) for r in results]}))
+    return 0
+
+
+def _line(result: CoordinatorLoad, asked: int) -> str:
+    lag = "-" if result.max_lag_s is None else f"{result.max_lag_s:+.2f} s"
+    return (
+        f"{result.peers:>5} peers  {result.rounds_on_time}/{asked} rounds on time ({result.rounds} decided)  "
+        f"p50 {result.p50_ms:.1f} ms  p99 {result.p99_ms:.1f} ms  round {result.round_s:.1f} s  lag {lag}  "
+        f"coordinator {result.coordinator_cpu_s_per_round:.2f} CPU s/round, "
+        f"{result.coordinator_peak_rss_mb:.0f} MB  failures {result.failures or 0}"
+    )
