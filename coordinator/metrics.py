@@ -58,6 +58,18 @@ class CoordinatorMetrics:
             ["code"],
             registry=r,
         )
+        self.rate_limited = Counter(
+            "shoal_coordinator_rate_limited_requests",
+            "Requests refused for exceeding a limit, by method and by what was limited (peer id or address).",
+            ["method", "by"],
+            registry=r,
+        )
+        self.oversized = Counter(
+            "shoal_coordinator_oversized_requests",
+            "Requests refused for their size, by method.",
+            ["method"],
+            registry=r,
+        )
         for reason in DROP_REASONS:
             self.dropped.labels(reason=reason)
         for code in REFUSAL_CODES:

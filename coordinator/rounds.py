@@ -278,22 +278,28 @@ def _report(state: SwarmState, now: float, event: Report, policy: Policy) -> tup
 def _advance(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState, list[Action]]:
     """What time alone does: drops silent members, decides the round, announces the next one."""
     actions: list[Action] = []
-    silent = [p for p, m in state.members.items() if now - m.last_seen > policy.heartbeat_timeout_s]
-    if silent:
-        members = {p: m for p, m in state.members.items() if p not in silent}
-        state = replace(state, members=members)
+    if now - state.seen_floor > policy.heartbeat_timeout_s:  # someone may be silent: look (O(members))
+        silent = [p for p, m in state.members.items() if now - m.last_seen > policy.heartbeat_timeout_s]
+        members = {p: m for p, m in state.members.items() if p not in silent} if silent else state.members
+        floor = min((m.last_seen for m in members.values()), default=now)
+        state = replace(state, members=members, seen_floor=floor)
         actions += [Dropped(p, "silent") for p in silent]
     evicted = {p: until for p, until in state.evicted.items() if until > now}
     if len(evicted) != len(state.evicted):
         state = replace(state, evicted=evicted)
     for pending in (state.previous, state.round):
-        if pending is not None and pending.decided_at is None:
-            alive = [p for p in pending.expected if p in state.members]
-            if now >= pending.compute_deadline + policy.report_grace_s or all(
-                p in pending.reports for p in alive
-            ):
-                state, decided = _decide(state, pending, now, policy)
-                actions += decided
+        # decided at the deadline, or once every member still alive reported (the scan stops at the
+        # first that did not: cheap mid-round)
+        if (
+            pending is not None
+            and pending.decided_at is None
+            and (
+                now >= pending.compute_deadline + policy.report_grace_s
+                or all(p in pending.reports or p not in state.members for p in pending.expected)
+            )
+        ):
+            state, decided = _decide(state, pending, now, policy)
+            actions += decided
     current = state.round
     if current is None:
         finished = True
@@ -302,8 +308,8 @@ def _advance(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState,
     else:
         finished = current.decided_at is not None and (
             now >= current.exchange_deadline
-            or all(
-                state.members[p].round >= current.number for p in current.participants if p in state.members
+            or all(  # the participants (unsorted: stops at the first not done)
+                state.members[p].round >= current.number for p in current.reports if p in state.members
             )
         )
     quorum = len(state.members) >= (policy.min_start_members if state.next_round == 0 else 1)

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from shoal.coordinator.actions import Abandoned, Announced, Capped, Decided, Dropped, Refused, Reply, Struck
 from shoal.coordinator.auth import Tokens
 from shoal.coordinator.events import Event, Heartbeat, Join, Leave, Report, Tick
+from shoal.coordinator.limits import Limits, RateLimiter, client_address
 from shoal.coordinator.metrics import CoordinatorMetrics
 from shoal.coordinator.policy import Policy
 from shoal.coordinator.rounds import initial_state, resume, round_result, transition
@@ -40,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 TICK_S = 0.1
-MAX_REQUEST_BYTES = 16 * 1024  # every request is a few hundred bytes
+MAX_REQUEST_BYTES = 16 * 1024  # every request is a few hundred bytes: larger ones are refused, counted
+MAX_RECEIVE_BYTES = 4 * MAX_REQUEST_BYTES  # larger still: refused by grpc unread, not counted
 MAX_WAIT_S = 600.0  # RoundResult waits at most this long, whatever the caller's deadline
 RESULTS_KEPT = 4  # round results kept built (a late peer may still ask for an older one: built again)
 SUBSCRIBER_BACKLOG = 4  # announcements queued for a slow `Rounds` stream before the oldest is dropped
@@ -63,11 +66,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         tokens: Tokens | None = None,
         metrics: CoordinatorMetrics | None = None,
         clock: Callable[[], float] = time.time,
+        limiter: RateLimiter | None = None,
     ):
         self.state, self.policy, self.store, self.tokens = state, policy, store, tokens
         self.metrics, self.clock = metrics, clock
         self._subscribers: set[asyncio.Queue] = set()
         self._changed = asyncio.Event()  # set (and replaced) whenever a round is decided or abandoned
+        self.limiter = limiter
+        self.abuse: Counter[str] = Counter()
+        """Refused oversized and rate-limited calls, by method and limit (also in the metrics)."""
         self._results: dict[int, tuple[Round, pb.RoundResultReply]] = {}
         """Each decided round's reply, built once: every member asks for it, and it lists every one."""
 
@@ -126,12 +133,29 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.apply(Tick())
             await asyncio.sleep(TICK_S)
 
-    async def _request(self, context, peer_id: str | None, event: Event | None = None) -> dict:
-        """Authenticates the call, applies its event; aborts with the refusal's status code."""
+    async def _request(self, context, request, peer_id: str | None, event: Event | None = None) -> dict:
+        """Authenticates the call, charges it to its peer's and address's limits, applies its event;
+        aborts with the refusal's status code."""
         if self.tokens is not None:
             refusal = self.tokens.check(context.invocation_metadata(), peer_id)
             if refusal is not None:
                 await self._abort(context, refusal)
+        method = type(request).__name__.removesuffix("Request")
+        if request.ByteSize() > MAX_REQUEST_BYTES:  # larger than MAX_RECEIVE_BYTES: grpc refuses it unread
+            self.abuse[f"oversized_{method.lower()}"] += 1
+            if self.metrics is not None:
+                self.metrics.oversized.labels(method=method.lower()).inc()
+            await self._abort(
+                context, Refused("RESOURCE_EXHAUSTED", f"request over {MAX_REQUEST_BYTES} bytes")
+            )
+        if self.limiter is not None:
+            over = self.limiter.check(method, peer_id, client_address(context.peer()), time.monotonic())
+            if over is not None:
+                self.abuse[f"rate_limited_{method.lower()}_{over}"] += 1
+                if self.metrics is not None:
+                    self.metrics.rate_limited.labels(method=method.lower(), by=over).inc()
+                message = f"rate limited: too many calls from this {over}"
+                await self._abort(context, Refused("RESOURCE_EXHAUSTED", message))
         if event is None:
             return {}
         for action in self.apply(event):
@@ -150,20 +174,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
         event = Join(request.peer_id, request.throughput, request.min_samples)
-        reply = await self._request(context, request.peer_id, event)
+        reply = await self._request(context, request, request.peer_id, event)
         return pb.JoinReply(
             round=reply["round"], heartbeat_timeout_s=reply["heartbeat_timeout_s"], now=self.clock()
         )
 
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
-        await self._request(context, request.peer_id, Leave(request.peer_id))
+        await self._request(context, request, request.peer_id, Leave(request.peer_id))
         return pb.LeaveReply()
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         event = Heartbeat(
             request.peer_id, request.round, request.throughput, request.min_samples, request.exchange_s
         )
-        reply = await self._request(context, request.peer_id, event)
+        reply = await self._request(context, request, request.peer_id, event)
         return pb.HeartbeatReply(compute_scale=reply["compute_scale"], now=self.clock())
 
     async def ReportReady(self, request: pb.ReportRequest, context) -> pb.ReportReply:
@@ -176,11 +200,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             request.state,
             request.synced,
         )
-        reply = await self._request(context, request.peer_id, event)
+        reply = await self._request(context, request, request.peer_id, event)
         return pb.ReportReply(**reply)
 
     async def Rounds(self, request: pb.RoundsRequest, context):
-        await self._request(context, request.peer_id)
+        await self._request(context, request, request.peer_id)
         refusal = check_peer_id(request.peer_id)
         if refusal is not None:
             await self._abort(context, refusal)
@@ -198,7 +222,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._subscribers.discard(queue)
 
     async def RoundResult(self, request: pb.RoundResultRequest, context) -> pb.RoundResultReply:
-        await self._request(context, None)
+        await self._request(context, request, None)
         give_up = time.monotonic() + MAX_WAIT_S
         while True:
             found = round_result(self.state, request.round)
@@ -225,7 +249,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return reply
 
     async def SwarmStatus(self, request: pb.SwarmStatusRequest, context) -> pb.SwarmStatusReply:
-        await self._request(context, None)
+        await self._request(context, request, None)
         now, state = self.clock(), self.state
         current = state.round
         return pb.SwarmStatusReply(
@@ -294,8 +318,10 @@ class Coordinator:
         tokens: Tokens | None = None,
         tls: TlsFiles | None = None,
         metrics_port: int | None = None,
+        limits: Limits | None = None,
     ):
         self.listen, self.state_path, self.tls = listen, state_path, tls
+        self.limits = limits or Limits()
         self.policy = policy or Policy()
         self.tokens = tokens
         self.metrics_port = metrics_port
@@ -321,10 +347,12 @@ class Coordinator:
             metrics = CoordinatorMetrics()
             host = self.listen.rpartition(":")[0].strip("[]")
             self.bound_metrics_port = metrics.serve(self.metrics_port, host)
-        self.service = CoordinatorService(state, self.policy, store, self.tokens, metrics)
+        self.service = CoordinatorService(
+            state, self.policy, store, self.tokens, metrics, limiter=self._limiter()
+        )
         server = grpc.aio.server(
             options=[
-                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
                 # every peer holds two streams at once (its `Rounds` and, after reporting, a waiting
                 # `RoundResult`); grpc's aio server applies this limit to the whole server, and calls
                 # beyond it wait (1,000 stalled every call of 600 peers for 2.5 s, mid-round)
@@ -357,6 +385,10 @@ class Coordinator:
         self._server, self.port = server, port
         self._ticker = asyncio.create_task(self.service.tick_forever())
         return port
+
+    def _limiter(self) -> RateLimiter:
+        """Peers heartbeat three times per timeout (peer/swarm/coordinator_link.py): that, and more."""
+        return RateLimiter(self.limits, heartbeats_per_s=3 / self.policy.heartbeat_timeout_s)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._ticker is not None:

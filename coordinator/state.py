@@ -82,3 +82,6 @@ class SwarmState:
     evictions_total: int = 0
     resumed_at: float | None = None
     """When the coordinator last restarted from this state."""
+    seen_floor: float = 0.0
+    """No member was last seen before this (a lower bound, not durable): members cannot have fallen
+    silent while `now - seen_floor` is within the heartbeat timeout, so no scan of them is needed."""

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,8 @@ class Observed:
     """Per round: for every peer, when it had the result, seconds after the compute deadline."""
     excluded: dict[int, int] = field(default_factory=dict)
     """Per round: reports answered `included=False`."""
+    expected: dict[int, int] = field(default_factory=dict)
+    """Per round: simulated peers it expected (one that joined late misses the first)."""
     measuring: bool = False
 
     def failed(self, what: str, error: grpc.aio.AioRpcError) -> None:
@@ -70,6 +73,8 @@ class Observed:
 @dataclass(slots=True)
 class CoordinatorLoad:
     peers: int
+    """Clients in all, the abusive ones included."""
+    abusive: int
     rounds: int
     """Rounds decided of those asked for (fewer: the swarm stalled)."""
     rounds_on_time: int
@@ -83,6 +88,10 @@ class CoordinatorLoad:
     """The latest any peer had a round's result, seconds after its compute deadline (None: no round)."""
     coordinator_cpu_s_per_round: float
     coordinator_peak_rss_mb: float
+    abuse_answers: dict[str, dict[str, int]]
+    """What the abusive clients were answered, by abuse and status code."""
+    abuse_counted: dict[str, float]
+    """The coordinator's own counts of refused abuse (its Prometheus counters that are not 0)."""
 
 
 def peer_ids(count: int, seed: int = 0) -> list[str]:
@@ -155,6 +164,8 @@ class SimulatedPeer:
         try:
             async for announced in stream:
                 if self.peer_id in announced.peers:
+                    expected = self.observed.expected
+                    expected[announced.round] = expected.get(announced.round, 0) + 1
                     await self.take_part(announced)
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.CANCELLED:
@@ -188,6 +199,64 @@ class SimulatedPeer:
         await self.heartbeat()
 
 
+ABUSES = ("join_flood", "oversized_report", "heartbeat_storm")
+STORM_S = 0.02  # heartbeats at 100x an honest peer's one per 2 s
+
+
+class AbusiveClient:
+    """A client from another address (::1) doing one of `ABUSES` as fast as the coordinator answers:
+    joins under ever new ids, reports padded past the request limit, or a member's heartbeats at 100x
+    the honest rate. Counts the answers by status code."""
+
+    def __init__(self, abuse: str, peer_id: str, address: str, rng: random.Random):
+        self.abuse, self.peer_id, self.rng = abuse, peer_id, rng
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.answers: dict[str, int] = {}
+
+    async def call(self, method, request) -> None:
+        try:
+            await method(request, timeout=CALL_S)
+            code = "OK"
+        except grpc.aio.AioRpcError as error:
+            code = error.code().name
+        self.answers[code] = self.answers.get(code, 0) + 1
+
+    async def run(self, until: asyncio.Event) -> None:
+        join = pb.JoinRequest(peer_id=self.peer_id, throughput=THROUGHPUT, min_samples=MIN_SAMPLES)
+        await self.call(self.stub.Join, join)
+        try:
+            while not until.is_set():
+                if self.abuse == "join_flood":
+                    await self.call(self.stub.Join, pb.JoinRequest(peer_id=peer_ids(1, self.rng.random())[0]))
+                elif self.abuse == "oversized_report":
+                    padded = pb.ReportRequest(
+                        peer_id=self.peer_id, round=0, digest=bytes(32), size=1, samples=1
+                    )
+                    padded.state = bytes(20_000)  # past the coordinator's 16 KiB request limit
+                    await self.call(self.stub.ReportReady, padded)
+                    await asyncio.sleep(STORM_S)
+                else:
+                    await self.call(self.stub.Heartbeat, pb.HeartbeatRequest(peer_id=self.peer_id, round=-1))
+                    await asyncio.sleep(STORM_S)
+        finally:
+            await self.channel.close()
+
+
+def _abuse_counted(metrics_port: str) -> dict[str, float]:
+    """The coordinator's own counts of refused abuse, from its Prometheus endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=CALL_S) as response:
+        text = response.read().decode()
+    return {
+        line.split(" ")[0].removeprefix("shoal_coordinator_"): float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(
+            ("shoal_coordinator_rate_limited_requests_total", "shoal_coordinator_oversized_requests_total")
+        )
+        and float(line.rsplit(" ", 1)[1]) > 0
+    }
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
@@ -200,14 +269,17 @@ def _peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _start_coordinator(workdir: Path, peers: int, compute_s: float) -> tuple[subprocess.Popen, str]:
+def _start_coordinator(workdir: Path, peers: int, compute_s: float) -> tuple[subprocess.Popen, str, str]:
+    """The coordinator process, its gRPC port and its metrics port."""
     command = [
         sys.executable,
         "-m",
         "shoal.peer.cli",
         "coordinator",
         "--listen",
-        "127.0.0.1:0",
+        "[::]:0",  # IPv4 and IPv6: honest peers come from 127.0.0.1, abusive clients from ::1
+        "--metrics-port",
+        "0",
         "--state",
         str(workdir / "coordinator.db"),
         "--min-peers",
@@ -224,7 +296,8 @@ def _start_coordinator(workdir: Path, peers: int, compute_s: float) -> tuple[sub
         raise RuntimeError(
             f"the coordinator did not start: {(workdir / 'coordinator.log').read_text()[-2000:]}"
         )
-    return process, json.loads(line)["address"]
+    started = json.loads(line)
+    return process, started["address"].rpartition(":")[2], started["metrics"].rpartition(":")[2]
 
 
 async def _announcements(stream, stalled_s: float):
@@ -239,16 +312,21 @@ async def _announcements(stream, stalled_s: float):
 
 
 async def _drive(
-    address: str, peers: int, rounds: int, compute_s: float, pid: int, seed: int
-) -> tuple[Observed, dict]:
+    port: str, peers: int, abusive: int, rounds: int, compute_s: float, pid: int, seed: int
+) -> tuple[Observed, dict, list[AbusiveClient]]:
     observed = Observed()
     until = asyncio.Event()
     rng = random.Random(seed)
-    simulated = [
-        SimulatedPeer(p, address, observed, random.Random(rng.random())) for p in peer_ids(peers, seed)
+    address = f"127.0.0.1:{port}"
+    ids = peer_ids(peers, seed)
+    simulated = [SimulatedPeer(p, address, observed, random.Random(rng.random())) for p in ids[abusive:]]
+    abusers = [
+        AbusiveClient(ABUSES[i % len(ABUSES)], p, f"[::1]:{port}", random.Random(rng.random()))
+        for i, p in enumerate(ids[:abusive])
     ]
-    tasks = [asyncio.create_task(s.run(until)) for s in simulated]
-    watcher = coordinator_pb2_grpc.CoordinatorStub(grpc.aio.insecure_channel(address))
+    tasks = [asyncio.create_task(s.run(until)) for s in [*simulated, *abusers]]
+    watcher_channel = grpc.aio.insecure_channel(address)
+    watcher = coordinator_pb2_grpc.CoordinatorStub(watcher_channel)
     marks: dict[str, float] = {}
     stream = watcher.Rounds(pb.RoundsRequest(peer_id=peer_ids(1, seed + 1)[0]))
     stalled_s = max(60.0, 10 * compute_s)  # no new round for this long: the swarm fell apart
@@ -267,29 +345,45 @@ async def _drive(
     stream.cancel()
     until.set()
     await asyncio.gather(*tasks, return_exceptions=True)
+    await watcher_channel.close()
     marks["round_s"] = (
         marks["end"] - marks["at"]
     ) / rounds  # a stalled swarm's is too short: see rounds_on_time
-    return observed, marks
+    return observed, marks, abusers
 
 
-def run(*, peers: int, rounds: int, compute_s: float = 5.0, seed: int = 0) -> CoordinatorLoad:
+def run(
+    *, peers: int, rounds: int, compute_s: float = 5.0, abusive: float = 0.0, seed: int = 0
+) -> CoordinatorLoad:
+    """`peers` clients, of which the fraction `abusive` abuse (ABUSES, in turn) and the others are peers."""
+    hostile = round(peers * abusive)
     with tempfile.TemporaryDirectory(prefix="shoal-bench-coordinator-") as tmp:
-        process, address = _start_coordinator(Path(tmp), peers, compute_s)
+        process, port, metrics_port = _start_coordinator(Path(tmp), peers - hostile, compute_s)
         try:
-            observed, marks = asyncio.run(_drive(address, peers, rounds, compute_s, process.pid, seed))
+            observed, marks, abusers = asyncio.run(
+                _drive(port, peers, hostile, rounds, compute_s, process.pid, seed)
+            )
+            counted = _abuse_counted(metrics_port)
         finally:
             os.killpg(process.pid, signal.SIGTERM)
             process.wait(timeout=30)
     measured = [r for r in range(1, rounds + 1) if observed.lags.get(r)]  # decided: a peer had the result
     late = Policy().report_grace_s + ON_TIME_S
     on_time = sum(
-        len(observed.lags[r]) == peers and not observed.excluded.get(r) and max(observed.lags[r]) <= late
+        len(observed.lags[r]) == observed.expected[r]
+        and not observed.excluded.get(r)
+        and max(observed.lags[r]) <= late
         for r in measured
     )
     quantiles = statistics.quantiles(observed.latencies, n=100) if len(observed.latencies) > 1 else [0.0] * 99
+    answers: dict[str, dict[str, int]] = {}
+    for client in abusers:
+        into = answers.setdefault(client.abuse, {})
+        for code, count in client.answers.items():
+            into[code] = into.get(code, 0) + count
     return CoordinatorLoad(
         peers=peers,
+        abusive=hostile,
         rounds=len(measured),
         rounds_on_time=on_time,
         p50_ms=quantiles[49] * 1000,
@@ -300,13 +394,15 @@ def run(*, peers: int, rounds: int, compute_s: float = 5.0, seed: int = 0) -> Co
         max_lag_s=max((max(observed.lags[r]) for r in measured), default=None),
         coordinator_cpu_s_per_round=(marks["cpu_end"] - marks["cpu"]) / rounds,
         coordinator_peak_rss_mb=marks["rss"],
+        abuse_answers=answers,
+        abuse_counted=counted,
     )
 
 
-def main(*, peers: list[int], rounds: int, compute_s: float, as_json: bool) -> int:
+def main(*, peers: list[int], rounds: int, compute_s: float, abusive: float, as_json: bool) -> int:
     results = []
     for count in peers:
-        result = run(peers=count, rounds=rounds, compute_s=compute_s)
+        result = run(peers=count, rounds=rounds, compute_s=compute_s, abusive=abusive)
         results.append(result)
         if not as_json:
             print(_line(result, rounds), flush=True)
@@ -322,4 +418,5 @@ def _line(result: CoordinatorLoad, asked: int) -> str:
         f"p50 {result.p50_ms:.1f} ms  p99 {result.p99_ms:.1f} ms  round {result.round_s:.1f} s  lag {lag}  "
         f"coordinator {result.coordinator_cpu_s_per_round:.2f} CPU s/round, "
         f"{result.coordinator_peak_rss_mb:.0f} MB  failures {result.failures or 0}"
+        + (f"\n       {result.abusive} abusive: answered {result.abuse_answers}" if result.abusive else "")
     )

@@ -156,6 +156,13 @@ def _coordinator_arguments(benchmarks: argparse._SubParsersAction) -> None:
     coordinator.add_argument(
         "--compute-s", type=float, default=5.0, help="the coordinator's shortest compute window (default: 5)"
     )
+    coordinator.add_argument(
+        "--abusive",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="this fraction of the clients abuse instead (join floods, oversized reports, 100x heartbeats)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,7 +185,16 @@ def _codec(args: argparse.Namespace) -> int:
 def _coordinator(args: argparse.Namespace) -> int:
     from shoal.peer.bench import coordinator
 
-    return coordinator.main(peers=args.peers, rounds=args.rounds, compute_s=args.compute_s, as_json=args.json)
+    if not 0 <= args.abusive < 1:
+        print("shoal bench coordinator: error: --abusive must be in [0, 1)", file=sys.stderr)
+        return 2
+    return coordinator.main(
+        peers=args.peers,
+        rounds=args.rounds,
+        compute_s=args.compute_s,
+        abusive=args.abusive,
+        as_json=args.json,
+    )
 
 
 def _converge(args: argparse.Namespace) -> int:

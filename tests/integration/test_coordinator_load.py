@@ -14,3 +14,20 @@ def test_six_hundred_peers_get_every_round_on_time():
     assert result.failures == {}, result
     assert result.rounds == 2 and result.rounds_on_time == 2, result
     assert result.p99_ms < 1000, result
+
+
+@pytest.mark.timeout(180)
+def test_abusive_clients_are_refused_counted_and_slow_no_honest_peer():
+    """30 of 300 clients abuse from another address (::1): join floods under new ids, reports padded
+    past the request limit, heartbeats at 100x the honest rate. The honest peers' rounds stay on time,
+    and the coordinator counts each abuse."""
+    result = coordinator.run(peers=300, rounds=2, abusive=0.1)
+    assert result.failures == {}, result
+    assert result.rounds == 2 and result.rounds_on_time == 2, result
+    for abuse in coordinator.ABUSES:
+        answers = result.abuse_answers[abuse]
+        assert answers.get("RESOURCE_EXHAUSTED", 0) > 5 * answers.get("OK", 0), (abuse, answers)
+    counted = result.abuse_counted
+    assert counted['rate_limited_requests_total{by="address",method="join"}'] > 0, counted
+    assert counted['rate_limited_requests_total{by="peer",method="heartbeat"}'] > 0, counted
+    assert counted['oversized_requests_total{method="report"}'] > 0, counted

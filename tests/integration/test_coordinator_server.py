@@ -324,6 +324,37 @@ def test_metrics(tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_abuse_is_refused_and_counted_by_peer_and_address(tmp_path):
+    """Heartbeats at 100x an honest peer's rate, a report padded past the request limit and a burst of
+    swarm status reads: each refused with RESOURCE_EXHAUSTED and counted, while another peer's calls
+    go through (the limits themselves: tests/unit/test_coordinator_limits.py)."""
+    port = free_port()
+    with coordinator(tmp_path, "--metrics-port", str(port)) as (_, address), channel(address) as c:
+        s = stub(c)
+        assert code(s.Join, pb.JoinRequest(peer_id=A)) == code(s.Join, pb.JoinRequest(peer_id=B)) == Code.OK
+        flood = [code(s.Heartbeat, pb.HeartbeatRequest(peer_id=A)) for _ in range(100)]
+        assert flood.count(Code.RESOURCE_EXHAUSTED) >= 80, flood
+        assert code(s.Heartbeat, pb.HeartbeatRequest(peer_id=B)) == Code.OK
+        padded = pb.ReportRequest(
+            peer_id=B, round=0, digest=DIGEST, size=1000, samples=64, state=b"x" * 20_000
+        )
+        assert MAX_REQUEST_BYTES < padded.ByteSize() < 4 * MAX_REQUEST_BYTES
+        assert code(s.ReportReady, padded) == Code.RESOURCE_EXHAUSTED
+        reads = [code(s.SwarmStatus, pb.SwarmStatusRequest()) for _ in range(40)]
+        assert Code.RESOURCE_EXHAUSTED in reads and reads[:10] == [Code.OK] * 10
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=CALL_S) as response:
+            text = response.read().decode()
+    counted = {
+        line.partition(" ")[0]: float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith(("shoal_coordinator_rate_limited", "shoal_coordinator_oversized"))
+    }
+    assert counted['shoal_coordinator_rate_limited_requests_total{by="peer",method="heartbeat"}'] >= 80
+    assert counted['shoal_coordinator_rate_limited_requests_total{by="address",method="swarmstatus"}'] >= 1
+    assert counted['shoal_coordinator_oversized_requests_total{method="report"}'] == 1
+
+
+@pytest.mark.timeout(30)
 def test_in_process_start_and_stop(tmp_path):
     """The `Coordinator` class itself, with a grpc.aio client: start() returns the port, stop() frees it
     even with a `Rounds` stream open."""
