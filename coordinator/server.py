@@ -16,7 +16,6 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,8 +72,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._subscribers: set[asyncio.Queue] = set()
         self._changed = asyncio.Event()  # set (and replaced) whenever a round is decided or abandoned
         self.limiter = limiter
-        self.abuse: Counter[str] = Counter()
-        """Refused oversized and rate-limited calls, by method and limit (also in the metrics)."""
         self._results: dict[int, tuple[Round, pb.RoundResultReply]] = {}
         """Each decided round's reply, built once: every member asks for it, and it lists every one."""
 
@@ -142,7 +139,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 await self._abort(context, refusal)
         method = type(request).__name__.removesuffix("Request")
         if request.ByteSize() > MAX_REQUEST_BYTES:  # larger than MAX_RECEIVE_BYTES: grpc refuses it unread
-            self.abuse[f"oversized_{method.lower()}"] += 1
             if self.metrics is not None:
                 self.metrics.oversized.labels(method=method.lower()).inc()
             await self._abort(
@@ -151,7 +147,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if self.limiter is not None:
             over = self.limiter.check(method, peer_id, client_address(context.peer()), time.monotonic())
             if over is not None:
-                self.abuse[f"rate_limited_{method.lower()}_{over}"] += 1
                 if self.metrics is not None:
                     self.metrics.rate_limited.labels(method=method.lower(), by=over).inc()
                 message = f"rate limited: too many calls from this {over}"
