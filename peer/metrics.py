@@ -163,6 +163,7 @@ SCALARS = (
     ("shoal_relayed_payloads", "counter", "Payloads pulled from a peer other than their author.", "relayed"),
     ("shoal_butterfly_rounds", "counter", "Rounds averaged piece by piece.", "butterfly_rounds"),
     ("shoal_pieces_recomputed", "counter", "Pieces averaged here, owner late.", "pieces_recomputed"),
+    ("shoal_fanin_left_out_rounds", "counter", "Rounds --gather left its payload out of.", "left_out"),
     ("shoal_rejoins", "counter", "Times it found itself alone and dialled its initial peers.", "rejoins"),
     ("shoal_isolated", "gauge", "1 while it reaches no other peer and sits the rounds out.", "isolated"),
     ("shoal_isolated_rounds", "counter", "Rounds it reached no peer in, isolated.", "isolated_rounds"),

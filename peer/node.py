@@ -65,6 +65,7 @@ RUN_FLAGS = (
     "outer_lr",
     "outer_momentum",
     "averaging",
+    "gather",
     "seed",
 )
 DRAIN_MAX_S = 30.0  # the longest a leaving peer serves its last payload to peers that have not pulled it
@@ -248,6 +249,7 @@ def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, cr
         device=str(device),
         max_payload_bytes=max(1 << 20, 8 * numel),
         rejoin=settings.initial_peers,
+        gather_limit=settings.gather,
     )
     if settings.initial_peers:
         _check_compatible(exchange)

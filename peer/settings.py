@@ -83,6 +83,7 @@ class JoinSettings:
     outer_lr: float | None = None
     outer_momentum: float | None = None
     averaging: str = "gather"
+    gather: int = 0
     batch_size: int = 8
     max_micro_batches: int = 64
     seed: int = 0
@@ -127,6 +128,8 @@ class JoinSettings:
         algorithm = self.algorithm_config()
         config = {"model": self.model, "algorithm": self.algorithm, "lr": repr(algorithm.lr)}
         config["seed"] = str(self.seed)
+        if self.gather:  # (unset: the runs from before the setting keep their hash)
+            config["gather"] = str(self.gather)
         # codec settings only where they are not the defaults, so that older runs keep their hash
         if isinstance(algorithm, DeMoConfig):
             config["compression_topk"] = str(algorithm.topk)
@@ -138,7 +141,9 @@ class JoinSettings:
             "outer_momentum": repr(algorithm.outer_momentum),
         }
         # only where it is not the default, so that the runs from before the setting keep their hash
-        return config | {"averaging": algorithm.averaging} if algorithm.averaging != "gather" else config
+        if algorithm.averaging != "gather":
+            config["averaging"] = algorithm.averaging
+        return config
 
 
 def _first(value: Any, default: Any) -> Any:
@@ -259,6 +264,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "outer_lr": _float(0.0, 10.0, open_low=True),
     "outer_momentum": _float(0.0, 0.999),
     "averaging": _choice(AVERAGING),
+    "gather": _int(0, 100_000),
     "batch_size": _int(1, 65536),
     "max_micro_batches": _int(1, 4096),
     "seed": _int(0),
@@ -300,6 +306,10 @@ def resolve(
         ) from None
     if settings.averaging == "butterfly" and isinstance(algorithm, DeMoConfig):
         raise SettingsError("--averaging butterfly: DiLoCo only (DeMo's payloads are sparse)")
+    if settings.averaging == "butterfly" and settings.gather:
+        raise SettingsError(
+            "--gather: not with --averaging butterfly, which averages every peer's payload piece by piece"
+        )
     return settings
 
 

@@ -49,7 +49,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -81,6 +81,12 @@ class _Gathered:
     adopted: list[torch.Tensor] | None
     """The swarm's parameters, when this participant's differed at the start of the round."""
     seconds: float
+    selections: list[TopKCoefficients] = field(default_factory=list)
+    """What this participant sent, per slice (to take back into its momentum if it did not count)."""
+    samples: int = 0
+    """The samples it announced with it."""
+    counted: bool = True
+    """Whether its payload counted (a bounded fan-in aggregates only some: shoal.peer.algorithms.fanin)."""
 
 
 class DeMo(torch.optim.Optimizer):
@@ -107,6 +113,9 @@ class DeMo(torch.optim.Optimizer):
         lookahead: with overlap, compute each gradient at the parameters shifted by this
             participant's own sign-of-momentum guess of the update in flight (one more
             parameter-sized buffer and one more inverse transform per step).
+        carry: when a bounded fan-in (shoal.peer.algorithms.fanin) leaves this participant's payload out
+            of a round, put what it sent back into the momentum and announce its samples again
+            (`_carry`); False drops that work, as plain error feedback would (for comparison only).
     """
 
     def __init__(
@@ -127,6 +136,7 @@ class DeMo(torch.optim.Optimizer):
         robust: Robustness = DEMO,
         overlap: bool = False,
         lookahead: bool = False,
+        carry: bool = True,
     ):
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr}")
@@ -169,6 +179,11 @@ class DeMo(torch.optim.Optimizer):
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-exchange") if overlap else None
         )
         self._pending: Future[_Gathered] | None = None
+        self.carry = carry
+        self.carried_samples = 0
+        """Samples whose work did not count yet (bounded fan-in): announced with the next payload."""
+        self.uncounted = 0
+        """Rounds whose aggregate left this participant's payload out (bounded fan-in)."""
         self.lookahead = lookahead
         self._origin: list[torch.Tensor] | None = None  # lookahead: the parameters before the shift
         self._shifted = False
@@ -206,18 +221,19 @@ class DeMo(torch.optim.Optimizer):
         self.phase_seconds["encode"] += encoded - waited
         self.phase_seconds["exchange"] += waited - started
         self.bytes_sent += len(data)
+        claimed, self.carried_samples = samples + self.carried_samples, 0
         if self._background is None:
-            gathered = self._gather(data, samples, params)
+            gathered = self._gather(data, claimed, params, selections)
             self.phase_seconds["exchange"] += gathered.seconds
             self._adopt(gathered)
             self._apply(gathered, settings)
         else:
             if previous is not None:
-                self._apply(previous, settings)
+                self._apply(previous, settings, steps_since=1)
             if self.lookahead:
                 params = self._shift(slices, selections, settings)
             # the state this round compares is the one its aggregate will be applied to, a step from now
-            self._pending = self._background.submit(self._gather, data, samples, params)
+            self._pending = self._background.submit(self._gather, data, claimed, params, selections)
         return loss
 
     @torch.no_grad()
@@ -279,14 +295,17 @@ class DeMo(torch.optim.Optimizer):
             p: (group["lr"], group["weight_decay"]) for group in self.param_groups for p in group["params"]
         }
 
-    def _gather(self, data: bytes, samples: int, params: list[torch.Tensor]) -> _Gathered:
+    def _gather(
+        self, data: bytes, samples: int, params: list[torch.Tensor], selections: list[TopKCoefficients]
+    ) -> _Gathered:
         """Step 6: the exchange, on the training thread or the background one."""
         start = time.perf_counter()
         contributions = self.exchange.gather(data, samples, state=params)
         adopted = self.exchange.adopted_state()  # read on the thread that gathered
+        counted = self.exchange.own_counted()
         seconds = time.perf_counter() - start
         self.exchange_s += seconds
-        return _Gathered(contributions, adopted, seconds)
+        return _Gathered(contributions, adopted, seconds, selections, samples, counted)
 
     def _collect(self) -> _Gathered | None:
         """The round in flight, waited for (None without overlap or before the first step); its
@@ -301,9 +320,17 @@ class DeMo(torch.optim.Optimizer):
         if gathered.adopted is not None:
             self.load_shared_state(gathered.adopted)
 
-    def _apply(self, gathered: _Gathered, settings: dict[torch.Tensor, tuple[float, float]]) -> None:
-        """Steps 7-8 for a gathered round: decode, combine, and step along the sign."""
+    def _apply(
+        self, gathered: _Gathered, settings: dict[torch.Tensor, tuple[float, float]], steps_since: int = 0
+    ) -> None:
+        """Steps 7-8 for a gathered round: decode, combine, and step along the sign. If this participant's
+        payload did not count, what it sent goes back into its momentum first (`_carry`); `steps_since`:
+        momentum steps taken since it was sent (1 with overlap)."""
         started = time.perf_counter()
+        if not gathered.counted:
+            self.uncounted += 1
+            if self.carry:
+                self._carry(gathered, steps_since)
         slices, contributions = self._slices(), gathered.contributions
         self.bytes_received += sum(len(c.payload) for c in contributions if c.rank != self.exchange.rank)
         received = self._accept(contributions, slices)
@@ -316,6 +343,16 @@ class DeMo(torch.optim.Optimizer):
                 member.matrix(member.param).add_(member.tiles(signs), alpha=-settings[member.param][0])
         self.phase_seconds["decode"] += decoded - started
         self.phase_seconds["apply"] += time.perf_counter() - decoded
+
+    def _carry(self, gathered: _Gathered, steps_since: int) -> None:
+        """Bounded fan-in (shoal.peer.algorithms.fanin): a payload left out of the round's aggregate goes
+        back into the momentum, as if error feedback had never removed it (decayed as the momentum was
+        since), and its samples are announced with the next payload."""
+        self.carried_samples += gathered.samples
+        scale = self.error_feedback * self.decay**steps_since
+        for piece, selection in zip(self._slices(), gathered.selections, strict=True):
+            delta = self.state[piece.members[0].param]["delta"]
+            delta.scatter_add_(1, selection.indices, selection.values.to(delta.dtype) * scale)
 
     def shared_state(self) -> list[torch.Tensor]:
         """What every participant holds alike: the trainable parameters (the momentum is local), as

@@ -103,6 +103,8 @@ class OuterStats:
     (shoal.peer.algorithms.robust), by reason."""
     resyncs: int = 0
     """Times the exchange replaced the shared state with the swarm's."""
+    uncounted: int = 0
+    """Rounds whose aggregate left this participant's payload out (bounded fan-in: its work was carried)."""
     phase_seconds: Counter = field(default_factory=Counter)
     """Seconds spent per phase of the outer steps: encode, exchange, decode, apply (wall time on the
     host, on whichever thread ran it)."""
@@ -134,6 +136,9 @@ class _RoundResult:
     own_share: float | None = None
     """The weight this participant's own payload had in the mean (0: left out); None: not known (the
     exchange averaged it), so samples / total_samples."""
+    counted: bool = True
+    """Whether this participant's payload was among the round's contributions (a bounded fan-in
+    aggregates only some: shoal.peer.algorithms.fanin)."""
 
 
 class DiLoCo:
@@ -161,6 +166,9 @@ class DiLoCo:
             (shoal.peer.algorithms.butterfly: the swarm under a coordinator); the codec must be dense and
             block-aligned (int8, int4, 16 or 32 bits). Each piece's parts are clipped against the
             median of that piece's.
+        carry: when a bounded fan-in (shoal.peer.algorithms.fanin) leaves this participant's payload out
+            of a round, add its pseudo-gradient to the next one (`_carry`); False drops it (for
+            comparison only).
     """
 
     def __init__(
@@ -179,6 +187,7 @@ class DiLoCo:
         max_payload_bytes: int = 1 << 31,
         robust: Robustness | None = None,
         butterfly: bool = False,
+        carry: bool = True,
     ):
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -193,6 +202,7 @@ class DiLoCo:
         if not 0 <= error_decay <= 1:
             raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
         self.error_decay = error_decay
+        self.carry = carry
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner_optimizer = inner_optimizer
         self.exchange = exchange
@@ -243,6 +253,7 @@ class DiLoCo:
     def outer_step(self) -> None:
         """Ends the inner phase now: exchange pseudo-gradients and step the global parameters."""
         previous = self._collect_pending()  # before encoding: the codec is not shared across threads
+        self._carry(previous, self._last_sent)
         pseudo = [start - p.detach() for start, p in zip(self.global_params, self.params, strict=True)]
         sent = self._encode(pseudo, max(self._samples, 1))
         self._samples = 0
@@ -250,6 +261,7 @@ class DiLoCo:
             start = time.perf_counter()
             result = self._round(sent, self.shared_state())
             self.stats.waited_s += time.perf_counter() - start
+            self._carry(result, sent)
             self._adopt(result)
             self._apply(result.mean)
         else:
@@ -317,6 +329,21 @@ class DiLoCo:
             for mean, old, new in zip(previous.mean, stale.decoded, fresh.decoded, strict=True)
         ]
 
+    def _carry(self, result: _RoundResult | None, sent: _Sent | None) -> None:
+        """Bounded fan-in (shoal.peer.algorithms.fanin): a pseudo-gradient left out of its round's
+        aggregate joins the next one through the error feedback (started here for a codec without
+        one), and its samples are announced with it."""
+        if result is None or sent is None or result.counted:
+            return
+        self.stats.uncounted += 1
+        if not self.carry:
+            return
+        self._samples += sent.samples
+        if self.residuals is None:
+            self.residuals = [torch.zeros_like(p) for p in self.params]
+        for residual, decoded in zip(self.residuals, sent.decoded, strict=True):
+            residual.add_(decoded)
+
     def _collect_pending(self) -> _RoundResult | None:
         """Waits for the previous background round, if one is in flight (counted as waiting)."""
         if self._pending is None:
@@ -357,6 +384,7 @@ class DiLoCo:
             averaged = self.exchange.average(sent.payload, sent.samples, state, self.pieces)
             contributions = averaged.contributions
         adopted = self.exchange.adopted_state()
+        counted = self.exchange.own_counted()  # read on the thread that gathered
         gathered = time.perf_counter()
         self.stats.phase_seconds["exchange"] += gathered - start
         if contributions is None:  # averaged by the exchange, piece by piece
@@ -383,7 +411,8 @@ class DiLoCo:
         end = time.perf_counter()
         self.stats.phase_seconds["decode"] += end - gathered
         self.stats.exchange_s += end - start
-        return _RoundResult(mean, total, adopted, own_share=own[0] / total if own and total > 0 else 0.0)
+        share = own[0] / total if own and total > 0 else 0.0
+        return _RoundResult(mean, total, adopted, own_share=share, counted=counted)
 
     def _decode(self, contribution: Contribution) -> list[torch.Tensor]:
         if contribution.samples <= 0:
@@ -427,6 +456,7 @@ class DiLoCo:
         previous = self._collect_pending()
         if previous is None:
             return
+        self._carry(previous, self._last_sent)  # (counted only: nothing follows it)
         self._adopt(previous)
         self._apply(previous.mean, self.consensus_params, self.consensus_optimizer)
         self._last_sent = None

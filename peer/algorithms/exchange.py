@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.compression import DecodeLimits, DenseCodec, decode_tensor
+from shoal.peer.algorithms.fanin import choose
 from shoal.protocol import EncodedTensor, MalformedPayloadError, parse_message
 
 if TYPE_CHECKING:
@@ -112,6 +113,12 @@ class Exchange(ABC):
         """The caller dropped `contribution` of the last gather (malformed, or an outlier)."""
         return None
 
+    def own_counted(self) -> bool:
+        """After `gather` (same thread): whether this participant's payload was among the round's
+        contributions. Only a bounded fan-in (shoal.peer.algorithms.fanin) leaves it out, and the
+        optimizer then keeps its work for its next contribution."""
+        return True
+
     @abstractmethod
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         """sum_m weight_m * tensor_m / sum_m weight_m over the participants, as a new tensor."""
@@ -125,20 +132,31 @@ class LoopbackExchange(Exchange):
     instead of hanging them.
     """
 
-    def __init__(self, hub: "_LoopbackHub", rank: int):
+    def __init__(self, hub: "_LoopbackHub", rank: int, gather_limit: int = 0):
         self._hub = hub
         self._rank = rank
+        self.gather_limit = gather_limit
+        """At most this many contributions count in a `gather` (shoal.peer.algorithms.fanin); 0: all."""
+        self._round = 0
+        self._counted = True
 
     @staticmethod
     def group(
-        world_size: int, *, timeout: timedelta = timedelta(seconds=60), latency: timedelta = timedelta(0)
+        world_size: int,
+        *,
+        timeout: timedelta = timedelta(seconds=60),
+        latency: timedelta = timedelta(0),
+        gather_limit: int = 0,
     ) -> list["LoopbackExchange"]:
         """`world_size` exchanges meeting in this process. `latency` is added to every collective, to
-        simulate a slow link."""
+        simulate a slow link; `gather_limit` bounds the contributions that count in a round, as the
+        swarm's `--gather` does (shoal.peer.algorithms.fanin)."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if gather_limit < 0:
+            raise ValueError(f"gather_limit must be >= 0, got {gather_limit}")
         hub = _LoopbackHub(world_size, timeout, latency)
-        return [LoopbackExchange(hub, rank) for rank in range(world_size)]
+        return [LoopbackExchange(hub, rank, gather_limit) for rank in range(world_size)]
 
     @property
     def rank(self) -> int:
@@ -151,7 +169,15 @@ class LoopbackExchange(Exchange):
     def gather(
         self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None
     ) -> list[Contribution]:
-        return self._hub.all_gather(self._rank, Contribution(self._rank, bytes(payload), samples))
+        everyone = self._hub.all_gather(self._rank, Contribution(self._rank, bytes(payload), samples))
+        self._round += 1
+        claims = {c.rank.to_bytes(4, "little"): c.samples for c in everyone}
+        chosen = choose(b"loopback", self._round, claims, self.gather_limit)
+        self._counted = self._rank.to_bytes(4, "little") in chosen
+        return [c for c in everyone if c.rank.to_bytes(4, "little") in chosen]
+
+    def own_counted(self) -> bool:
+        return self._counted
 
     def abort(self) -> None:
         """Breaks the group's barrier: every worker waiting in a collective raises at once."""
@@ -206,13 +232,14 @@ def run_loopback(
     *,
     timeout: timedelta = timedelta(minutes=10),
     latency: timedelta = timedelta(0),
+    gather_limit: int = 0,
 ) -> list[T]:
     """Runs work(rank, exchange) for `count` loopback workers, one thread each; results in rank order.
 
     A worker that raises breaks the others' barrier, so they stop too, and its exception is raised here.
-    `latency` is added to every collective (`LoopbackExchange.group`).
+    `latency` and `gather_limit` go to `LoopbackExchange.group`.
     """
-    exchanges = LoopbackExchange.group(count, timeout=timeout, latency=latency)
+    exchanges = LoopbackExchange.group(count, timeout=timeout, latency=latency, gather_limit=gather_limit)
     results: list = [None] * count
     errors: list[BaseException] = []
 

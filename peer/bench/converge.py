@@ -72,6 +72,10 @@ class ConvergeConfig:
     """DiLoCo's error feedback beta with a lossy codec (SparseLoCo's 0.95 did worse here: BENCHMARKS.md)."""
     eval_batches: int = 8
     seed: int = 0
+    gather: int = 0
+    """At most this many workers' payloads count in a round (shoal.peer.algorithms.fanin); 0: all."""
+    carry: bool = True
+    """Whether a worker left out of a round keeps its work for its next contribution (fan-in's rule)."""
 
     @property
     def gpt(self) -> GPTConfig:
@@ -123,7 +127,8 @@ def _train_adamw_dp(model, exchange, batches, config) -> int:
 
 
 def _train_demo(model, exchange, batches, config, **settings) -> int:
-    optimizer = DeMo(model.parameters(), lr=config.demo_lr, exchange=exchange, weight_decay=0.1, **settings)
+    settings |= {"weight_decay": 0.1, "carry": config.carry}
+    optimizer = DeMo(model.parameters(), lr=config.demo_lr, exchange=exchange, **settings)
     for inputs, targets in batches:
         _loss(model, inputs, targets).backward()
         optimizer.step(samples=inputs.shape[0])
@@ -146,6 +151,7 @@ def _train_diloco(model, exchange, batches, config, mode: str, codec: Codec | No
         outer_momentum=outer_momentum if config.outer_momentum is None else config.outer_momentum,
         codec=codec,
         error_decay=config.error_decay,
+        carry=config.carry,
     ) as diloco:
         for inputs, targets in batches:
             _loss(model, inputs, targets).backward()
@@ -212,7 +218,7 @@ def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> Me
         return _WorkerOutcome(model, TRAINERS[method](model, exchange, batches, config))
 
     start = time.perf_counter()
-    outcomes = run_loopback(config.workers, work)
+    outcomes = run_loopback(config.workers, work, gather_limit=config.gather)
     wall = time.perf_counter() - start
     loss = validation_loss(outcomes[0].model, streams, config)
     if not math.isfinite(loss):
@@ -221,7 +227,8 @@ def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> Me
 
 
 def main(*, as_json: bool, quick: bool, methods: tuple[str, ...] = METHODS, **overrides: float) -> int:
-    """`overrides`: ConvergeConfig fields (inner_steps, outer_lr, outer_momentum, error_decay)."""
+    """`overrides`: ConvergeConfig fields (inner_steps, outer_lr, outer_momentum, error_decay, workers,
+    gather, carry)."""
     config = dataclasses.replace(QUICK if quick else FULL, **overrides)
     streams = stdlib_corpus()
     results = []

@@ -5,15 +5,19 @@ here, train the model with DeMo over a SwarmExchange for R clock-synchronous rou
 payload bytes they sent. The wire is measured, not modelled: the bytes the loopback interface carried
 (/proc/net/dev, transmit side) from the first round's start to the last round's deadline, so they
 include libp2p framing and encryption, TCP/IP headers, DHT traffic (records, announcements, polling)
-and retries. The prediction from the codec alone is that every payload is pulled once by each of
-the N - 1 other peers: `payload bytes * (N - 1)` per peer per round. Overhead = measured / predicted
-- 1. Nothing else may use loopback meanwhile (the numbers would include it).
+and retries. The prediction from the codec alone is that every payload that counts is pulled once by
+each of the N - 1 other peers: `payload bytes * (N - 1)` per peer per round, and with a bounded
+fan-in (`--gather G`, shoal.peer.algorithms.fanin) `payload bytes * G * (N - 1) / N`, whatever N's
+size. Overhead = measured / predicted - 1. Nothing else may use loopback meanwhile (the numbers would
+include it).
 
 Rounds per second are set by the clock (1 / round length); what is measured is whether every round
-completed with every peer's payload (`complete_rounds`).
+completed with every peer's payload, or the G chosen ones (`complete_rounds`), and whether the peers
+ended on one model (`one_hash`).
 """
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -46,11 +50,15 @@ def worker(args: argparse.Namespace) -> None:
     from shoal.peer.swarm.records import RoundSchedule
 
     torch.set_num_threads(1)
+    config = {"model": args.model, "algorithm": "demo"}
+    if args.gather:
+        config["gather"] = str(args.gather)
     with SwarmPeer.start("bench", [args.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as peer:
         exchange = peer.connect(
             RoundSchedule(start_time=args.start, round_seconds=args.round_seconds),
-            {"model": args.model, "algorithm": "demo"},
+            config,
             fetch_timeout=timedelta(seconds=args.round_seconds),
+            gather_limit=args.gather,
         )
         config = GPTConfig.preset("small" if args.model == "10m" else "tiny", **MODELS[args.model])
         torch.manual_seed(0)
@@ -68,11 +76,14 @@ def worker(args: argparse.Namespace) -> None:
             "received": exchange.counts.bytes_received,
             "rejected": dict(exchange.counts.rejected),
             "compute_s": statistics.median(r.compute_s for r in reports),
+            "param_hash": hashlib.sha256(
+                b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+            ).hexdigest(),
         }
         Path(args.out).write_text(json.dumps(result))
 
 
-def run_swarm(model: str, peers: int, rounds: int, round_seconds: float) -> dict:
+def run_swarm(model: str, peers: int, rounds: int, round_seconds: float, gather: int = 0) -> dict:
     from shoal.peer.swarm.bootstrap import TetheredDHT
 
     # the benchmark's bootstrap node: its process and p2pd end with the benchmark, even on kill -9
@@ -93,6 +104,7 @@ def run_swarm(model: str, peers: int, rounds: int, round_seconds: float) -> dict
                     ),
                     *("--start", str(begin), "--round-seconds", str(round_seconds), "--rounds", str(rounds)),
                     *("--index", str(i), "--peers", str(peers), "--model", model, "--out", f"{tmp}/{i}.json"),
+                    *("--gather", str(gather)),
                 ],
                 start_new_session=True,
             )
@@ -113,40 +125,44 @@ def run_swarm(model: str, peers: int, rounds: int, round_seconds: float) -> dict
             node.shutdown()
         results = [json.loads(Path(f"{tmp}/{i}.json").read_text()) for i in range(peers)]
     payload = statistics.mean(r["payload_bytes"] for r in results)
-    predicted = payload * (peers - 1)
+    counted = min(gather or peers, peers)
+    predicted = payload * counted * (peers - 1) / peers
     measured = wire / peers / rounds
-    complete = sum(
-        all(p == peers for p in column) for column in zip(*(r["participants"] for r in results), strict=True)
-    )
+    columns = zip(*(r["participants"] for r in results), strict=True)
+    complete = sum(all(p == counted for p in column) for column in columns)
     return {
         "model": model,
         "params": results[0]["params"],
         "peers": peers,
+        "gather": gather,
         "rounds": rounds,
         "round_seconds": round_seconds,
         "rounds_per_second": 1 / round_seconds,
         "complete_rounds": complete,
+        "one_hash": len({r["param_hash"] for r in results}) == 1,
         "payload_bytes": round(payload),
-        "predicted_wire_bytes_per_peer_round": round(predicted),
-        "wire_bytes_per_peer_round": round(measured),
+        "predicted_wire_bytes_per_peer_per_round": round(predicted),
+        "wire_bytes_per_peer_per_round": round(measured),
         "overhead": measured / predicted - 1,
         "rejected": sum(sum(r["rejected"].values()) for r in results),
         "median_compute_s": statistics.median(r["compute_s"] for r in results),
     }
 
 
-def main(*, as_json: bool, sizes: list[int], model: str, rounds: int, round_seconds: float) -> int:
+def main(
+    *, as_json: bool, sizes: list[int], model: str, rounds: int, round_seconds: float, gather: int = 0
+) -> int:
     results = []
     for peers in sizes:
-        results.append(run_swarm(model, peers, rounds, round_seconds))
+        results.append(run_swarm(model, peers, rounds, round_seconds, gather))
         if not as_json:
             r = results[-1]
             print(
                 f"{r['model']:>5} {r['params']:>10,} params  {r['peers']} peers"
                 f"  {r['rounds_per_second']:.2f} rounds/s  complete {r['complete_rounds']}/{r['rounds']}"
-                f"  payload {r['payload_bytes']:>10,} B"
-                f"  predicted {r['predicted_wire_bytes_per_peer_round']:>11,} B"
-                f"  wire {r['wire_bytes_per_peer_round']:>11,} B  overhead {100 * r['overhead']:+.1f}%",
+                f"  {'one hash' if r['one_hash'] else 'HASHES DIFFER'}  payload {r['payload_bytes']:>10,} B"
+                f"  predicted {r['predicted_wire_bytes_per_peer_per_round']:>11,} B"
+                f"  wire {r['wire_bytes_per_peer_per_round']:>11,} B  overhead {100 * r['overhead']:+.1f}%",
                 flush=True,
             )
     if as_json:
@@ -164,5 +180,6 @@ if __name__ == "__main__":
     parser.add_argument("--index", type=int)
     parser.add_argument("--peers", type=int)
     parser.add_argument("--model", choices=list(MODELS))
+    parser.add_argument("--gather", type=int, default=0)
     parser.add_argument("--out")
     worker(parser.parse_args())

@@ -76,6 +76,20 @@ def _converge_arguments(benchmarks: argparse._SubParsersAction) -> None:
     converge.add_argument(
         "--outer-momentum", type=float, metavar="M", help="DiLoCo's outer momentum (default: per method)"
     )
+    converge.add_argument("--workers", type=positive_int, metavar="N", help="simulated workers (default: 4)")
+    converge.add_argument(
+        "--gather",
+        type=int,
+        metavar="G",
+        help="at most G workers' payloads count in a round, rotating by samples (default: 0, all)",
+    )
+    converge.add_argument(
+        "--no-carry",
+        dest="carry",
+        action="store_false",
+        default=None,
+        help="with --gather: a worker left out drops its work instead of carrying it to its next round",
+    )
     converge.add_argument(
         "--error-decay",
         type=float,
@@ -135,6 +149,9 @@ def _swarm_local_arguments(benchmarks: argparse._SubParsersAction) -> None:
     swarm.add_argument("--model", choices=["tiny", "10m"], default="tiny", help="tiny, or ~9.5M parameters")
     swarm.add_argument("--rounds", type=positive_int, default=10, help="rounds per swarm size")
     swarm.add_argument("--round-seconds", type=float, default=2.0, help="length of a round")
+    swarm.add_argument(
+        "--gather", type=int, default=0, metavar="G", help="at most G payloads count in a round (0: all)"
+    )
 
 
 def _coordinator_arguments(benchmarks: argparse._SubParsersAction) -> None:
@@ -207,7 +224,10 @@ def _converge(args: argparse.Namespace) -> int:
             f"shoal bench converge: error: --methods: unknown {', '.join(sorted(unknown))}", file=sys.stderr
         )
         return 2
-    names = ("inner_steps", "outer_lr", "outer_momentum", "error_decay")
+    if args.gather is not None and args.gather < 0:
+        print("shoal bench converge: error: --gather must be >= 0", file=sys.stderr)
+        return 2
+    names = ("inner_steps", "outer_lr", "outer_momentum", "error_decay", "workers", "gather", "carry")
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return converge.main(as_json=args.json, quick=args.quick, methods=methods, **overrides)
 
@@ -218,12 +238,16 @@ def _swarm_local(args: argparse.Namespace) -> int:
     if not args.round_seconds > 0:
         print("shoal: error: --round-seconds must be > 0", file=sys.stderr)
         return 2
+    if args.gather < 0:
+        print("shoal: error: --gather must be >= 0", file=sys.stderr)
+        return 2
     return swarm_local.main(
         as_json=args.json,
         sizes=args.peers,
         model=args.model,
         rounds=args.rounds,
         round_seconds=args.round_seconds,
+        gather=args.gather,
     )
 
 

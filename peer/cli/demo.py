@@ -15,12 +15,14 @@ DESCRIPTION = (
 )
 
 
-CODEC_FLAGS = {
+RUN_FLAGS = {
     "--compression": "reference or compact (DeMo), int8 or sparse (DiLoCo)",
     "--topk": "values sent per chunk",
     "--value-bits": "bits per sent value",
     "--chunk": "side of the chunks",
+    "--gather": "at most G payloads count in a round, each peer pulling only those",
 }
+"""Run settings the demo passes to its peers as given (each checked by shoal join's rules first)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="gather",
         help="DiLoCo: how rounds are averaged (see shoal join --help; default: gather)",
     )
-    for flag, help_text in CODEC_FLAGS.items():
+    for flag, help_text in RUN_FLAGS.items():
         parser.add_argument(flag, help=help_text + " (as shoal join; default: the algorithm's)")
     parser.add_argument("--round-seconds", type=float, default=3.0, help="length of a round (default: 3)")
     parser.add_argument("--model", choices=["tiny", "small", "base"], default="tiny", help="default: tiny")
@@ -78,7 +80,7 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return f"--slow-peer must be in [0, {args.peers - 1}]"
     try:  # the peers' own check, before any of them starts
         settings_module.resolve(
-            {"algorithm": args.algorithm, "averaging": args.averaging, **_codec(args)}, {}
+            {"algorithm": args.algorithm, "averaging": args.averaging, **_run_flags(args)}, {}
         )
     except settings_module.SettingsError as error:
         return str(error)
@@ -88,8 +90,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _codec(args: argparse.Namespace) -> dict[str, str]:
-    return {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag in CODEC_FLAGS}
+def _run_flags(args: argparse.Namespace) -> dict[str, str]:
+    return {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag in RUN_FLAGS}
 
 
 def _empty_folder(path: str) -> bool:
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         keep_logs=args.keep_logs,
         codec=tuple(
             part
-            for name, value in _codec(args).items()
+            for name, value in _run_flags(args).items()
             if value
             for part in (f"--{name.replace('_', '-')}", value)
         ),

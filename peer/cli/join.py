@@ -85,6 +85,11 @@ JOIN_FLAGS = {
         "DiLoCo: gather (every peer pulls every payload) or butterfly (with a coordinator and 3+ peers: "
         "each peer averages one piece; 2 (N-1)/N payloads up and down per round instead of N-1)",
     ),
+    "gather": (
+        "G",
+        "at most G payloads count in a round, the same G on every peer, rotating by samples; each peer "
+        "pulls only those, so its download stays G payloads a round at any swarm size (0: all)",
+    ),
     "batch_size": ("B", "samples per micro-batch to start with (halved if the device runs out of memory)"),
     "max_micro_batches": ("N", "most micro-batches accumulated per step"),
     "seed": ("N", "seed of the initial weights and of the data order"),

@@ -46,6 +46,8 @@ class SwarmCounters:
     """Times this peer took its run's round clock from peers that started the run at once with it."""
     rejoins: int = 0
     """Times this peer, alone in its run, dialled its initial peers again."""
+    left_out: int = 0
+    """Rounds a bounded fan-in (`--gather`) left this peer's payload out of (its work carried on)."""
 
     def count_round(self, expected: int, participants: int) -> None:
         """A round ended with `participants` of the `expected` peers (this one included)."""
@@ -71,6 +73,7 @@ class SwarmCounters:
             "butterfly_rounds": self.butterfly_rounds,
             "pieces_recomputed": self.pieces_recomputed,
             "rejoins": self.rejoins,
+            "left_out": self.left_out,
         }
         return copied | totals | extra
 

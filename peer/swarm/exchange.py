@@ -60,6 +60,7 @@ from hivemind.utils.logging import get_logger
 
 from shoal.peer.algorithms.butterfly import Pieces
 from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, mean_by_gather
+from shoal.peer.algorithms.fanin import choose
 from shoal.peer.swarm.channels import Channels
 from shoal.peer.swarm.coordinated import CoordinatedRounds
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
@@ -104,6 +105,8 @@ class SwarmExchange(Exchange):
         coordinator: the link to the swarm's coordinator, if it has one (see `plan_round`).
         rejoin: the initial peers, dialled again when this peer is alone in its run (directory).
         reachability: whether it can be dialed, and its relays (shoal.peer.swarm.relay).
+        gather_limit: at most this many payloads count in a round, the same on every peer (`--gather`,
+            shoal.peer.algorithms.fanin): only those are pulled; 0: every one.
     """
 
     server_type: type[PayloadServer] = PayloadServer
@@ -128,7 +131,11 @@ class SwarmExchange(Exchange):
         coordinator: CoordinatorLink | None = None,
         rejoin: Sequence[str] = (),
         reachability: Reachability = UNCHECKED,
+        gather_limit: int = 0,
     ):
+        if gather_limit < 0:
+            raise ValueError(f"gather_limit must be >= 0, got {gather_limit}")
+        self.gather_limit = gather_limit
         self.dht = dht
         self.run = run
         self.schedule = schedule
@@ -172,6 +179,7 @@ class SwarmExchange(Exchange):
         """What this peer serves (shoal.peer.swarm.server)."""
         self.server.relays = set(reachability.relays)
         self._adopted: list[torch.Tensor] | None = None
+        self._own_counted = True  # whether the fan-in chose this peer's payload in its last round
         self._next_round = 0  # rounds before it are taken by a plan or a gather (`_take_round`)
         self._rounds_lock = threading.Lock()
         self.rounds = CoordinatedRounds(self)
@@ -350,6 +358,10 @@ class SwarmExchange(Exchange):
         adopted, self._adopted = self._adopted, None
         return adopted
 
+    def own_counted(self) -> bool:
+        counted, self._own_counted = self._own_counted, True
+        return counted
+
     def reject(self, contribution: Contribution, reason: str) -> None:
         """Counts and strikes what the optimizer left out: malformed, `config_mismatch`, or screened
         (`opposed`, `outlier`: shoal.peer.algorithms.robust)."""
@@ -515,8 +527,7 @@ class SwarmExchange(Exchange):
                     continue
                 announced[owner] = announcement
                 announced_at[owner] = time.time()
-                if not self.server.holds(round_number, announcement.digest):
-                    fetches[owner] = asyncio.create_task(self._fetch(round_number, announcement, announced))
+            self._pull_chosen(round_number, announced, fetches)
             remaining = deadline - time.time()
             if remaining <= 0:
                 break
@@ -531,6 +542,25 @@ class SwarmExchange(Exchange):
         await abandon(list(fetches.values()))
         return announced, compatible
 
+    def _chosen(self, round_number: int, announced: dict[bytes, Announcement]) -> dict[bytes, Announcement]:
+        """The announcements whose payloads count in the round: at most `gather_limit` of them, chosen by
+        the samples they claim (shoal.peer.algorithms.fanin), the same on every peer that took the same."""
+        claims = {owner: a.samples for owner, a in announced.items()}
+        chosen = choose(self.run.encode(), round_number, claims, self.gather_limit)
+        return {owner: a for owner, a in announced.items() if owner in chosen}
+
+    def _pull_chosen(
+        self, round_number: int, announced: dict[bytes, Announcement], fetches: dict[bytes, asyncio.Task]
+    ) -> None:
+        """Pulls the chosen payloads not held yet, and stops pulling those a later announcement displaced
+        from the chosen set (with no limit: every payload announced)."""
+        chosen = self._chosen(round_number, announced)
+        for owner in [owner for owner in fetches if owner not in chosen]:
+            fetches.pop(owner).cancel()
+        for owner, announcement in chosen.items():
+            if owner not in fetches and not self.server.holds(round_number, announcement.digest):
+                fetches[owner] = asyncio.create_task(self._fetch(round_number, announcement, announced))
+
     async def _settle(
         self,
         round_number: int,
@@ -538,13 +568,19 @@ class SwarmExchange(Exchange):
         mine: Announcement,
         snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
     ) -> list[Contribution]:
-        """The round's contributions from the payloads held, in key order: one per distinct payload, only
-        those computed on the majority's state (this peer re-syncs to it if its own differs)."""
+        """The round's contributions from the chosen payloads held, in key order: one per distinct
+        payload, only those computed on the majority's state (this peer re-syncs to it if its own
+        differs). A payload the fan-in left out (this peer's too) takes no part, in the vote on states
+        neither: every peer votes among the same chosen announcements."""
+        announced = self._chosen(round_number, announced)
+        self._own_counted = mine.owner in announced or not self.gather_limit
+        self.counts.left_out += not self._own_counted
         held = [owner for owner, a in announced.items() if self.server.holds(round_number, a.digest)]
         served = self.counts.sent["payload"] + self.counts.sent["state"]
         self.isolation.observe(len(announced.keys() - {mine.owner}), len(set(held) - {mine.owner}), served)
         held = await self._agree({owner: announced[owner] for owner in held}, mine, snapshot)
-        self.server.expected_pullers = {a.peer for owner, a in announced.items() if owner != mine.owner}
+        pullers = {a.peer for owner, a in announced.items() if owner != mine.owner}
+        self.server.expected_pullers = pullers if mine.owner in announced else set()
         payloads = [self.server.held[(round_number, announced[owner].digest)] for owner in held]
         return [
             Contribution(rank, payload, announced[owner].samples, sender=owner, round=round_number)

@@ -9,6 +9,8 @@ A fault is `KIND@ROUND`, given to a test peer (tests/integration/swarm_peer.py) 
   test's clean-up kills it.
 - `lie@r`: from round r on, every payload it sends has its values' signs flipped, well-formed
   (shoal.peer.bench.hostile.poison): a peer that poisons the run.
+- `vanish@r`: in round r it announces its payload, claiming many samples (so that a bounded fan-in,
+  `--gather`, chooses it), and kills itself (-9) before anyone can pull it: a chosen peer that vanishes.
 
     planned = inject(faults, exchange)   # SwarmPeer.rounds(planned=...) calls it before each round
 """
@@ -24,7 +26,7 @@ from shoal.peer.bench import hostile
 from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.records import RoundPlan
 
-KINDS = ("exit", "hang", "lie")
+KINDS = ("exit", "hang", "lie", "vanish")
 
 
 @dataclass(frozen=True)
@@ -55,9 +57,25 @@ class LyingExchange(SwarmExchange):
         return super().gather(payload, samples, state)
 
 
+class VanishingExchange(SwarmExchange):
+    """A SwarmExchange that dies right after announcing its payload of round `vanish_at`."""
+
+    vanish_at: int | None = None
+
+    async def _hold(self, round_number, payload, samples, snapshot, **kwargs):
+        inflated = 1000 * samples if round_number == self.vanish_at else samples
+        return await super()._hold(round_number, payload, inflated, snapshot, **kwargs)
+
+    async def _announce(self, round_number, mine):
+        await super()._announce(round_number, mine)
+        if round_number == self.vanish_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def exchange_type(faults: Sequence[Fault]) -> type[SwarmExchange]:
     """The exchange a peer with `faults` needs."""
-    return LyingExchange if any(f.kind == "lie" for f in faults) else SwarmExchange
+    kinds = {fault.kind for fault in faults}
+    return LyingExchange if "lie" in kinds else VanishingExchange if "vanish" in kinds else SwarmExchange
 
 
 def inject(faults: Sequence[Fault], exchange: SwarmExchange) -> Callable[[RoundPlan], None]:
@@ -71,5 +89,7 @@ def inject(faults: Sequence[Fault], exchange: SwarmExchange) -> Callable[[RoundP
                 os.kill(os.getpid(), signal.SIGKILL)
             elif plan.round == fault.round and fault.kind == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif fault.kind == "vanish":
+                exchange.vanish_at = fault.round
 
     return planned

@@ -107,6 +107,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on")
     parser.add_argument("--claim-reachable", action="store_true")
+    parser.add_argument("--gather", type=int, default=0, help="bounded fan-in (in the run config)")
     return parser.parse_args()
 
 
@@ -133,6 +134,9 @@ def report_of(model, trainer, exchange, schedule, reports, *, resumed: bool, sto
         "resumed": resumed,
         "stopped": stopped,
         "via_relay": dict(exchange.counts.via_relay),
+        "left_out": exchange.counts.left_out,
+        "payload_bytes": exchange.last_payload_bytes,
+        "uncounted": (trainer.diloco.stats if trainer.diloco else trainer.optimizer).uncounted,
     }
     return report
 
@@ -153,7 +157,7 @@ def main() -> None:
             "algorithm": args.algorithm,
             "lr": "2e-3",
             "compression_topk": str(args.topk),
-        }
+        } | ({"gather": str(args.gather)} if args.gather else {})
         exchange = peer.connect(
             schedule,
             config,
@@ -161,6 +165,7 @@ def main() -> None:
             fetch_timeout=timedelta(seconds=5),
             max_payload_bytes=MAX_PAYLOAD_BYTES,
             strike_limit=args.strike_limit,
+            gather_limit=args.gather,
         )
         config_model = GPTConfig.preset("tiny")
         torch.manual_seed(0)

@@ -61,6 +61,25 @@ def test_demo_with_sparse_diloco_trains_one_model_at_a_fraction_of_int8s_bytes()
     assert refused.returncode == 2 and "--compression: compression sparse is not for demo" in refused.stderr
 
 
+@pytest.mark.timeout(240)
+def test_demo_with_a_bounded_fan_in_under_the_coordinator_halves_the_bytes_and_trains_one_model():
+    """`--gather 2` of 4 DiLoCo peers under the demo's coordinator: every peer takes the same 2 of the
+    decided participants, pulls only those (1.5 payloads a peer instead of 3) and carries the work left
+    out to its next round."""
+    common = ["demo", "--peers", "4", "--rounds", "6", "--round-seconds", "3", "--algorithm", "diloco"]
+    runs = {}
+    for gather in ("2", "0"):
+        result = shoal(*common, "--gather", gather, "--json", timeout=220)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[gather] = json.loads(result.stdout)
+    bounded, everyone = runs["2"], runs["0"]
+    assert bounded["param_hash_agree"] is True and bounded["coordinator"] is True
+    assert bounded["validation_loss"] < bounded["initial_loss"] - 0.3
+    assert bounded["bytes_sent_per_peer_per_round"] < 0.6 * everyone["bytes_sent_per_peer_per_round"]
+    refused = shoal(*common, "--gather", "2", "--averaging", "butterfly", timeout=60)
+    assert refused.returncode == 2 and "--gather: not with --averaging butterfly" in refused.stderr
+
+
 @pytest.mark.timeout(180)
 def test_join_twice_status_and_sigterm_checkpoint(tmp_path):
     first_out, second_out = tmp_path / "first.jsonl", tmp_path / "second.jsonl"

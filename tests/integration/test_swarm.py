@@ -189,6 +189,37 @@ def test_a_hostile_peer_is_rejected_counted_and_banned(tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_a_bounded_fan_in_agrees_rotates_pulls_only_the_chosen_and_outlives_a_chosen_peer(tmp_path):
+    """`--gather 2` over 5 peers: each round counts 2 payloads, the same on every peer (no peer's state
+    ever differs from the others'), every peer's turn comes round, and each pulls at most 2 payloads a
+    round instead of 4. Peer 4 claims many samples in round 5, so that it is chosen, and dies before
+    anyone pulls its payload: the round completes with the other chosen one."""
+    rounds, peers = 10, 5
+    reports = run_swarm(
+        tmp_path,
+        peers=peers,
+        rounds=rounds,
+        round_seconds=2.0,
+        faults={4: "vanish@5"},
+        extra={i: ["--gather", "2"] for i in range(peers)},
+    )
+    survivors = reports[:4]
+    assert len({r["param_hash"] for r in survivors}) == 1 and all(r["finite"] for r in survivors)
+    for report in survivors:
+        assert report["rounds"] == list(range(rounds)) and max(report["lateness"]) < 0.5
+        assert report["participants"] == [2] * 5 + [1] + [2] * 4  # round 5: the chosen peer 4 vanished
+        assert report["resyncs"] == 0 and "stale_state" not in report["rejected"]  # one set everywhere
+        assert 3 <= report["left_out"] <= rounds - 2  # its turn came, and went
+        assert report["uncounted"] == report["left_out"]  # what was left out, its optimizer carried
+        # at most 2 pulled a round (1 when chosen itself), where every peer would pull 4 or 3; a payload
+        # pulled while chosen, then displaced by a later announcement, is the rest
+        assert report["received"] <= 2 * rounds * report["payload_bytes"]
+    # 3 of 5 left out of rounds 0-4 (peer 4 among them up to 5 times), 3 of 4 in round 5, 2 of 4 after
+    assert 15 - 5 + 3 + 2 * 4 <= sum(r["left_out"] for r in survivors) <= 15 + 3 + 2 * 4
+    assert mean_loss(survivors, -1) < mean_loss(survivors, 0) - 0.3
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize(("mode", "peers", "rounds"), [("standard", 3, 5), ("eager", 4, 20)])
 def test_peers_train_diloco_over_the_swarm_and_agree(tmp_path, mode, peers, rounds):
     reports = run_swarm(
@@ -214,6 +245,7 @@ def test_bench_swarm_local_measures_the_wire_against_the_codec(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     (row,) = json.loads(result.stdout)["results"]
     assert row["peers"] == 2 and row["complete_rounds"] == 3 and row["rejected"] == 0
-    assert row["predicted_wire_bytes_per_peer_round"] == row["payload_bytes"] > 1000
+    assert row["predicted_wire_bytes_per_peer_per_round"] == row["payload_bytes"] > 1000
     # the wire carries at least the payloads, and framing, DHT traffic and headers on top
-    assert row["wire_bytes_per_peer_round"] > row["predicted_wire_bytes_per_peer_round"]
+    assert row["wire_bytes_per_peer_per_round"] > row["predicted_wire_bytes_per_peer_per_round"]
+    assert row["one_hash"]

@@ -62,6 +62,7 @@ def _counters() -> dict:
         "isolated": False,
         "rejoins": 0,
         "isolated_rounds": 0,
+        "left_out": 0,
     }
 
 

@@ -44,6 +44,9 @@ def test_config_file_from_the_environment(tmp_path):
         ({}, {}, "model = \n", "not valid TOML"),
         ({"averaging": "allreduce"}, {}, "", "--averaging"),
         ({"averaging": "butterfly"}, {}, "", "DiLoCo only"),  # DeMo's sparse payloads cannot be cut
+        ({"gather": "-1"}, {}, "", "--gather"),
+        ({}, {"SHOAL_GATHER": "two"}, "", "SHOAL_GATHER"),
+        ({"algorithm": "diloco", "averaging": "butterfly", "gather": "4"}, {}, "", "--gather: not with"),
     ],
 )
 def test_bad_values_name_the_setting(tmp_path, flags, environ, toml, named):
@@ -66,6 +69,8 @@ def test_run_config_holds_what_peers_must_share():
     butterfly = JoinSettings(algorithm="diloco-eager", inner_steps=20, averaging="butterfly")
     assert "averaging" not in diloco.run_config()  # the runs from before the setting keep their hash
     assert butterfly.run_config() == diloco.run_config() | {"averaging": "butterfly"}
+    assert "gather" not in demo.run_config()  # likewise
+    assert JoinSettings(gather=16).run_config() == demo.run_config() | {"gather": "16"}
 
 
 def test_cli_exits_2_with_the_setting_named(capsys, monkeypatch, tmp_path):

@@ -1,0 +1,166 @@
+"""Bounded fan-in (`--gather G`, shoal.peer.algorithms.fanin): the choice rule, and the optimizers
+keeping the work that did not count."""
+
+import collections
+
+import pytest
+import torch
+
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.algorithms.exchange import Contribution, Exchange, LoopbackExchange, run_loopback
+from shoal.peer.algorithms.fanin import CAP_RATIO, choose
+from shoal.peer.algorithms.robust import NONE
+
+KEYS = [bytes([i]) * 4 for i in range(16)]
+
+
+def rotate(speeds: dict[bytes, int], limit: int, rounds: int) -> tuple[collections.Counter, int]:
+    """Runs the rule with carried samples, as the optimizers carry them: (times counted, longest wait)."""
+    carried = dict.fromkeys(speeds, 0)
+    times, waits, longest = collections.Counter(), dict.fromkeys(speeds, 0), 0
+    for number in range(rounds):
+        claims = {key: speeds[key] + carried[key] for key in speeds}
+        chosen = choose(b"run", number, claims, limit)
+        assert len(chosen) == limit
+        for key in speeds:
+            if key in chosen:
+                times[key], carried[key], waits[key] = times[key] + 1, 0, 0
+            else:
+                carried[key], waits[key] = claims[key], waits[key] + 1
+                longest = max(longest, waits[key])
+    return times, longest
+
+
+def test_everyone_counts_without_a_limit_or_with_few_candidates():
+    claims = {key: 8 for key in KEYS[:3]}
+    assert choose(b"run", 0, claims, 0) == set(claims)
+    assert choose(b"run", 0, claims, 3) == set(claims)
+    assert choose(b"run", 0, {}, 2) == set()
+    with pytest.raises(ValueError, match="limit"):
+        choose(b"run", 0, claims, -1)
+
+
+def test_every_peer_that_sees_the_same_candidates_chooses_the_same_set():
+    claims = {key: 32 for key in KEYS}
+    reordered = dict(reversed(list(claims.items())))
+    assert choose(b"run", 7, claims, 4) == choose(b"run", 7, reordered, 4)
+    # ties are drawn anew each round and per run
+    assert len({choose(b"run", number, claims, 4) for number in range(8)}) > 1
+    assert choose(b"other", 7, claims, 4) != choose(b"run", 7, claims, 4)
+
+
+def test_equal_compute_is_a_round_robin():
+    times, longest = rotate(dict.fromkeys(KEYS, 32), limit=4, rounds=40)
+    assert set(times.values()) == {10}
+    assert longest == 3  # N / G - 1
+
+
+def test_rotation_is_weighted_by_samples():
+    speeds = {key: 64 if i < 4 else 32 for i, key in enumerate(KEYS)}
+    times, longest = rotate(speeds, limit=4, rounds=400)
+    fast = [times[key] for key in KEYS[:4]]
+    slow = [times[key] for key in KEYS[4:]]
+    assert min(fast) > 1.6 * max(slow)
+    assert min(slow) > 75 and longest <= 5
+
+
+def test_an_inflated_claim_counts_for_at_most_the_cap():
+    claims = dict.fromkeys(KEYS, 10)
+    claims[KEYS[0]] = 10**9
+    claims[KEYS[1]] = int(CAP_RATIO * 10)  # an honest peer that waited: level with the liar
+    winners = collections.Counter(next(iter(choose(b"run", n, claims, 1))) for n in range(200))
+    assert set(winners) == {KEYS[0], KEYS[1]}
+    assert 60 < winners[KEYS[1]] < 140
+
+
+class _Nobody(Exchange):
+    """A round in which no payload counted (every chosen one vanished); for unit tests only."""
+
+    rank = property(lambda self: 0)
+    world_size = property(lambda self: 1)
+
+    def __init__(self):
+        self.claims: list[int] = []
+
+    def gather(self, payload, samples, state=None) -> list[Contribution]:
+        self.claims.append(samples)
+        return []
+
+    def mean(self, tensor, weight=1.0):
+        raise NotImplementedError
+
+    def own_counted(self) -> bool:
+        return False
+
+
+def test_demo_takes_an_uncounted_payload_back_into_its_momentum_exactly():
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(64, 96, generator=generator) for _ in range(4)]
+    kept, carried = torch.nn.Parameter(torch.zeros(64, 96)), torch.nn.Parameter(torch.zeros(64, 96))
+    # error_feedback 0 never removes what it sends: the momentum an uncounted payload must leave
+    reference = DeMo([kept], lr=0.1, exchange=_Nobody(), error_feedback=0.0, compression_topk=4, robust=NONE)
+    nobody = _Nobody()
+    optimizer = DeMo([carried], lr=0.1, exchange=nobody, compression_topk=4, robust=NONE)
+    for grad in grads:
+        kept.grad, carried.grad = grad.clone(), grad.clone()
+        reference.step(samples=8)
+        optimizer.step(samples=8)
+    assert torch.equal(optimizer.state[carried]["delta"], reference.state[kept]["delta"])
+    assert optimizer.uncounted == 4 and reference.uncounted == 4
+    assert nobody.claims == [8, 16, 24, 32]  # the samples behind the carried work, announced
+    assert torch.equal(kept, carried)  # nothing counted: no step
+
+
+def _demo_workers(limit: int, overlap: bool) -> list[tuple[list[torch.Tensor], DeMo]]:
+    generator = torch.Generator().manual_seed(1)
+    grads = [[torch.randn(48, 64, generator=generator) for _ in range(4)] for _ in range(6)]
+
+    def work(rank: int, exchange: LoopbackExchange):
+        param = torch.nn.Parameter(torch.zeros(48, 64))
+        optimizer = DeMo([param], lr=0.1, exchange=exchange, compression_topk=4, overlap=overlap)
+        for step in grads:
+            param.grad = step[rank].clone()
+            optimizer.step(samples=8)
+        optimizer.finish()
+        optimizer.close()
+        return param.detach(), optimizer
+
+    return run_loopback(4, work, gather_limit=limit)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_demo_under_a_bounded_fan_in_keeps_every_worker_identical_and_rotates(overlap):
+    results = _demo_workers(2, overlap)
+    params = [param for param, _ in results]
+    assert all(torch.equal(params[0], other) for other in params[1:])
+    uncounted = [optimizer.uncounted for _, optimizer in results]
+    assert sum(uncounted) == 2 * 6  # two of four left out of each of six rounds
+    assert max(uncounted) <= 4 and min(uncounted) >= 2  # a round-robin: each counts every other round
+    assert not torch.equal(params[0], _demo_workers(0, overlap)[0][0])
+
+
+@pytest.mark.parametrize("mode", ["standard", "eager"])
+def test_diloco_carries_an_uncounted_pseudo_gradient_to_its_next_contribution(mode):
+    torch.manual_seed(0)
+    initial = torch.nn.Linear(16, 4).state_dict()
+
+    def work(rank: int, exchange: LoopbackExchange):
+        model = torch.nn.Linear(16, 4)
+        model.load_state_dict(initial)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        diloco = DiLoCo(model, inner, exchange=exchange, inner_steps=2, mode=mode, robust=NONE)
+        generator = torch.Generator().manual_seed(rank)
+        for _ in range(12):
+            x = torch.randn(8, 16, generator=generator)
+            model(x).pow(2).mean().backward()
+            diloco.step(samples=8)
+        diloco.finish()
+        diloco.close()
+        return [p.detach().clone() for p in model.parameters()], diloco.stats.uncounted
+
+    results = run_loopback(4, work, gather_limit=1)
+    params = [param for param, _ in results]
+    assert all(torch.equal(a, b) for other in params[1:] for a, b in zip(params[0], other, strict=True))
+    assert all(3 <= uncounted <= 5 for _, uncounted in results)  # each counts once or twice in six
+    assert sum(uncounted for _, uncounted in results) == 3 * 6  # three of four left out of six rounds
