@@ -114,8 +114,10 @@ class DeMo(torch.optim.Optimizer):
             participant's own sign-of-momentum guess of the update in flight (one more
             parameter-sized buffer and one more inverse transform per step).
         carry: when a bounded fan-in (shoal.peer.algorithms.fanin) leaves this participant's payload out
-            of a round, put what it sent back into the momentum and announce its samples again
-            (`_carry`); False drops that work, as plain error feedback would (for comparison only).
+            of a round, also put what it sent back into the momentum (`_carry`). Off by default: the
+            re-sent coefficients are stale by then, and it cost loss in every setting measured
+            (BENCHMARKS.md). Either way the unsent rest stays in the momentum (error feedback) and
+            the samples are claimed again with the next payload, which rotates the choice.
     """
 
     def __init__(
@@ -136,7 +138,7 @@ class DeMo(torch.optim.Optimizer):
         robust: Robustness = DEMO,
         overlap: bool = False,
         lookahead: bool = False,
-        carry: bool = True,
+        carry: bool = False,
     ):
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr}")
@@ -329,6 +331,7 @@ class DeMo(torch.optim.Optimizer):
         started = time.perf_counter()
         if not gathered.counted:
             self.uncounted += 1
+            self.carried_samples += gathered.samples
             if self.carry:
                 self._carry(gathered, steps_since)
         slices, contributions = self._slices(), gathered.contributions
@@ -345,10 +348,8 @@ class DeMo(torch.optim.Optimizer):
         self.phase_seconds["apply"] += time.perf_counter() - decoded
 
     def _carry(self, gathered: _Gathered, steps_since: int) -> None:
-        """Bounded fan-in (shoal.peer.algorithms.fanin): a payload left out of the round's aggregate goes
-        back into the momentum, as if error feedback had never removed it (decayed as the momentum was
-        since), and its samples are announced with the next payload."""
-        self.carried_samples += gathered.samples
+        """Bounded fan-in with `carry`: a payload left out of the round's aggregate goes back into the
+        momentum, as if error feedback had never removed it (decayed as the momentum was since)."""
         scale = self.error_feedback * self.decay**steps_since
         for piece, selection in zip(self._slices(), gathered.selections, strict=True):
             delta = self.state[piece.members[0].param]["delta"]

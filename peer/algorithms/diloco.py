@@ -123,6 +123,8 @@ class _Sent:
     decoded: list[torch.Tensor]
     """The pseudo-gradient as every receiver decodes it."""
     samples: int
+    phases: int = 1
+    """Inner phases it averages: more than one when it carries phases a bounded fan-in left out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,8 +169,10 @@ class DiLoCo:
             block-aligned (int8, int4, 16 or 32 bits). Each piece's parts are clipped against the
             median of that piece's.
         carry: when a bounded fan-in (shoal.peer.algorithms.fanin) leaves this participant's payload out
-            of a round, add its pseudo-gradient to the next one (`_carry`); False drops it (for
-            comparison only).
+            of a round, also send its pseudo-gradient again, averaged with the next one (`_carry`). Off
+            by default: the carried phases are stale by then, and it cost loss in every setting
+            measured (BENCHMARKS.md). Either way the samples are claimed again with the next payload,
+            which rotates the choice.
     """
 
     def __init__(
@@ -187,7 +191,7 @@ class DiLoCo:
         max_payload_bytes: int = 1 << 31,
         robust: Robustness | None = None,
         butterfly: bool = False,
-        carry: bool = True,
+        carry: bool = False,
     ):
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -236,6 +240,9 @@ class DiLoCo:
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-exchange")
         self._pending: Future[_RoundResult] | None = None
         self._last_sent: _Sent | None = None
+        # bounded fan-in: the displacement, phases and samples of the work not counted yet (`_carry`)
+        self._carried: list[torch.Tensor] | None = None
+        self._carried_phases = self._carried_samples = 0
 
     def step(self, *, samples: int = 1) -> None:
         """One inner step (the inner optimizer's, then zero_grad); an outer step every `inner_steps`.
@@ -255,8 +262,12 @@ class DiLoCo:
         previous = self._collect_pending()  # before encoding: the codec is not shared across threads
         self._carry(previous, self._last_sent)
         pseudo = [start - p.detach() for start, p in zip(self.global_params, self.params, strict=True)]
-        sent = self._encode(pseudo, max(self._samples, 1))
-        self._samples = 0
+        phases, samples = 1 + self._carried_phases, self._samples + self._carried_samples
+        if self._carried is not None:  # the mean over the phases, weighted by all their samples
+            pseudo = [d.add_(c).div_(phases) for d, c in zip(pseudo, self._carried, strict=True)]
+        sent = self._encode(pseudo, max(samples, 1), phases)
+        self._samples = self._carried_phases = self._carried_samples = 0
+        self._carried = None
         if self.mode == "standard":
             start = time.perf_counter()
             result = self._round(sent, self.shared_state())
@@ -330,19 +341,19 @@ class DiLoCo:
         ]
 
     def _carry(self, result: _RoundResult | None, sent: _Sent | None) -> None:
-        """Bounded fan-in (shoal.peer.algorithms.fanin): a pseudo-gradient left out of its round's
-        aggregate joins the next one through the error feedback (started here for a codec without
-        one), and its samples are announced with it."""
+        """Bounded fan-in (shoal.peer.algorithms.fanin): the samples of a pseudo-gradient left out of its
+        round's aggregate are claimed again with the next one; with `carry`, the pseudo-gradient too. A
+        pseudo-gradient is a displacement per inner phase, so the next payload is then the mean over
+        the phases it carries, weighing all their samples: summed instead, a peer that waited k rounds
+        would move the swarm k times as far."""
         if result is None or sent is None or result.counted:
             return
         self.stats.uncounted += 1
+        self._carried_samples = sent.samples
         if not self.carry:
             return
-        self._samples += sent.samples
-        if self.residuals is None:
-            self.residuals = [torch.zeros_like(p) for p in self.params]
-        for residual, decoded in zip(self.residuals, sent.decoded, strict=True):
-            residual.add_(decoded)
+        self._carried = [d * sent.phases for d in sent.decoded]
+        self._carried_phases = sent.phases
 
     def _collect_pending(self) -> _RoundResult | None:
         """Waits for the previous background round, if one is in flight (counted as waiting)."""
@@ -354,7 +365,7 @@ class DiLoCo:
         self._pending = None
         return result
 
-    def _encode(self, pseudo: list[torch.Tensor], samples: int) -> _Sent:
+    def _encode(self, pseudo: list[torch.Tensor], samples: int, phases: int = 1) -> _Sent:
         """Encodes the pseudo-gradient (plus error feedback); keeps what the codec dropped."""
         start = time.perf_counter()
         if self.residuals is not None:
@@ -373,7 +384,7 @@ class DiLoCo:
         self.stats.phase_seconds["encode"] += elapsed
         self.stats.exchange_s += elapsed
         self.stats.waited_s += elapsed
-        return _Sent(data, decoded, samples)
+        return _Sent(data, decoded, samples, phases)
 
     def _round(self, sent: _Sent, state: list[torch.Tensor]) -> _RoundResult:
         """Gathers every participant's payload and returns the weighted mean (rank order), screened."""

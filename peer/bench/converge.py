@@ -74,8 +74,9 @@ class ConvergeConfig:
     seed: int = 0
     gather: int = 0
     """At most this many workers' payloads count in a round (shoal.peer.algorithms.fanin); 0: all."""
-    carry: bool = True
-    """Whether a worker left out of a round keeps its work for its next contribution (fan-in's rule)."""
+    carry: bool = False
+    """Whether a worker left out of a round also sends its work again with its next contribution (the
+    optimizers' `carry`)."""
 
     @property
     def gpt(self) -> GPTConfig:

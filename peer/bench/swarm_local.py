@@ -74,6 +74,8 @@ def worker(args: argparse.Namespace) -> None:
             "payload_bytes": trainer.optimizer.bytes_sent / len(reports),
             "participants": [r.participants for r in reports],
             "received": exchange.counts.bytes_received,
+            "dht_read": exchange.counts.received["dht"],
+            "dht_written": exchange.counts.sent["dht"],
             "rejected": dict(exchange.counts.rejected),
             "compute_s": statistics.median(r.compute_s for r in reports),
             "param_hash": hashlib.sha256(
@@ -144,6 +146,11 @@ def run_swarm(model: str, peers: int, rounds: int, round_seconds: float, gather:
         "predicted_wire_bytes_per_peer_per_round": round(predicted),
         "wire_bytes_per_peer_per_round": round(measured),
         "overhead": measured / predicted - 1,
+        # what the DHT reads and writes carried (serialized values, as the peers counted them)
+        "dht_read_bytes_per_peer_per_round": round(statistics.mean(r["dht_read"] for r in results) / rounds),
+        "dht_written_bytes_per_peer_per_round": round(
+            statistics.mean(r["dht_written"] for r in results) / rounds
+        ),
         "rejected": sum(sum(r["rejected"].values()) for r in results),
         "median_compute_s": statistics.median(r["compute_s"] for r in results),
     }

@@ -84,11 +84,11 @@ def _converge_arguments(benchmarks: argparse._SubParsersAction) -> None:
         help="at most G workers' payloads count in a round, rotating by samples (default: 0, all)",
     )
     converge.add_argument(
-        "--no-carry",
-        dest="carry",
-        action="store_false",
+        "--carry",
+        action="store_true",
         default=None,
-        help="with --gather: a worker left out drops its work instead of carrying it to its next round",
+        help="with --gather: a worker left out sends its work again with its next round (DeMo: its sent "
+        "coefficients back into its momentum; DiLoCo: its pseudo-gradient, averaged over its phases)",
     )
     converge.add_argument(
         "--error-decay",

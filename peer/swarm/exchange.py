@@ -502,13 +502,15 @@ class SwarmExchange(Exchange):
         fetches: dict[bytes, asyncio.Task] = {}
         compatible: set[bytes] = set()
         while True:
-            # DHT reads are most of the wire overhead (BENCHMARKS.md): once every compatible peer's payload
-            # is in, only the peer list is re-read (once per `records_interval`), to notice a newcomer
+            # DHT reads are most of the wire overhead (BENCHMARKS.md): each answers with every peer's entry,
+            # from every node near the key. Once every compatible peer's payload is in, only the peer list
+            # is re-read, to notice a newcomer, and at most 4 times a round (at least a second apart)
             waiting = not compatible <= announced.keys() | ignored
             if waiting or not all(task.done() for task in fetches.values()) or not compatible:
                 compatible = await self.directory.compatible_peers()
             else:
-                await asyncio.sleep(min(self.records_interval_s, max(0.0, deadline - time.time())))
+                idle_s = max(self.records_interval_s, self.schedule.round_seconds / 4)
+                await asyncio.sleep(min(idle_s, max(0.0, deadline - time.time())))
                 if time.time() >= deadline:
                     break
                 compatible = await self.directory.compatible_peers()

@@ -6,11 +6,13 @@ import collections
 import pytest
 import torch
 
+from shoal.compression import decode_tensor
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Contribution, Exchange, LoopbackExchange, run_loopback
 from shoal.peer.algorithms.fanin import CAP_RATIO, choose
 from shoal.peer.algorithms.robust import NONE
+from shoal.protocol import Payload
 
 KEYS = [bytes([i]) * 4 for i in range(16)]
 
@@ -82,9 +84,11 @@ class _Nobody(Exchange):
 
     def __init__(self):
         self.claims: list[int] = []
+        self.payloads: list[bytes] = []
 
     def gather(self, payload, samples, state=None) -> list[Contribution]:
         self.claims.append(samples)
+        self.payloads.append(payload)
         return []
 
     def mean(self, tensor, weight=1.0):
@@ -94,14 +98,14 @@ class _Nobody(Exchange):
         return False
 
 
-def test_demo_takes_an_uncounted_payload_back_into_its_momentum_exactly():
+def test_demo_with_carry_takes_an_uncounted_payload_back_into_its_momentum_exactly():
     generator = torch.Generator().manual_seed(0)
     grads = [torch.randn(64, 96, generator=generator) for _ in range(4)]
     kept, carried = torch.nn.Parameter(torch.zeros(64, 96)), torch.nn.Parameter(torch.zeros(64, 96))
     # error_feedback 0 never removes what it sends: the momentum an uncounted payload must leave
     reference = DeMo([kept], lr=0.1, exchange=_Nobody(), error_feedback=0.0, compression_topk=4, robust=NONE)
     nobody = _Nobody()
-    optimizer = DeMo([carried], lr=0.1, exchange=nobody, compression_topk=4, robust=NONE)
+    optimizer = DeMo([carried], lr=0.1, exchange=nobody, compression_topk=4, robust=NONE, carry=True)
     for grad in grads:
         kept.grad, carried.grad = grad.clone(), grad.clone()
         reference.step(samples=8)
@@ -110,6 +114,20 @@ def test_demo_takes_an_uncounted_payload_back_into_its_momentum_exactly():
     assert optimizer.uncounted == 4 and reference.uncounted == 4
     assert nobody.claims == [8, 16, 24, 32]  # the samples behind the carried work, announced
     assert torch.equal(kept, carried)  # nothing counted: no step
+
+
+def test_demo_without_carry_still_claims_the_samples_it_waited_with():
+    momenta = {}
+    for carry in (False, True):
+        nobody, param = _Nobody(), torch.nn.Parameter(torch.zeros(64, 96))
+        optimizer = DeMo([param], lr=0.1, exchange=nobody, compression_topk=4, robust=NONE, carry=carry)
+        for seed in range(3):
+            param.grad = torch.randn(64, 96, generator=torch.Generator().manual_seed(seed))
+            optimizer.step(samples=8)
+        assert nobody.claims == [8, 16, 24] and optimizer.uncounted == 3
+        momenta[carry] = optimizer.state[param]["delta"]
+    # without carry, what was sent stays out of the momentum (plain error feedback)
+    assert momenta[True].abs().sum() > momenta[False].abs().sum()
 
 
 def _demo_workers(limit: int, overlap: bool) -> list[tuple[list[torch.Tensor], DeMo]]:
@@ -140,8 +158,9 @@ def test_demo_under_a_bounded_fan_in_keeps_every_worker_identical_and_rotates(ov
     assert not torch.equal(params[0], _demo_workers(0, overlap)[0][0])
 
 
+@pytest.mark.parametrize("carry", [False, True])
 @pytest.mark.parametrize("mode", ["standard", "eager"])
-def test_diloco_carries_an_uncounted_pseudo_gradient_to_its_next_contribution(mode):
+def test_diloco_under_a_bounded_fan_in_keeps_every_worker_identical_and_rotates(mode, carry):
     torch.manual_seed(0)
     initial = torch.nn.Linear(16, 4).state_dict()
 
@@ -149,7 +168,7 @@ def test_diloco_carries_an_uncounted_pseudo_gradient_to_its_next_contribution(mo
         model = torch.nn.Linear(16, 4)
         model.load_state_dict(initial)
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
-        diloco = DiLoCo(model, inner, exchange=exchange, inner_steps=2, mode=mode, robust=NONE)
+        diloco = DiLoCo(model, inner, exchange=exchange, inner_steps=2, mode=mode, robust=NONE, carry=carry)
         generator = torch.Generator().manual_seed(rank)
         for _ in range(12):
             x = torch.randn(8, 16, generator=generator)
@@ -164,3 +183,28 @@ def test_diloco_carries_an_uncounted_pseudo_gradient_to_its_next_contribution(mo
     assert all(torch.equal(a, b) for other in params[1:] for a, b in zip(params[0], other, strict=True))
     assert all(3 <= uncounted <= 5 for _, uncounted in results)  # each counts once or twice in six
     assert sum(uncounted for _, uncounted in results) == 3 * 6  # three of four left out of six rounds
+
+
+def test_diloco_with_carry_sends_the_mean_over_the_phases_it_waited():
+    torch.manual_seed(0)
+    initial = torch.nn.Linear(16, 4).state_dict()
+
+    def payloads(carry: bool) -> _Nobody:
+        model, nobody = torch.nn.Linear(16, 4), _Nobody()
+        model.load_state_dict(initial)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        diloco = DiLoCo(model, inner, exchange=nobody, inner_steps=2, robust=NONE, carry=carry)
+        generator = torch.Generator().manual_seed(3)
+        for _ in range(4):  # two rounds; nothing counts, so the global parameters stay where they were
+            model(torch.randn(8, 16, generator=generator)).pow(2).mean().backward()
+            diloco.step(samples=8)
+        return nobody
+
+    def decoded(payload: bytes) -> list[torch.Tensor]:
+        return [decode_tensor(message) for message in Payload.FromString(payload).tensors]
+
+    carried, fresh = payloads(True), payloads(False)
+    assert carried.claims == fresh.claims == [16, 32]  # the samples are claimed again either way
+    first, second = decoded(fresh.payloads[0]), decoded(fresh.payloads[1])
+    for got, a, b in zip(decoded(carried.payloads[1]), first, second, strict=True):
+        torch.testing.assert_close(got, (a + b) / 2)
