@@ -15,6 +15,8 @@ from shoal.coordinator.state import SwarmState
 ROUND_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 # exposed at 0 from the start: the reasons rounds.py drops members for, the codes requests are refused with
 DROP_REASONS = ("left", "silent", "evicted")
+REQUESTS = ("join", "leave", "heartbeat", "rounds", "report", "roundresult", "swarmstatus")
+"""The requests, as rate limits and size refusals name them (their message type, lower case)."""
 REFUSAL_CODES = (
     "invalid_argument", "out_of_range", "already_exists", "not_found", "failed_precondition",
     "resource_exhausted", "unauthenticated", "permission_denied",
@@ -72,6 +74,10 @@ class CoordinatorMetrics:
         )
         for reason in DROP_REASONS:
             self.dropped.labels(reason=reason)
+        for method in REQUESTS:  # every series exists from the start, at 0 (dashboards, alerts)
+            self.oversized.labels(method=method)
+            for by in ("peer", "address"):
+                self.rate_limited.labels(method=method, by=by)
         for code in REFUSAL_CODES:
             self.refused.labels(code=code)
         self.round_duration = Histogram(

@@ -178,7 +178,6 @@ class CoordinatedRounds:
         started = time.time()
         me = self.swarm.peer_id.encode()
         announced = decided(result, self.swarm.max_payload_bytes, self.swarm.counts.rejected)
-        announced = self.swarm._chosen(number, announced)  # --gather: the same few on every peer
         mine = Announcement(me, mine.peer, mine.digest, mine.size, mine.samples, mine.state, mine.synced)
         if pieces is not None and len(announced) >= MIN_PARTICIPANTS:
             contributions = await self._butterfly(
@@ -204,12 +203,14 @@ class CoordinatedRounds:
         mine: Announcement,
         snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
     ) -> tuple[list[Contribution], float]:
-        """Pulls every decided payload this peer lacks until `deadline` and settles the round; returns
-        its contributions and the exchange time to report (`measured_exchange`)."""
+        """Pulls every decided payload this peer lacks (with `--gather`: the chosen ones, the same on every
+        peer) until `deadline` and settles the round; returns its contributions and the exchange time to
+        report (`measured_exchange`)."""
         started = time.time()
+        chosen = self.swarm._chosen(number, announced)
         fetches = {
             asyncio.create_task(self.swarm._fetch(number, a, announced)): a.digest
-            for a in pull_order(list(announced.values()), mine.owner)
+            for a in pull_order(list(chosen.values()), mine.owner)
             if not self.swarm.server.holds(number, a.digest)
         }
         finished = [started]
@@ -225,7 +226,7 @@ class CoordinatedRounds:
         settling = time.time()
         contributions = await self.swarm._settle(number, announced, mine, snapshot)
         exchange_s += time.time() - settling
-        sent = mine.size * (len(announced) - 1) if mine.owner in announced else 0
+        sent = mine.size * (len(announced) - 1) if mine.owner in chosen else 0
         self.swarm.counts.codec_bytes_sent += sent
         return contributions, exchange_s
 

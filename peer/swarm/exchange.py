@@ -572,15 +572,16 @@ class SwarmExchange(Exchange):
     ) -> list[Contribution]:
         """The round's contributions from the chosen payloads held, in key order: one per distinct
         payload, only those computed on the majority's state (this peer re-syncs to it if its own
-        differs). A payload the fan-in left out (this peer's too) takes no part, in the vote on states
-        neither: every peer votes among the same chosen announcements."""
+        differs). A payload the fan-in left out (this peer's too) does not count, but its announcement
+        votes on the round's state with every other one."""
+        voters = announced if self.gather_limit else None
         announced = self._chosen(round_number, announced)
         self._own_counted = mine.owner in announced or not self.gather_limit
         self.counts.left_out += not self._own_counted
         held = [owner for owner, a in announced.items() if self.server.holds(round_number, a.digest)]
         served = self.counts.sent["payload"] + self.counts.sent["state"]
         self.isolation.observe(len(announced.keys() - {mine.owner}), len(set(held) - {mine.owner}), served)
-        held = await self._agree({owner: announced[owner] for owner in held}, mine, snapshot)
+        held = await self._agree({owner: announced[owner] for owner in held}, mine, snapshot, voters)
         pullers = {a.peer for owner, a in announced.items() if owner != mine.owner}
         self.server.expected_pullers = pullers if mine.owner in announced else set()
         payloads = [self.server.held[(round_number, announced[owner].digest)] for owner in held]
@@ -594,10 +595,12 @@ class SwarmExchange(Exchange):
         announced: dict[bytes, Announcement],
         mine: Announcement,
         snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
+        voters: dict[bytes, Announcement] | None = None,
     ) -> list[bytes]:
         """The owners of `announced` whose contributions count, in key order: one per distinct payload,
-        only those computed on the majority's state (this peer re-syncs to it if its own differs)."""
-        decision = decide(announced, mine, compare_states=snapshot is not None)
+        only those computed on the majority's state (this peer re-syncs to it if its own differs); the
+        majority is that of `voters` when given (`state.decide`)."""
+        decision = decide(announced, mine, compare_states=snapshot is not None, voters=voters)
         if decision.copies:
             self.counts.rejected["duplicate"] += len(decision.copies)
         if decision.stale:

@@ -227,10 +227,19 @@ class Decision:
     sources: list[str] = field(default_factory=list)
 
 
-def decide(announced: "dict[bytes, Announcement]", mine: "Announcement", *, compare_states: bool) -> Decision:
+def decide(
+    announced: "dict[bytes, Announcement]",
+    mine: "Announcement",
+    *,
+    compare_states: bool,
+    voters: "dict[bytes, Announcement] | None" = None,
+) -> Decision:
     """The round's decision on this peer (its announcement `mine`), the same on every peer holding the
     same announcements: one contribution per distinct payload, for the smallest key, and, with
-    `compare_states`, only those computed on the majority's state (`majority`)."""
+    `compare_states`, only those computed on the majority's state (`majority`). The majority is that of
+    `announced`, or of `voters` when given: under a bounded fan-in every announcement of the round
+    votes, not only the few chosen (two of them could not outvote a liar), and a peer behind re-syncs
+    from any voter on the majority's state."""
     held = sorted(announced)
     first_owner: dict[bytes, bytes] = {}
     for owner in held:
@@ -239,11 +248,12 @@ def decide(announced: "dict[bytes, Announcement]", mine: "Announcement", *, comp
     held = [owner for owner in held if owner not in copies]
     if not compare_states or not held:  # (a coordinated round may have no participant at all)
         return Decision(held, copies)
-    agreed = majority({owner: (announced[owner].state, announced[owner].synced) for owner in held})
+    ballots = {owner: announced[owner] for owner in held} if voters is None else voters
+    agreed = majority({owner: (a.state, a.synced) for owner, a in ballots.items()})
     stale = [owner for owner in held if announced[owner].state != agreed and owner != mine.owner]
     behind = agreed != mine.state
     sources = (
-        [announced[o].peer for o in held if announced[o].state == agreed and o != mine.owner]
+        [a.peer for owner, a in sorted(ballots.items()) if a.state == agreed and owner != mine.owner]
         if behind
         else []
     )

@@ -23,6 +23,22 @@ def test_a_copied_payload_counts_once_for_the_smallest_key_and_states_are_not_co
     assert not decision.compared and not decision.behind and decision.stale == []
 
 
+def test_under_a_bounded_fan_in_every_announcement_votes_not_only_the_chosen():
+    """Two chosen payloads, one from a liar whose state digest sorts first: alone the two would tie and
+    the liar's state would win; the round's other announcements outvote it."""
+    s0 = b"\x00" * 32
+    everyone = {k: announce(k, k * 2, S1) for k in (b"a", b"b", b"c", b"d")}
+    everyone[b"e"] = announce(b"e", b"ee", s0)
+    chosen = {k: everyone[k] for k in (b"a", b"e")}
+    alone = decide(chosen, everyone[b"a"], compare_states=True)
+    assert alone.agreed == s0 and alone.behind  # what the vote among the chosen would do
+    decision = decide(chosen, everyone[b"a"], compare_states=True, voters=everyone)
+    assert decision.agreed == S1 and not decision.behind
+    assert decision.counted == [b"a"] and decision.stale == [b"e"]
+    behind = decide(chosen, everyone[b"e"], compare_states=True, voters=everyone)
+    assert behind.behind and behind.sources == ["a-peer", "b-peer", "c-peer", "d-peer"]  # any voter on it
+
+
 def test_the_majority_state_counts_and_a_peer_behind_it_resyncs_from_the_others_that_hold_it():
     announced = {
         b"a": announce(b"a", b"1", S1),
