@@ -71,6 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "two rounds at most are undecided at a time",
     )
     parser.add_argument(
+        "--gather",
+        type=int,
+        default=0,
+        metavar="G",
+        help="bounded fan-in: each round's result lists at most G payloads to aggregate, chosen by the "
+        "samples they claim so that every peer counts in turn (peers run with the same --gather); "
+        "default 0: all of them",
+    )
+    parser.add_argument(
         "--token-file", metavar="F", help="accepted tokens: '<token>' (swarm) or '<peer id> <token>' per line"
     )
     parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain ...")
@@ -122,9 +131,11 @@ def _coordinator(args: argparse.Namespace) -> Coordinator:
             eviction_s=args.eviction_s,
             min_start_members=args.min_peers,
             overlap=args.overlap,
+            gather=args.gather,
         )
     except ValueError as error:
-        raise ValueError(f"--round-quantile, --*-s, --evict-after or --min-peers: {error}") from None
+        flags = "--round-quantile, --*-s, --evict-after, --min-peers or --gather"
+        raise ValueError(f"{flags}: {error}") from None
     return Coordinator(
         listen=args.listen,
         state_path=args.state,

@@ -50,6 +50,9 @@ class Policy:
     """Members the swarm's first round waits for."""
     overlap: bool = False
     """Announce round r + 1 as soon as a member reports round r, not once r's exchange is over."""
+    gather: int = 0
+    """Bounded fan-in: a decided round's result lists at most this many participants, chosen by
+    shoal.peer.algorithms.fanin, and tallies every participant's state (0: lists them all)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.quantile <= 1:
@@ -64,8 +67,8 @@ class Policy:
             )
         if self.headroom < 1 or self.report_grace_s < 0 or self.heartbeat_timeout_s <= 0:
             raise ValueError("headroom must be >= 1, report_grace_s >= 0, heartbeat_timeout_s > 0")
-        if self.min_start_members < 1 or self.eviction_s < 0:
-            raise ValueError("min_start_members must be >= 1 and eviction_s >= 0")
+        if self.min_start_members < 1 or self.eviction_s < 0 or self.gather < 0:
+            raise ValueError("min_start_members must be >= 1, eviction_s and gather >= 0")
         if not (
             1 <= self.shrink_after <= self.evict_after and self.forgive_after >= 1 and 0 < self.min_scale <= 1
         ):

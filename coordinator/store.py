@@ -42,7 +42,8 @@ class StateStore:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._db = sqlite3.connect(self.path, isolation_level=None)
+        # the coordinator writes from one thread at a time, not always the same one (asyncio.to_thread)
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # a reported payload survives a power cut
         self._db.executescript(SCHEMA)

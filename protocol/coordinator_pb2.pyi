@@ -130,19 +130,35 @@ class Participant(_message.Message):
     synced: bool
     def __init__(self, peer_id: _Optional[str] = ..., digest: _Optional[bytes] = ..., size: _Optional[int] = ..., samples: _Optional[int] = ..., state: _Optional[bytes] = ..., synced: _Optional[bool] = ...) -> None: ...
 
+class StateVote(_message.Message):
+    __slots__ = ("state", "synced", "count", "holders")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    state: bytes
+    synced: bool
+    count: int
+    holders: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, state: _Optional[bytes] = ..., synced: _Optional[bool] = ..., count: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class RoundResultReply(_message.Message):
-    __slots__ = ("round", "participants", "stragglers", "exchange_deadline", "now")
+    __slots__ = ("round", "participants", "stragglers", "exchange_deadline", "now", "votes", "reported")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     NOW_FIELD_NUMBER: _ClassVar[int]
+    VOTES_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_FIELD_NUMBER: _ClassVar[int]
     round: int
     participants: _containers.RepeatedCompositeFieldContainer[Participant]
     stragglers: _containers.RepeatedScalarFieldContainer[str]
     exchange_deadline: float
     now: float
-    def __init__(self, round: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., stragglers: _Optional[_Iterable[str]] = ..., exchange_deadline: _Optional[float] = ..., now: _Optional[float] = ...) -> None: ...
+    votes: _containers.RepeatedCompositeFieldContainer[StateVote]
+    reported: int
+    def __init__(self, round: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., stragglers: _Optional[_Iterable[str]] = ..., exchange_deadline: _Optional[float] = ..., now: _Optional[float] = ..., votes: _Optional[_Iterable[_Union[StateVote, _Mapping]]] = ..., reported: _Optional[int] = ...) -> None: ...
 
 class SwarmStatusRequest(_message.Message):
     __slots__ = ()

@@ -7,16 +7,20 @@ no history, only the round's candidates and the samples each one announced:
 - the G candidates with the most samples count (a claim is capped at `CAP_RATIO` times the median
   claim, so a peer that inflates its count gains at most that);
 - ties go to a draw from a hash of (run, round, key), new every round;
-- a peer whose payload did not count keeps its work and its samples for its next contribution (DeMo:
-  the coefficients it sent go back into its momentum; DiLoCo: its pseudo-gradient goes into its error
-  feedback), so its claim grows with every round it waits.
+- a peer whose payload did not count claims those samples again with its next one, so its claim
+  grows with every round it waits. Its work itself is not re-sent by default: by the time it would
+  count it is up to N / G - 1 rounds stale, and `shoal bench converge --carry` measured re-sending it
+  as worse for both DeMo (the sent coefficients back into the momentum) and DiLoCo (the
+  pseudo-gradient averaged over the phases it waited); the optimizers' `carry=True` keeps that rule.
+  DeMo's unsent momentum stays with each peer as always.
 
 With equal compute this is a round-robin: every peer counts once every ceil(N / G) rounds, and none
 waits longer. A peer twice as fast fills its claim twice as fast and counts about twice as often: the
-rotation is weighted by samples, and every sample computed ends up in some round's aggregate. Peers
-that see the same candidates choose the same set; the exchange decides who the candidates are (the
-swarm: the announcements it took, stragglers and banned peers left out, or the coordinator's decided
-participants, which every peer sees alike).
+rotation is weighted by samples. Peers that see the same candidates choose the same set; the exchange
+decides who the candidates are (the swarm: the announcements it took, stragglers and banned peers left
+out). Under a coordinator with `--gather G`, the coordinator applies this rule to the participants it
+decided and lists only the chosen, with a tally of every participant's state for the vote
+(shoal.coordinator.server.result_reply); under one without, every peer applies it to the same list.
 """
 
 import hashlib

@@ -63,6 +63,8 @@ class Observed:
     """Per round: reports answered `included=False`."""
     expected: dict[int, int] = field(default_factory=dict)
     """Per round: simulated peers it expected (one that joined late misses the first)."""
+    result_bytes: int = 0
+    """The largest round result a peer received."""
     measuring: bool = False
 
     def failed(self, what: str, error: grpc.aio.AioRpcError) -> None:
@@ -75,6 +77,10 @@ class CoordinatorLoad:
     peers: int
     """Clients in all, the abusive ones included."""
     abusive: int
+    gather: int
+    """The coordinator's --gather (0: every result lists every participant)."""
+    result_bytes: int
+    """The largest round result sent to a peer (each peer is sent one a round)."""
     rounds: int
     """Rounds decided of those asked for (fewer: the swarm stalled)."""
     rounds_on_time: int
@@ -84,6 +90,8 @@ class CoordinatorLoad:
     failures: dict[str, int]
     round_s: float
     """Mean seconds from one round's announcement to the next's."""
+    elapsed_s: float
+    """Seconds the clients ran, from the first join to the last call."""
     max_lag_s: float | None
     """The latest any peer had a round's result, seconds after its compute deadline (None: no round)."""
     coordinator_cpu_s_per_round: float
@@ -187,7 +195,10 @@ class SimulatedPeer:
         if reply is not None and not reply.included:
             self.observed.excluded[announced.round] = self.observed.excluded.get(announced.round, 0) + 1
         try:
-            await self.stub.RoundResult(pb.RoundResultRequest(round=announced.round), timeout=compute_s + 60)
+            result = await self.stub.RoundResult(
+                pb.RoundResultRequest(round=announced.round), timeout=compute_s + 60
+            )
+            self.observed.result_bytes = max(self.observed.result_bytes, result.ByteSize())
         except grpc.aio.AioRpcError as error:
             self.observed.failed("round_result", error)
             return
@@ -269,7 +280,9 @@ def _peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _start_coordinator(workdir: Path, peers: int, compute_s: float) -> tuple[subprocess.Popen, str, str]:
+def _start_coordinator(
+    workdir: Path, peers: int, compute_s: float, gather: int
+) -> tuple[subprocess.Popen, str, str]:
     """The coordinator process, its gRPC port and its metrics port."""
     command = [
         sys.executable,
@@ -288,6 +301,8 @@ def _start_coordinator(workdir: Path, peers: int, compute_s: float) -> tuple[sub
         str(compute_s),
         "--log-format",
         "json",
+        "--gather",
+        str(gather),
     ]
     log = (workdir / "coordinator.log").open("w")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
@@ -324,6 +339,7 @@ async def _drive(
         AbusiveClient(ABUSES[i % len(ABUSES)], p, f"[::1]:{port}", random.Random(rng.random()))
         for i, p in enumerate(ids[:abusive])
     ]
+    began = time.monotonic()
     tasks = [asyncio.create_task(s.run(until)) for s in [*simulated, *abusers]]
     watcher_channel = grpc.aio.insecure_channel(address)
     watcher = coordinator_pb2_grpc.CoordinatorStub(watcher_channel)
@@ -345,6 +361,7 @@ async def _drive(
     stream.cancel()
     until.set()
     await asyncio.gather(*tasks, return_exceptions=True)
+    marks["elapsed"] = time.monotonic() - began
     await watcher_channel.close()
     marks["round_s"] = (
         marks["end"] - marks["at"]
@@ -353,12 +370,13 @@ async def _drive(
 
 
 def run(
-    *, peers: int, rounds: int, compute_s: float = 5.0, abusive: float = 0.0, seed: int = 0
+    *, peers: int, rounds: int, compute_s: float = 5.0, abusive: float = 0.0, gather: int = 0, seed: int = 0
 ) -> CoordinatorLoad:
-    """`peers` clients, of which the fraction `abusive` abuse (ABUSES, in turn) and the others are peers."""
+    """`peers` clients, of which the fraction `abusive` abuse (ABUSES, in turn) and the others are peers;
+    the coordinator's results list `gather` payloads each (0: all)."""
     hostile = round(peers * abusive)
     with tempfile.TemporaryDirectory(prefix="shoal-bench-coordinator-") as tmp:
-        process, port, metrics_port = _start_coordinator(Path(tmp), peers - hostile, compute_s)
+        process, port, metrics_port = _start_coordinator(Path(tmp), peers - hostile, compute_s, gather)
         try:
             observed, marks, abusers = asyncio.run(
                 _drive(port, peers, hostile, rounds, compute_s, process.pid, seed)
@@ -384,6 +402,8 @@ def run(
     return CoordinatorLoad(
         peers=peers,
         abusive=hostile,
+        gather=gather,
+        result_bytes=observed.result_bytes,
         rounds=len(measured),
         rounds_on_time=on_time,
         p50_ms=quantiles[49] * 1000,
@@ -391,6 +411,7 @@ def run(
         calls=len(observed.latencies),
         failures=observed.failures,
         round_s=marks["round_s"],
+        elapsed_s=marks["elapsed"],
         max_lag_s=max((max(observed.lags[r]) for r in measured), default=None),
         coordinator_cpu_s_per_round=(marks["cpu_end"] - marks["cpu"]) / rounds,
         coordinator_peak_rss_mb=marks["rss"],
@@ -399,10 +420,12 @@ def run(
     )
 
 
-def main(*, peers: list[int], rounds: int, compute_s: float, abusive: float, as_json: bool) -> int:
+def main(
+    *, peers: list[int], rounds: int, compute_s: float, abusive: float, gather: int, as_json: bool
+) -> int:
     results = []
     for count in peers:
-        result = run(peers=count, rounds=rounds, compute_s=compute_s, abusive=abusive)
+        result = run(peers=count, rounds=rounds, compute_s=compute_s, abusive=abusive, gather=gather)
         results.append(result)
         if not as_json:
             print(_line(result, rounds), flush=True)
@@ -417,6 +440,7 @@ def _line(result: CoordinatorLoad, asked: int) -> str:
         f"{result.peers:>5} peers  {result.rounds_on_time}/{asked} rounds on time ({result.rounds} decided)  "
         f"p50 {result.p50_ms:.1f} ms  p99 {result.p99_ms:.1f} ms  round {result.round_s:.1f} s  lag {lag}  "
         f"coordinator {result.coordinator_cpu_s_per_round:.2f} CPU s/round, "
-        f"{result.coordinator_peak_rss_mb:.0f} MB  failures {result.failures or 0}"
+        f"{result.coordinator_peak_rss_mb:.0f} MB  result {result.result_bytes / 1000:.1f} kB  "
+        f"failures {result.failures or 0}"
         + (f"\n       {result.abusive} abusive: answered {result.abuse_answers}" if result.abusive else "")
     )

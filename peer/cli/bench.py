@@ -180,6 +180,13 @@ def _coordinator_arguments(benchmarks: argparse._SubParsersAction) -> None:
         metavar="FRACTION",
         help="this fraction of the clients abuse instead (join floods, oversized reports, 100x heartbeats)",
     )
+    coordinator.add_argument(
+        "--gather",
+        type=int,
+        default=0,
+        metavar="G",
+        help="the coordinator's bounded fan-in: each result lists G payloads and a tally (0: all)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -205,11 +212,15 @@ def _coordinator(args: argparse.Namespace) -> int:
     if not 0 <= args.abusive < 1:
         print("shoal bench coordinator: error: --abusive must be in [0, 1)", file=sys.stderr)
         return 2
+    if args.gather < 0:
+        print("shoal bench coordinator: error: --gather must be >= 0", file=sys.stderr)
+        return 2
     return coordinator.main(
         peers=args.peers,
         rounds=args.rounds,
         compute_s=args.compute_s,
         abusive=args.abusive,
+        gather=args.gather,
         as_json=args.json,
     )
 

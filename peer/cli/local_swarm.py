@@ -151,8 +151,9 @@ def run(
             f"starting {peers} peers ({algorithm}, rounds of {round_seconds:g} s); logs in {logs}{kept}"
         )
         if coordinator:
+            gather = dict(zip(codec[::2], codec[1::2], strict=True)).get("--gather", "0")
             server, coordinator_address, coordinator_metrics = _start_coordinator(
-                logs, peers, round_seconds, overlap=DEFAULTS[ALGORITHMS[algorithm]].overlapped
+                logs, peers, round_seconds, DEFAULTS[ALGORITHMS[algorithm]].overlapped, gather
             )
             common += ["--coordinator", coordinator_address]
             progress.message(f"coordinator on {coordinator_address}")
@@ -262,16 +263,18 @@ class TargetsFile:
 
 
 def _start_coordinator(
-    logs: Path, peers: int, round_seconds: float, overlap: bool
+    logs: Path, peers: int, round_seconds: float, overlap: bool, gather: str
 ) -> tuple[subprocess.Popen, str, str]:
     """A `shoal coordinator` on a free loopback port whose first round waits for every peer; rounds
     compute for half of `round_seconds`, and at most twice that; with `overlap`, the next round is
-    announced as soon as a peer reports the last. Returns it, its address and its metrics endpoint."""
+    announced as soon as a peer reports the last; it chooses the `gather` payloads that count (the
+    peers' --gather). Returns it, its address and its metrics endpoint."""
     command = [sys.executable, "-m", "shoal.peer.cli", "coordinator", "--listen", "127.0.0.1:0"]
     command += ["--metrics-port", "0"]
     command += ["--state", str(logs / "coordinator.db"), "--log-format", "json", "--min-peers", str(peers)]
     command += ["--min-compute-s", repr(round_seconds / 2), "--max-compute-s", repr(round_seconds)]
     command += ["--eviction-s", repr(10 * round_seconds)] + (["--overlap"] if overlap else [])
+    command += ["--gather", gather]
     log = (logs / "coordinator.log").open("w")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     line = process.stdout.readline()  # its first line says where it listens (no torch: quick)

@@ -31,6 +31,7 @@ from typing import Protocol
 
 import grpc
 import torch
+from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 
 from shoal.peer.algorithms.butterfly import MIN_PARTICIPANTS, Part, Pieces
@@ -39,14 +40,16 @@ from shoal.peer.swarm.coordinator_link import CallFailed, CoordinatorError, Coor
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.isolation import Isolation
 from shoal.peer.swarm.pull import Puller, abandon
-from shoal.peer.swarm.records import Announcement, RoundPlan, RoundSchedule
+from shoal.peer.swarm.records import DIGEST_BYTES, Announcement, RoundPlan, RoundSchedule
 from shoal.peer.swarm.server import PayloadServer
-from shoal.peer.swarm.state import StateSnapshot
+from shoal.peer.swarm.state import StateSnapshot, Tally
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.coordinator_pb2 import ReportReply, ReportRequest, RoundResultReply
 from shoal.protocol.swarm_pb2 import PayloadRequest
 
 logger = get_logger(__name__)
+
+VOTE_HOLDERS = 4  # peers taken per state from a coordinator's tally (it names at most 4)
 
 
 class SwarmHost(Protocol):
@@ -178,18 +181,20 @@ class CoordinatedRounds:
         started = time.time()
         me = self.swarm.peer_id.encode()
         announced = decided(result, self.swarm.max_payload_bytes, self.swarm.counts.rejected)
+        tally = tallied(result)
+        reported = result.reported if tally is not None else len(result.participants)
         mine = Announcement(me, mine.peer, mine.digest, mine.size, mine.samples, mine.state, mine.synced)
         if pieces is not None and len(announced) >= MIN_PARTICIPANTS:
             contributions = await self._butterfly(
-                number, plan.exchange_deadline, announced, mine, snapshot, pieces
+                number, plan.exchange_deadline, announced, mine, snapshot, pieces, tally
             )
             exchange_s = time.time() - started
         else:
             contributions, exchange_s = await self._gather(
-                number, plan.exchange_deadline, announced, mine, snapshot
+                number, plan.exchange_deadline, announced, mine, snapshot, tally, reported
             )
         self.swarm.counts.coordinated_rounds += 1
-        self.swarm.counts.count_round(max(plan.expected, len(result.participants)), len(result.participants))
+        self.swarm.counts.count_round(max(plan.expected, reported), reported)
         link.progress.round, link.progress.exchange_s = number, exchange_s
         with contextlib.suppress(grpc.aio.AioRpcError):
             await link.heartbeat()  # finished: the coordinator may start the next round
@@ -202,12 +207,14 @@ class CoordinatedRounds:
         announced: dict[bytes, Announcement],
         mine: Announcement,
         snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
+        tally: Tally | None,
+        reported: int,
     ) -> tuple[list[Contribution], float]:
         """Pulls every decided payload this peer lacks (with `--gather`: the chosen ones, the same on every
-        peer) until `deadline` and settles the round; returns its contributions and the exchange time to
-        report (`measured_exchange`)."""
+        peer; with a `tally`, the coordinator chose them) until `deadline` and settles the round; returns
+        its contributions and the exchange time to report (`measured_exchange`)."""
         started = time.time()
-        chosen = self.swarm._chosen(number, announced)
+        chosen = announced if tally is not None else self.swarm._chosen(number, announced)
         fetches = {
             asyncio.create_task(self.swarm._fetch(number, a, announced)): a.digest
             for a in pull_order(list(chosen.values()), mine.owner)
@@ -224,9 +231,9 @@ class CoordinatedRounds:
         exchange_s = measured_exchange(started, time.time(), max(finished), bool(pending), slow)
         await abandon(list(fetches))
         settling = time.time()
-        contributions = await self.swarm._settle(number, announced, mine, snapshot)
+        contributions = await self.swarm._settle(number, announced, mine, snapshot, tally)
         exchange_s += time.time() - settling
-        sent = mine.size * (len(announced) - 1) if mine.owner in chosen else 0
+        sent = mine.size * (reported - 1) if mine.owner in chosen else 0
         self.swarm.counts.codec_bytes_sent += sent
         return contributions, exchange_s
 
@@ -238,6 +245,7 @@ class CoordinatedRounds:
         mine: Announcement,
         snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
         pieces: Pieces,
+        tally: Tally | None,
     ) -> Averaged:
         """Averages the decided round piece by piece (shoal.peer.algorithms.butterfly): the participants whose
         contributions count (`_agree`, the same list on every peer) own one piece each, in their order.
@@ -245,7 +253,7 @@ class CoordinatedRounds:
         serves their mean; then it pulls every other owner's mean. A mean that has not come by the
         deadline is averaged here from its parts (`_recompute`), so a lost owner costs time, not the
         piece."""
-        owners = await self.swarm._agree(announced, mine, snapshot)
+        owners = await self.swarm._agree(announced, mine, snapshot, tally)
         count = len(owners)
         index = owners.index(mine.owner) if mine.owner in owners else None
         cuts = self.swarm.server.cut(number, count) or []  # ready before the owners ask
@@ -391,6 +399,31 @@ def decided(result: RoundResultReply, max_bytes: int, rejected: Counter[str]) ->
         except MalformedPayloadError as error:
             rejected[error.reason] += 1
     return announced
+
+
+def tallied(result: RoundResultReply) -> Tally | None:
+    """The state vote of a round whose payloads the coordinator chose (its `--gather`): every
+    participant's state, counted; None when the result lists every participant (the vote is theirs).
+    A vote whose state is not a digest, and a holder that is not a peer id, are left out."""
+    if not result.votes:
+        return None
+    votes: Counter[tuple[bytes, bool]] = Counter()
+    holders: dict[bytes, tuple[str, ...]] = {}
+    for vote in result.votes:
+        if len(vote.state) not in (0, DIGEST_BYTES):
+            continue
+        votes[(vote.state, vote.synced)] += vote.count
+        named = tuple(peer for peer in vote.holders[:VOTE_HOLDERS] if _is_peer_id(peer))
+        holders[vote.state] = (*holders.get(vote.state, ()), *named)
+    return Tally(votes, holders)
+
+
+def _is_peer_id(text: str) -> bool:
+    try:
+        PeerID.from_base58(text)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def measured_exchange(started: float, now: float, last_pulled: float, missing: bool, slow: bool) -> float:

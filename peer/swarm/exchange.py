@@ -76,6 +76,7 @@ from shoal.peer.swarm.relay import UNCHECKED, Reachability
 from shoal.peer.swarm.server import PayloadServer
 from shoal.peer.swarm.state import (
     StateSnapshot,
+    Tally,
     decide,
     majority,
 )
@@ -569,14 +570,20 @@ class SwarmExchange(Exchange):
         announced: dict[bytes, Announcement],
         mine: Announcement,
         snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
+        tally: Tally | None = None,
     ) -> list[Contribution]:
         """The round's contributions from the chosen payloads held, in key order: one per distinct
         payload, only those computed on the majority's state (this peer re-syncs to it if its own
         differs). A payload the fan-in left out (this peer's too) does not count, but its announcement
-        votes on the round's state with every other one."""
-        voters = announced if self.gather_limit else None
-        announced = self._chosen(round_number, announced)
-        self._own_counted = mine.owner in announced or not self.gather_limit
+        votes on the round's state with every other one. With a `tally` (a coordinator that chose the
+        round's payloads itself), `announced` holds only the chosen, and the tally is the vote."""
+        if tally is not None:
+            voters, counted = tally, mine.owner in announced
+        else:
+            voters = announced if self.gather_limit else None
+            announced = self._chosen(round_number, announced)
+            counted = mine.owner in announced or not self.gather_limit
+        self._own_counted = counted
         self.counts.left_out += not self._own_counted
         held = [owner for owner, a in announced.items() if self.server.holds(round_number, a.digest)]
         served = self.counts.sent["payload"] + self.counts.sent["state"]
@@ -595,7 +602,7 @@ class SwarmExchange(Exchange):
         announced: dict[bytes, Announcement],
         mine: Announcement,
         snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
-        voters: dict[bytes, Announcement] | None = None,
+        voters: dict[bytes, Announcement] | Tally | None = None,
     ) -> list[bytes]:
         """The owners of `announced` whose contributions count, in key order: one per distinct payload,
         only those computed on the majority's state (this peer re-syncs to it if its own differs); the

@@ -20,7 +20,7 @@ import hashlib
 import math
 import sys
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -198,13 +198,31 @@ def majority(states: dict[bytes, tuple[bytes, bool]]) -> bytes | None:
     digest, so every peer that sees the same announcements picks the same state. None if no one
     announced a state.
     """
-    voters = [(digest, synced) for digest, synced in states.values() if digest]
-    if any(synced for _, synced in voters):
-        voters = [(digest, synced) for digest, synced in voters if synced]
-    votes = Counter(digest for digest, _ in voters)
-    if not votes:
+    return tallied(Counter(states.values()))
+
+
+def tallied(votes: Mapping[tuple[bytes, bool], int]) -> bytes | None:
+    """`majority` from votes already counted: {(state digest, synced): how many announced it}."""
+    cast = {key: count for key, count in votes.items() if key[0] and count > 0}
+    if any(synced for _, synced in cast):
+        cast = {key: count for key, count in cast.items() if key[1]}
+    totals: Counter[bytes] = Counter()
+    for (digest, _), count in cast.items():
+        totals[digest] += count
+    if not totals:
         return None
-    return min(votes, key=lambda digest: (-votes[digest], digest))
+    return min(totals, key=lambda digest: (-totals[digest], digest))
+
+
+@dataclass(frozen=True)
+class Tally:
+    """A round's state vote counted by the coordinator: under a bounded fan-in its result lists only the
+    chosen participants, and tallies every participant's state (`RoundResultReply.votes`)."""
+
+    votes: Mapping[tuple[bytes, bool], int]
+    """{(state digest, synced): participants}."""
+    holders: Mapping[bytes, tuple[str, ...]]
+    """Some participants holding each state (peer ids), to re-sync from."""
 
 
 @dataclass(frozen=True)
@@ -232,14 +250,14 @@ def decide(
     mine: "Announcement",
     *,
     compare_states: bool,
-    voters: "dict[bytes, Announcement] | None" = None,
+    voters: "dict[bytes, Announcement] | Tally | None" = None,
 ) -> Decision:
     """The round's decision on this peer (its announcement `mine`), the same on every peer holding the
     same announcements: one contribution per distinct payload, for the smallest key, and, with
     `compare_states`, only those computed on the majority's state (`majority`). The majority is that of
     `announced`, or of `voters` when given: under a bounded fan-in every announcement of the round
     votes, not only the few chosen (two of them could not outvote a liar), and a peer behind re-syncs
-    from any voter on the majority's state."""
+    from any voter on the majority's state. Under a coordinator the votes come counted (a `Tally`)."""
     held = sorted(announced)
     first_owner: dict[bytes, bytes] = {}
     for owner in held:
@@ -248,14 +266,16 @@ def decide(
     held = [owner for owner in held if owner not in copies]
     if not compare_states or not held:  # (a coordinated round may have no participant at all)
         return Decision(held, copies)
-    ballots = {owner: announced[owner] for owner in held} if voters is None else voters
-    agreed = majority({owner: (a.state, a.synced) for owner, a in ballots.items()})
+    if isinstance(voters, Tally):
+        agreed = tallied(voters.votes)
+        holders = [a.peer for o, a in sorted(announced.items()) if a.state == agreed and o != mine.owner]
+        holders += [p for p in voters.holders.get(agreed, ()) if p not in holders and p != mine.peer]
+    else:
+        ballots = {owner: announced[owner] for owner in held} if voters is None else voters
+        agreed = majority({owner: (a.state, a.synced) for owner, a in ballots.items()})
+        holders = [a.peer for o, a in sorted(ballots.items()) if a.state == agreed and o != mine.owner]
     stale = [owner for owner in held if announced[owner].state != agreed and owner != mine.owner]
     behind = agreed != mine.state
-    sources = (
-        [a.peer for owner, a in sorted(ballots.items()) if a.state == agreed and owner != mine.owner]
-        if behind
-        else []
-    )
+    sources = holders if behind else []
     counted = [owner for owner in held if owner not in stale and not (behind and owner == mine.owner)]
     return Decision(counted, copies, stale, True, agreed, behind, sources)

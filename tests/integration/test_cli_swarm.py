@@ -63,9 +63,9 @@ def test_demo_with_sparse_diloco_trains_one_model_at_a_fraction_of_int8s_bytes()
 
 @pytest.mark.timeout(240)
 def test_demo_with_a_bounded_fan_in_under_the_coordinator_halves_the_bytes_and_trains_one_model():
-    """`--gather 2` of 4 DiLoCo peers under the demo's coordinator: every peer takes the same 2 of the
-    decided participants, pulls only those (1.5 payloads a peer instead of 3) and carries the work left
-    out to its next round."""
+    """`--gather 2` of 4 DiLoCo peers under the demo's coordinator (started with `--gather 2`): its
+    results list the 2 it chose of the participants, with the tally of all their states; each peer
+    pulls only those (1.5 payloads a peer instead of 3) and ends on one model."""
     common = ["demo", "--peers", "4", "--rounds", "6", "--round-seconds", "3", "--algorithm", "diloco"]
     runs = {}
     for gather in ("2", "0"):

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from shoal.coordinator.policy import Policy
-from shoal.coordinator.server import MAX_REQUEST_BYTES, Coordinator
+from shoal.coordinator.server import MAX_REQUEST_BYTES, REFUSAL_DELAY_S, Coordinator
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
 from shoal.protocol import coordinator_pb2 as pb
 from shoal.protocol import coordinator_pb2_grpc
@@ -242,6 +243,29 @@ def test_a_round_from_join_to_result(tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_with_gather_the_result_lists_the_chosen_and_tallies_every_state(tmp_path):
+    """`--gather 2` and 3 members that report: the result lists 2, the same for every caller, with the
+    tally of all 3 states; `--gather -1` is refused."""
+    with coordinator(tmp_path, "--gather", "2", "--min-peers", "3") as (_, address), channel(address) as c:
+        s = stub(c)
+        for peer in (A, B, C):
+            s.Join(pb.JoinRequest(peer_id=peer), timeout=CALL_S)
+        for i, peer in enumerate((A, B, C)):
+            state = STATE if peer != C else DIGEST
+            request = pb.ReportRequest(
+                peer_id=peer, round=0, digest=bytes([i]) * 32, size=9, samples=8, state=state
+            )
+            assert s.ReportReady(request, timeout=CALL_S).included
+        results = [s.RoundResult(pb.RoundResultRequest(round=0), timeout=CALL_S) for _ in range(2)]
+    assert len(results[0].participants) == 2 and results[0].participants == results[1].participants
+    assert results[0].reported == 3 and results[0].now <= results[1].now
+    assert {(v.state, v.count) for v in results[0].votes} == {(STATE, 2), (DIGEST, 1)}
+    with launched(tmp_path, "--gather", "-1", state="refused.db") as (process, _):
+        assert process.wait(timeout=20) == 2
+    assert "--gather" in (tmp_path / "refused.db.err").read_text()
+
+
+@pytest.mark.timeout(30)
 def test_overlap_announces_the_next_round_at_the_first_report(tmp_path):
     with coordinator(tmp_path, "--overlap", "--min-peers", "2") as (_, address), channel(address) as c:
         s = stub(c)
@@ -324,23 +348,32 @@ def test_metrics(tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_abuse_is_refused_and_counted_by_peer_and_address(tmp_path):
+def test_abuse_is_refused_slowly_and_counted_by_peer_and_address(tmp_path):
     """Heartbeats at 100x an honest peer's rate, a report padded past the request limit and a burst of
-    swarm status reads: each refused with RESOURCE_EXHAUSTED and counted, while another peer's calls
-    go through (the limits themselves: tests/unit/test_coordinator_limits.py)."""
+    swarm status reads: each refused with RESOURCE_EXHAUSTED after REFUSAL_DELAY_S and counted, while
+    another peer's calls go through at once (the limits themselves: tests/unit/test_coordinator_limits.py)."""
+
+    def codes(futures) -> list[grpc.StatusCode]:
+        return [f.exception().code() if f.exception() is not None else Code.OK for f in futures]
+
     port = free_port()
     with coordinator(tmp_path, "--metrics-port", str(port)) as (_, address), channel(address) as c:
         s = stub(c)
         assert code(s.Join, pb.JoinRequest(peer_id=A)) == code(s.Join, pb.JoinRequest(peer_id=B)) == Code.OK
-        flood = [code(s.Heartbeat, pb.HeartbeatRequest(peer_id=A)) for _ in range(100)]
-        assert flood.count(Code.RESOURCE_EXHAUSTED) >= 80, flood
+        started = time.monotonic()
+        flood = [s.Heartbeat.future(pb.HeartbeatRequest(peer_id=A), timeout=CALL_S) for _ in range(100)]
+        honest = time.monotonic()
         assert code(s.Heartbeat, pb.HeartbeatRequest(peer_id=B)) == Code.OK
+        assert time.monotonic() - honest < REFUSAL_DELAY_S  # not behind the refusals
+        flood = codes(flood)
+        assert flood.count(Code.RESOURCE_EXHAUSTED) >= 80, flood
+        assert time.monotonic() - started >= REFUSAL_DELAY_S
         padded = pb.ReportRequest(
             peer_id=B, round=0, digest=DIGEST, size=1000, samples=64, state=b"x" * 20_000
         )
         assert MAX_REQUEST_BYTES < padded.ByteSize() < 4 * MAX_REQUEST_BYTES
         assert code(s.ReportReady, padded) == Code.RESOURCE_EXHAUSTED
-        reads = [code(s.SwarmStatus, pb.SwarmStatusRequest()) for _ in range(40)]
+        reads = codes([s.SwarmStatus.future(pb.SwarmStatusRequest(), timeout=CALL_S) for _ in range(40)])
         assert Code.RESOURCE_EXHAUSTED in reads and reads[:10] == [Code.OK] * 10
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=CALL_S) as response:
             text = response.read().decode()

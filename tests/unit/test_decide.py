@@ -4,7 +4,7 @@ peer holds against the others (ledger.Ledger)."""
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.ledger import Ledger
 from shoal.peer.swarm.records import Announcement
-from shoal.peer.swarm.state import decide
+from shoal.peer.swarm.state import Tally, decide, majority, tallied
 from shoal.protocol import MalformedPayloadError
 
 S1, S2 = b"\x01" * 32, b"\x02" * 32
@@ -37,6 +37,27 @@ def test_under_a_bounded_fan_in_every_announcement_votes_not_only_the_chosen():
     assert decision.counted == [b"a"] and decision.stale == [b"e"]
     behind = decide(chosen, everyone[b"e"], compare_states=True, voters=everyone)
     assert behind.behind and behind.sources == ["a-peer", "b-peer", "c-peer", "d-peer"]  # any voter on it
+
+
+def test_a_coordinators_tally_is_the_vote_and_names_sources_beyond_the_chosen():
+    """Under a coordinator that chose the round's payloads, its tally of every participant's state is
+    the vote: the liar among the two chosen is outvoted, and a peer behind re-syncs from the chosen on
+    the majority's state, then from the holders the tally names."""
+    s0 = b"\x00" * 32
+    chosen = {b"a": announce(b"a", b"aa", S1), b"e": announce(b"e", b"ee", s0)}
+    tally = Tally({(S1, True): 4, (s0, True): 1, (S2, False): 9}, {S1: ("b-peer", "a-peer"), s0: ("e-peer",)})
+    decision = decide(chosen, chosen[b"a"], compare_states=True, voters=tally)
+    assert decision.agreed == S1 and not decision.behind  # the 9 unsynced do not vote while 5 synced do
+    assert decision.counted == [b"a"] and decision.stale == [b"e"]
+    behind = decide(chosen, chosen[b"e"], compare_states=True, voters=tally)
+    assert behind.behind and behind.sources == ["a-peer", "b-peer"]
+
+
+def test_counted_votes_decide_as_the_ballots_would():
+    ballots = {b"a": (S1, True), b"b": (S2, True), b"c": (S2, True), b"d": (S1, False), b"e": (b"", True)}
+    assert majority(ballots) == tallied({(S1, True): 1, (S2, True): 2, (S1, False): 1}) == S2
+    assert tallied({(S1, False): 2, (S2, False): 2}) == S1  # none synced: all vote; a tie: the smallest
+    assert tallied({}) is None and tallied({(b"", True): 3}) is None
 
 
 def test_the_majority_state_counts_and_a_peer_behind_it_resyncs_from_the_others_that_hold_it():

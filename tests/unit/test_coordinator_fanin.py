@@ -1,0 +1,76 @@
+"""A coordinator with a bounded fan-in (`shoal coordinator --gather G`) chooses the round's payloads
+itself: its result lists the G chosen and tallies every participant's state (server.result_reply),
+and a peer reads that tally back as the round's vote (coordinated.tallied)."""
+
+from collections import Counter
+
+from shoal.coordinator.server import VOTE_HOLDERS, result_reply
+from shoal.coordinator.state import PayloadReport, Round
+from shoal.peer.algorithms.fanin import choose
+from shoal.peer.swarm.coordinated import tallied
+from shoal.protocol import coordinator_pb2 as pb
+
+S1, S2 = b"\x01" * 32, b"\x02" * 32
+BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+PEERS = [f"12D3KooW{BASE58[i] * 44}" for i in range(10)]
+
+
+def decided(number: int, samples: dict[str, int], states: dict[str, bytes] | None = None) -> Round:
+    states = states or {}
+    reports = {
+        p: PayloadReport(
+            peer_id=p, digest=bytes([i]) * 32, size=100, samples=n, state=states.get(p, S1), synced=True
+        )
+        for i, (p, n) in enumerate(samples.items())
+    }
+    return Round(
+        number=number,
+        announced_at=0.0,
+        compute_deadline=1.0,
+        exchange_deadline=2.0,
+        data_seed=1234 + number,
+        expected=tuple(sorted(samples)),
+        reports=reports,
+        decided_at=1.5,
+    )
+
+
+def test_the_result_lists_the_g_that_claim_most_and_tallies_every_state():
+    samples = {p: 10 for p in PEERS}
+    samples[PEERS[3]] = samples[PEERS[7]] = 30  # waited: they claim more
+    states = {PEERS[0]: S2, PEERS[1]: S2}
+    reply = result_reply(decided(5, samples, states), 9.0, gather=3)
+    listed = [p.peer_id for p in reply.participants]
+    assert len(listed) == 3 and listed == sorted(listed) and {PEERS[3], PEERS[7]} <= set(listed)
+    claims = {p.encode(): n for p, n in samples.items()}
+    assert {p.encode() for p in listed} == choose((1239).to_bytes(8, "little"), 5, claims, 3)
+    assert reply.reported == 10
+    assert {(v.state, v.synced): v.count for v in reply.votes} == {(S1, True): 8, (S2, True): 2}
+    assert all(len(v.holders) == min(v.count, VOTE_HOLDERS) for v in reply.votes)
+    tally = tallied(reply)
+    assert tally.votes == Counter({(S1, True): 8, (S2, True): 2}) and set(tally.holders[S2]) == set(PEERS[:2])
+
+
+def test_equal_claims_rotate_from_round_to_round_and_a_small_round_lists_everyone():
+    samples = {p: 10 for p in PEERS}
+    chosen = [
+        frozenset(p.peer_id for p in result_reply(decided(n, samples), 0.0, 2).participants) for n in range(6)
+    ]
+    assert len(set(chosen)) > 1  # the draw is new every round
+    everyone = result_reply(decided(1, dict(list(samples.items())[:2])), 0.0, gather=2)
+    assert len(everyone.participants) == 2 and not everyone.votes and everyone.reported == 0
+    assert tallied(everyone) is None  # the peers vote among the listed themselves
+    assert len(result_reply(decided(1, samples), 0.0, gather=0).participants) == 10
+
+
+def test_a_peer_drops_what_is_malformed_in_a_tally():
+    reply = pb.RoundResultReply(
+        votes=[
+            pb.StateVote(state=S1, synced=True, count=3, holders=[PEERS[0], "not a peer id", PEERS[1]]),
+            pb.StateVote(state=b"short", synced=True, count=100, holders=[PEERS[2]]),
+            pb.StateVote(state=S2, synced=True, count=1, holders=[PEERS[i] for i in range(9)]),
+        ]
+    )
+    tally = tallied(reply)
+    assert tally.votes == Counter({(S1, True): 3, (S2, True): 1})
+    assert tally.holders[S1] == (PEERS[0], PEERS[1]) and len(tally.holders[S2]) == VOTE_HOLDERS
