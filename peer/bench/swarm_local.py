@@ -14,6 +14,11 @@ include it).
 Rounds per second are set by the clock (1 / round length); what is measured is whether every round
 completed with every peer's payload, or the G chosen ones (`complete_rounds`), and whether the peers
 ended on one model (`one_hash`).
+
+With `coordinated`, a `shoal coordinator` (the demo's: first round waits for all N, compute windows of
+half a round to a round, the same `--gather`) plans the rounds and decides their participants; its gRPC
+traffic is on loopback too and counted. Rounds then start when the coordinator announces the first
+(once all N joined), and the wire is measured from that announcement to the last peer's exit.
 """
 
 import argparse
@@ -54,11 +59,17 @@ def worker(args: argparse.Namespace) -> None:
     if args.gather:
         config["gather"] = str(args.gather)
     with SwarmPeer.start("bench", [args.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as peer:
+        link = None
+        if args.coordinator:
+            from shoal.peer.swarm.coordinator_link import CoordinatorLink
+
+            link = CoordinatorLink(args.coordinator, peer.dht.peer_id.to_base58())
         exchange = peer.connect(
             RoundSchedule(start_time=args.start, round_seconds=args.round_seconds),
             config,
             fetch_timeout=timedelta(seconds=args.round_seconds),
             gather_limit=args.gather,
+            coordinator=link,
         )
         config = GPTConfig.preset("small" if args.model == "10m" else "tiny", **MODELS[args.model])
         torch.manual_seed(0)
@@ -85,13 +96,20 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(result))
 
 
-def run_swarm(model: str, peers: int, rounds: int, round_seconds: float, gather: int = 0) -> dict:
+def run_swarm(
+    model: str, peers: int, rounds: int, round_seconds: float, gather: int = 0, coordinated: bool = False
+) -> dict:
+    from shoal.peer.cli.local_swarm import _start_coordinator, _stop
     from shoal.peer.swarm.bootstrap import TetheredDHT
 
     # the benchmark's bootstrap node: its process and p2pd end with the benchmark, even on kill -9
     node = TetheredDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     address = str(node.get_visible_maddrs()[0])
     with tempfile.TemporaryDirectory() as tmp:
+        coordinator, linked = None, []
+        if coordinated:
+            coordinator, where, _ = _start_coordinator(Path(tmp), peers, round_seconds, False, str(gather))
+            linked = ["--coordinator", where]
         begin = time.time() + 20 + 2 * peers  # imports and DHT joins of every peer
         processes = [
             subprocess.Popen(
@@ -106,24 +124,32 @@ def run_swarm(model: str, peers: int, rounds: int, round_seconds: float, gather:
                     ),
                     *("--start", str(begin), "--round-seconds", str(round_seconds), "--rounds", str(rounds)),
                     *("--index", str(i), "--peers", str(peers), "--model", model, "--out", f"{tmp}/{i}.json"),
-                    *("--gather", str(gather)),
+                    *("--gather", str(gather), *linked),
                 ],
                 start_new_session=True,
             )
             for i in range(peers)
         ]
         try:
-            time.sleep(max(0.0, begin - time.time()))
+            if coordinated:
+                _first_announcement(where, timeout_s=begin - time.time() + 120)
+            else:
+                time.sleep(max(0.0, begin - time.time()))
             start_bytes = loopback_tx_bytes()
-            time.sleep(max(0.0, begin + rounds * round_seconds - time.time()))
-            wire = loopback_tx_bytes() - start_bytes
+            if not coordinated:
+                time.sleep(max(0.0, begin + rounds * round_seconds - time.time()))
+                wire = loopback_tx_bytes() - start_bytes
             for process in processes:
-                if process.wait(timeout=120) != 0:
+                if process.wait(timeout=120 + (4 * rounds * round_seconds if coordinated else 0)) != 0:
                     raise RuntimeError(f"a bench peer exited with {process.returncode}")
+            if coordinated:
+                wire = loopback_tx_bytes() - start_bytes
         finally:
             for process in processes:
                 if process.poll() is None:
                     os.killpg(process.pid, 9)
+            if coordinator is not None:
+                _stop(coordinator)
             node.shutdown()
         results = [json.loads(Path(f"{tmp}/{i}.json").read_text()) for i in range(peers)]
     payload = statistics.mean(r["payload_bytes"] for r in results)
@@ -137,6 +163,7 @@ def run_swarm(model: str, peers: int, rounds: int, round_seconds: float, gather:
         "params": results[0]["params"],
         "peers": peers,
         "gather": gather,
+        "coordinated": coordinated,
         "rounds": rounds,
         "round_seconds": round_seconds,
         "rounds_per_second": 1 / round_seconds,
@@ -156,12 +183,33 @@ def run_swarm(model: str, peers: int, rounds: int, round_seconds: float, gather:
     }
 
 
+def _first_announcement(address: str, timeout_s: float) -> None:
+    """Returns when the coordinator at `address` announces its first round (followed as a non-member)."""
+    import grpc
+
+    from shoal.peer.bench.coordinator import peer_ids
+    from shoal.protocol import coordinator_pb2, coordinator_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        stream = stub.Rounds(coordinator_pb2.RoundsRequest(peer_id=peer_ids(1, seed=7)[0]), timeout=timeout_s)
+        next(stream)
+        stream.cancel()
+
+
 def main(
-    *, as_json: bool, sizes: list[int], model: str, rounds: int, round_seconds: float, gather: int = 0
+    *,
+    as_json: bool,
+    sizes: list[int],
+    model: str,
+    rounds: int,
+    round_seconds: float,
+    gather: int = 0,
+    coordinated: bool = False,
 ) -> int:
     results = []
     for peers in sizes:
-        results.append(run_swarm(model, peers, rounds, round_seconds, gather))
+        results.append(run_swarm(model, peers, rounds, round_seconds, gather, coordinated))
         if not as_json:
             r = results[-1]
             print(
@@ -188,5 +236,6 @@ if __name__ == "__main__":
     parser.add_argument("--peers", type=int)
     parser.add_argument("--model", choices=list(MODELS))
     parser.add_argument("--gather", type=int, default=0)
+    parser.add_argument("--coordinator")
     parser.add_argument("--out")
     worker(parser.parse_args())

@@ -152,6 +152,11 @@ def _swarm_local_arguments(benchmarks: argparse._SubParsersAction) -> None:
     swarm.add_argument(
         "--gather", type=int, default=0, metavar="G", help="at most G payloads count in a round (0: all)"
     )
+    swarm.add_argument(
+        "--coordinator",
+        action="store_true",
+        help="under a `shoal coordinator` started here (with the same --gather; its traffic is measured too)",
+    )
 
 
 def _coordinator_arguments(benchmarks: argparse._SubParsersAction) -> None:
@@ -259,6 +264,7 @@ def _swarm_local(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         round_seconds=args.round_seconds,
         gather=args.gather,
+        coordinated=args.coordinator,
     )
 
 
