@@ -60,3 +60,21 @@ def test_settings_load_neither_torch_nor_hivemind():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_the_coordinator_takes_only_the_fan_in_rule_of_the_peer_and_loads_no_torch():
+    """`shoal coordinator` runs without torch: of shoal.peer it imports only the pure rule that chooses
+    a round's payloads (fanin), the same rule the peers apply."""
+    coordinator = PEER.parent / "coordinator"
+    found = {
+        name
+        for path in sorted(coordinator.glob("*.py"))
+        for name in shoal_imports(path)
+        if name.startswith("shoal.peer")
+    }
+    assert found == {"shoal.peer.algorithms.fanin.choose"}
+    code = "import sys, shoal.coordinator.server, shoal.coordinator.cli\n"
+    code += "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('hivemind', 'torch'))}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
