@@ -87,6 +87,7 @@ def worker(args: argparse.Namespace) -> None:
             "received": exchange.counts.bytes_received,
             "dht_read": exchange.counts.received["dht"],
             "dht_written": exchange.counts.sent["dht"],
+            "dht_reads": exchange.counts.dht_reads,
             "rejected": dict(exchange.counts.rejected),
             "compute_s": statistics.median(r.compute_s for r in reports),
             "param_hash": hashlib.sha256(
@@ -178,6 +179,7 @@ def run_swarm(
         "dht_written_bytes_per_peer_per_round": round(
             statistics.mean(r["dht_written"] for r in results) / rounds
         ),
+        "dht_reads_per_peer_per_round": round(statistics.mean(r["dht_reads"] for r in results) / rounds, 1),
         "rejected": sum(sum(r["rejected"].values()) for r in results),
         "median_compute_s": statistics.median(r["compute_s"] for r in results),
     }

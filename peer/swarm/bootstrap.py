@@ -27,6 +27,11 @@ from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 from shoal.peer.swarm.lifeline import die_with_parent
 from shoal.peer.swarm.relay import RelayServer
 
+# the DHT nodes that store each record and announcement (hivemind's default is 5): a run's reads and
+# writes ask only these (shoal.peer.swarm.directory), and each node asked answers with every peer's
+# entry under the key, so a read or write costs REPLICAS * N entries on the wire
+REPLICAS = 3
+
 
 class BootstrapError(RuntimeError):
     """The swarm could not be joined; the message says why and what to try."""
@@ -54,6 +59,7 @@ def start_dht(
     """A running DHT joined through `initial_peers` (none: a new swarm). Create it before starting
     threads: hivemind forks a process for it."""
     addresses = [_parse(peer) for peer in initial_peers]
+    dht_kwargs.setdefault("num_replicas", REPLICAS)
     gc.collect()  # no garbage for the forked child to inherit (TetheredDHT.run)
     try:
         return TetheredDHT(

@@ -21,6 +21,8 @@ class SwarmCounters:
     """Announcements, downloads and contributions dropped, by reason."""
     dht_stores: int = 0
     """Records and announcements this peer wrote into the DHT."""
+    dht_reads: int = 0
+    """Reads of records or announcements this peer made."""
     resyncs: int = 0
     """Times this peer's shared state differed from the majority's and was replaced."""
     stragglers: int = 0
@@ -70,6 +72,7 @@ class SwarmCounters:
             "late": self.late,
             "coordinated_rounds": self.coordinated_rounds,
             "dht_stores": self.dht_stores,
+            "dht_reads": self.dht_reads,
             "butterfly_rounds": self.butterfly_rounds,
             "pieces_recomputed": self.pieces_recomputed,
             "rejoins": self.rejoins,

@@ -27,6 +27,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 
+from shoal.peer.swarm.bootstrap import REPLICAS
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.membership import (
     SHOAL_VERSION,
@@ -52,6 +53,11 @@ REJOIN_TIMEOUT_S = 5.0  # ... each for at most this long
 # alive, so the record only serves `shoal status` (which shows its age), joining checks and the fallback;
 # a write costs about 18 KB on the wire in a small swarm (BENCHMARKS.md)
 RECORD_REFRESH_S = 120.0
+# reads and writes crawl only as far as the REPLICAS nodes nearest their key (those a write stores to;
+# a read merges their entries): hivemind's default crawl is a beam of 20 nodes, each answering with
+# every peer's entry under the key, O(N^2) bytes for one read or write in a swarm under 20 nodes
+# (BENCHMARKS.md); a replica that withholds entries is made up for by the others (docs/ROBUSTNESS.md)
+BEAM = REPLICAS
 ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,250}:[0-9]{1,5}")  # a coordinator's HOST:PORT in a record
 
 
@@ -118,11 +124,15 @@ class RunDirectory:
         """Stores `value` under this peer's subkey, counting its serialized bytes."""
         self.counts.sent["dht"] += len(key) + len(self.owner) + len(MSGPackSerializer.dumps(value))
         self.counts.dht_stores += 1
-        await self.dht.store(key, value, expiration, subkey=self.owner, return_future=True)
+        await self.dht.store(
+            key, value, expiration, subkey=self.owner, return_future=True, beam_size=BEAM, num_workers=BEAM
+        )
 
     async def get(self, key: str):
-        """The latest value under `key`, counting the serialized bytes of what came back."""
-        found = await self.dht.get(key, latest=True, return_future=True)
+        """The latest value under `key` on the BEAM nodes nearest it, counting the serialized bytes of
+        what came back."""
+        self.counts.dht_reads += 1
+        found = await self.dht.get(key, latest=True, return_future=True, beam_size=BEAM, num_workers=BEAM)
         if found is not None and isinstance(found.value, dict):
             self.counts.received["dht"] += sum(
                 len(MSGPackSerializer.dumps(getattr(entry, "value", None))) + len(subkey)

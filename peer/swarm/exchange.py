@@ -47,6 +47,7 @@ runs one event loop on a thread of its own for the handlers and downloads; `clos
 
 import asyncio
 import functools
+import math
 import threading
 import time
 from collections import deque
@@ -100,7 +101,8 @@ class SwarmExchange(Exchange):
         max_payload_bytes: announcements of larger payloads are rejected unread.
         fetch_timeout: limit of one download attempt.
         max_concurrent_fetches: downloads in flight at once.
-        poll_interval: how often announcements are re-read during a round.
+        poll_interval: how often announcements are re-read during a round (backing off to 4 times
+            that, at most a tenth of a round, while nothing new comes).
         strike_limit, ban_rounds: a peer is ignored for `ban_rounds` after this many strikes (ledger).
         keep_states: state snapshots of the last rounds served to joining and re-syncing peers.
         coordinator: the link to the swarm's coordinator, if it has one (see `plan_round`).
@@ -502,24 +504,36 @@ class SwarmExchange(Exchange):
         ignored: set[bytes] = set()
         fetches: dict[bytes, asyncio.Task] = {}
         compatible: set[bytes] = set()
+        records_read_at, unknown, strangers = -math.inf, False, set()
+        # polls back off while nothing new comes (a peer whose record outlives it is waited for until the
+        # deadline), at most to 4 polls' time or a tenth of a round
+        shortest_s = self.poll_interval_s
+        poll_s, longest_s = shortest_s, max(shortest_s, min(4 * shortest_s, self.schedule.round_seconds / 10))
         while True:
-            # DHT reads are most of the wire overhead (BENCHMARKS.md): each answers with every peer's entry,
-            # from every node near the key. Once every compatible peer's payload is in, only the peer list
-            # is re-read, to notice a newcomer, and at most 4 times a round (at least a second apart)
+            # DHT reads are most of the wire overhead (BENCHMARKS.md): each answers with every peer's entry
+            # from each node it asks. The peer list (the larger entries) is re-read at most once a second,
+            # sooner when an unknown peer announced; once every compatible peer's payload is in, only the
+            # peer list is, to notice a newcomer, and at most twice a round
             waiting = not compatible <= announced.keys() | ignored
             if waiting or not all(task.done() for task in fetches.values()) or not compatible:
-                compatible = await self.directory.compatible_peers()
+                if unknown or time.monotonic() - records_read_at >= self.records_interval_s:
+                    compatible, records_read_at = await self.directory.compatible_peers(), time.monotonic()
             else:
-                idle_s = max(self.records_interval_s, self.schedule.round_seconds / 4)
+                idle_s = max(self.records_interval_s, self.schedule.round_seconds / 2)
                 await asyncio.sleep(min(idle_s, max(0.0, deadline - time.time())))
                 if time.time() >= deadline:
                     break
-                compatible = await self.directory.compatible_peers()
+                compatible, records_read_at = await self.directory.compatible_peers(), time.monotonic()
                 if compatible <= announced.keys() | ignored:
                     continue
+            unknown, taken = False, len(announced)
             for owner, announcement in await self.directory.announcements(key, self.max_payload_bytes):
                 # compatible owners come from schema-checked records: signed public-key subkeys
-                if owner not in compatible or owner in announced or owner in ignored:
+                if owner not in compatible:  # a newcomer, whose record is read at once (once)
+                    unknown = unknown or owner not in strangers
+                    strangers.add(owner)
+                    continue
+                if owner in announced or owner in ignored:
                     continue
                 reason = self.ledger.refusal(round_number, owner, announcement)
                 if reason is not None:
@@ -531,10 +545,12 @@ class SwarmExchange(Exchange):
                 announced[owner] = announcement
                 announced_at[owner] = time.time()
             self._pull_chosen(round_number, announced, fetches)
+            new = unknown or len(announced) > taken
+            poll_s = shortest_s if new else min(2 * poll_s, longest_s)
             remaining = deadline - time.time()
             if remaining <= 0:
                 break
-            await asyncio.sleep(min(self.poll_interval_s, remaining))
+            await asyncio.sleep(min(poll_s, remaining))
         # a payload nobody could pull by the deadline strikes its author if the author said it held
         # nothing, or if it was announced a whole fetch timeout before: announcing without serving would
         # otherwise cost nothing, and every peer would wait on it, round after round
