@@ -43,8 +43,8 @@ from shoal.coordinator.state import Round, SwarmState
 from shoal.coordinator.store import StateStore
 from shoal.coordinator.validation import check_peer_id
 from shoal.peer.algorithms.fanin import choose
+from shoal.protocol import TALLY_HOLDERS, coordinator_pb2_grpc
 from shoal.protocol import coordinator_pb2 as pb
-from shoal.protocol import coordinator_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,6 @@ RESULTS_KEPT = 4  # round results kept built (a late peer may still ask for an o
 REFUSAL_DELAY_S = 1.0  # an abusive call waits this long for its refusal (`_refuse_slowly`)
 MAX_DELAYED = 1024  # at most so many at once: a client holding many calls open gets the rest at once
 SUBSCRIBER_BACKLOG = 4  # announcements queued for a slow `Rounds` stream before the oldest is dropped
-VOTE_HOLDERS = 4  # peers named per state in a bounded fan-in's tally (`result_reply`)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -399,7 +398,7 @@ def result_reply(decided: Round, now: float, gather: int = 0) -> pb.RoundResultR
             report = decided.reports[peer_id]
             votes.setdefault((report.state, report.synced), []).append(peer_id)
         reply.votes.extend(
-            pb.StateVote(state=state, synced=synced, count=len(holders), holders=holders[:VOTE_HOLDERS])
+            pb.StateVote(state=state, synced=synced, count=len(holders), holders=holders[:TALLY_HOLDERS])
             for (state, synced), holders in sorted(votes.items())
         )
         reply.reported = len(participants)

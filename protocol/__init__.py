@@ -10,7 +10,12 @@ from shoal.protocol.parse import parse_message
 from shoal.protocol.payload_pb2 import Payload
 from shoal.protocol.tensor_pb2 import CodecId, DType, EncodedTensor, IndexCoding, ValueEncoding
 
+TALLY_HOLDERS = 4
+"""Holders a coordinator names per state in a round's tally (`RoundResultReply.votes`, with
+`--gather`), and the most a peer takes from one: more is another peer's text to dial."""
+
 __all__ = [
+    "TALLY_HOLDERS",
     "CodecId",
     "DType",
     "EncodedTensor",

@@ -31,7 +31,6 @@ from typing import Protocol
 
 import grpc
 import torch
-from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 
 from shoal.peer.algorithms.butterfly import MIN_PARTICIPANTS, Part, Pieces
@@ -40,16 +39,14 @@ from shoal.peer.swarm.coordinator_link import CallFailed, CoordinatorError, Coor
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.isolation import Isolation
 from shoal.peer.swarm.pull import Puller, abandon
-from shoal.peer.swarm.records import DIGEST_BYTES, Announcement, RoundPlan, RoundSchedule
+from shoal.peer.swarm.records import DIGEST_BYTES, Announcement, RoundPlan, RoundSchedule, is_peer_id
 from shoal.peer.swarm.server import PayloadServer
 from shoal.peer.swarm.state import StateSnapshot, Tally
-from shoal.protocol import MalformedPayloadError
+from shoal.protocol import TALLY_HOLDERS, MalformedPayloadError
 from shoal.protocol.coordinator_pb2 import ReportReply, ReportRequest, RoundResultReply
 from shoal.protocol.swarm_pb2 import PayloadRequest
 
 logger = get_logger(__name__)
-
-VOTE_HOLDERS = 4  # peers taken per state from a coordinator's tally (it names at most 4)
 
 
 class SwarmHost(Protocol):
@@ -181,7 +178,7 @@ class CoordinatedRounds:
         started = time.time()
         me = self.swarm.peer_id.encode()
         announced = decided(result, self.swarm.max_payload_bytes, self.swarm.counts.rejected)
-        tally = tallied(result)
+        tally = tally_of(result)
         reported = result.reported if tally is not None else len(result.participants)
         mine = Announcement(me, mine.peer, mine.digest, mine.size, mine.samples, mine.state, mine.synced)
         if pieces is not None and len(announced) >= MIN_PARTICIPANTS:
@@ -401,7 +398,7 @@ def decided(result: RoundResultReply, max_bytes: int, rejected: Counter[str]) ->
     return announced
 
 
-def tallied(result: RoundResultReply) -> Tally | None:
+def tally_of(result: RoundResultReply) -> Tally | None:
     """The state vote of a round whose payloads the coordinator chose (its `--gather`): every
     participant's state, counted; None when the result lists every participant (the vote is theirs).
     A vote whose state is not a digest, and a holder that is not a peer id, are left out."""
@@ -413,17 +410,9 @@ def tallied(result: RoundResultReply) -> Tally | None:
         if len(vote.state) not in (0, DIGEST_BYTES):
             continue
         votes[(vote.state, vote.synced)] += vote.count
-        named = tuple(peer for peer in vote.holders[:VOTE_HOLDERS] if _is_peer_id(peer))
+        named = tuple(peer for peer in vote.holders[:TALLY_HOLDERS] if is_peer_id(peer))
         holders[vote.state] = (*holders.get(vote.state, ()), *named)
     return Tally(votes, holders)
-
-
-def _is_peer_id(text: str) -> bool:
-    try:
-        PeerID.from_base58(text)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def measured_exchange(started: float, now: float, last_pulled: float, missing: bool, slow: bool) -> float:

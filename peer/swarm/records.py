@@ -25,6 +25,15 @@ from shoal.protocol import MalformedPayloadError
 DIGEST_BYTES = 32
 
 
+def is_peer_id(text: object) -> bool:
+    """Whether untrusted `text` is a libp2p peer id in base58."""
+    try:
+        PeerID.from_base58(text)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def peer_records(found) -> tuple[dict[bytes, PeerRecord], int]:
     """The valid records of a DHT read of `<run>_peers` by public-key subkey, and how many were not."""
     if found is None or not isinstance(found.value, dict):
@@ -119,10 +128,8 @@ class Announcement:
         if not isinstance(owner, bytes) or not isinstance(value, dict):
             raise MalformedPayloadError("bad_announcement", "announcement is not {public key: {...}}")
         peer, digest, size, samples = (value.get(k) for k in ("peer", "digest", "size", "samples"))
-        try:
-            PeerID.from_base58(peer)
-        except (TypeError, ValueError):
-            raise MalformedPayloadError("bad_announcement", f"{peer!r} is not a peer id") from None
+        if not is_peer_id(peer):
+            raise MalformedPayloadError("bad_announcement", f"{peer!r} is not a peer id")
         if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
             raise MalformedPayloadError("bad_announcement", f"{peer}: digest is not {DIGEST_BYTES} bytes")
         if type(size) is not int or not 0 < size <= max_bytes:

@@ -1,13 +1,14 @@
 """A coordinator with a bounded fan-in (`shoal coordinator --gather G`) chooses the round's payloads
 itself: its result lists the G chosen and tallies every participant's state (server.result_reply),
-and a peer reads that tally back as the round's vote (coordinated.tallied)."""
+and a peer reads that tally back as the round's vote (coordinated.tally_of)."""
 
 from collections import Counter
 
-from shoal.coordinator.server import VOTE_HOLDERS, result_reply
+from shoal.coordinator.server import result_reply
 from shoal.coordinator.state import PayloadReport, Round
 from shoal.peer.algorithms.fanin import choose
-from shoal.peer.swarm.coordinated import tallied
+from shoal.peer.swarm.coordinated import tally_of
+from shoal.protocol import TALLY_HOLDERS
 from shoal.protocol import coordinator_pb2 as pb
 
 S1, S2 = b"\x01" * 32, b"\x02" * 32
@@ -46,8 +47,8 @@ def test_the_result_lists_the_g_that_claim_most_and_tallies_every_state():
     assert {p.encode() for p in listed} == choose((1239).to_bytes(8, "little"), 5, claims, 3)
     assert reply.reported == 10
     assert {(v.state, v.synced): v.count for v in reply.votes} == {(S1, True): 8, (S2, True): 2}
-    assert all(len(v.holders) == min(v.count, VOTE_HOLDERS) for v in reply.votes)
-    tally = tallied(reply)
+    assert all(len(v.holders) == min(v.count, TALLY_HOLDERS) for v in reply.votes)
+    tally = tally_of(reply)
     assert tally.votes == Counter({(S1, True): 8, (S2, True): 2}) and set(tally.holders[S2]) == set(PEERS[:2])
 
 
@@ -59,7 +60,7 @@ def test_equal_claims_rotate_from_round_to_round_and_a_small_round_lists_everyon
     assert len(set(chosen)) > 1  # the draw is new every round
     everyone = result_reply(decided(1, dict(list(samples.items())[:2])), 0.0, gather=2)
     assert len(everyone.participants) == 2 and not everyone.votes and everyone.reported == 0
-    assert tallied(everyone) is None  # the peers vote among the listed themselves
+    assert tally_of(everyone) is None  # the peers vote among the listed themselves
     assert len(result_reply(decided(1, samples), 0.0, gather=0).participants) == 10
 
 
@@ -71,6 +72,6 @@ def test_a_peer_drops_what_is_malformed_in_a_tally():
             pb.StateVote(state=S2, synced=True, count=1, holders=[PEERS[i] for i in range(9)]),
         ]
     )
-    tally = tallied(reply)
+    tally = tally_of(reply)
     assert tally.votes == Counter({(S1, True): 3, (S2, True): 1})
-    assert tally.holders[S1] == (PEERS[0], PEERS[1]) and len(tally.holders[S2]) == VOTE_HOLDERS
+    assert tally.holders[S1] == (PEERS[0], PEERS[1]) and len(tally.holders[S2]) == TALLY_HOLDERS

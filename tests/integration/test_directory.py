@@ -1,0 +1,81 @@
+"""A run's DHT reads and writes on real hivemind DHTs ask only the replicas nearest their key
+(shoal.peer.swarm.directory): a write lands on `REPLICAS` nodes, not hivemind's default 5, and a
+read merges their entries into every peer's."""
+
+import asyncio
+import functools
+import time
+
+import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.utils.crypto import RSAPrivateKey
+
+from shoal.peer.swarm.bootstrap import REPLICAS, start_dht
+from shoal.peer.swarm.counters import SwarmCounters
+from shoal.peer.swarm.directory import RunDirectory
+from shoal.peer.swarm.membership import owner_subkey, record_validators
+from shoal.peer.swarm.names import round_key
+from shoal.peer.swarm.records import Announcement, RoundSchedule
+from tests.integration.test_membership import record
+
+NODES = 7
+
+
+async def _holds(key: str, _dht, node) -> bool:
+    """In a DHT's process: whether its node stores `key` (its storage, not its cache)."""
+    return node.protocol.storage.get(DHTID.generate(source=key)) is not None
+
+
+@pytest.fixture
+def directories():
+    keys = [RSAPrivateKey() for _ in range(NODES)]
+    first = start_dht(
+        [], host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=record_validators("run", keys[0])
+    )
+    initial = [str(a) for a in first.get_visible_maddrs()]
+    dhts = [first] + [
+        start_dht(
+            initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=record_validators("run", key)
+        )
+        for key in keys[1:]
+    ]
+    made = [
+        RunDirectory(
+            dht,
+            run="run",
+            owner=owner_subkey(key),
+            record=record(peer_id=dht.peer_id.to_base58()),
+            counts=SwarmCounters(),
+            coordinated=False,
+        )
+        for dht, key in zip(dhts, keys, strict=True)
+    ]
+    yield made
+    for dht in reversed(dhts):
+        dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_writes_land_on_the_replicas_and_reads_merge_them(directories):
+    key = round_key("run", 1)
+    schedule = RoundSchedule(start_time=time.time(), round_seconds=30.0)
+
+    async def everyone_writes_then_reads() -> list[dict]:
+        for index, directory in enumerate(directories):
+            mine = Announcement(
+                directory.owner, directory.record.peer_id, bytes([index]) * 32, 100, index + 1
+            )
+            await directory.store(key, mine.value(), time.time() + 60)
+            await directory.store_record(1, schedule)
+        return [dict(await directory.announcements(key, 1000)) for directory in directories]
+
+    seen = asyncio.run(everyone_writes_then_reads())
+    owners = {directory.owner for directory in directories}
+    for read in seen:
+        assert read.keys() == owners  # every peer's entry, whichever node reads
+        assert all(isinstance(a, Announcement) for a in read.values())
+    holders = [d.dht.run_coroutine(functools.partial(_holds, key)) for d in directories]
+    assert sum(holders) == REPLICAS < 5  # hivemind's default would store on 5 of the 7
+    assert all(d.counts.dht_reads == 1 and d.counts.dht_stores == 2 for d in directories)
+    compatible = asyncio.run(directories[-1].compatible_peers())
+    assert compatible == owners
