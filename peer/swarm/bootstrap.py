@@ -31,6 +31,10 @@ from shoal.peer.swarm.relay import RelayServer
 # writes ask only these (shoal.peer.swarm.directory), and each node asked answers with every peer's
 # entry under the key, so a read or write costs REPLICAS * N entries on the wire
 REPLICAS = 3
+# hivemind's Kademlia caching, off: after a read that found something newer it stores the whole value
+# (every peer's entry) on one more node near the key, and a write to a key held in the local cache
+# starts a background re-read of it, crawling a beam of 20 nodes; a run's reads ask only the replicas
+CACHING = {"cache_nearest": 0, "cache_locally": False}
 
 
 class BootstrapError(RuntimeError):
@@ -59,7 +63,7 @@ def start_dht(
     """A running DHT joined through `initial_peers` (none: a new swarm). Create it before starting
     threads: hivemind forks a process for it."""
     addresses = [_parse(peer) for peer in initial_peers]
-    dht_kwargs.setdefault("num_replicas", REPLICAS)
+    dht_kwargs = {"num_replicas": REPLICAS, **CACHING, **dht_kwargs}
     gc.collect()  # no garbage for the forked child to inherit (TetheredDHT.run)
     try:
         return TetheredDHT(

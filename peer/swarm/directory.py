@@ -56,8 +56,11 @@ RECORD_REFRESH_S = 120.0
 # reads and writes crawl only as far as the REPLICAS nodes nearest their key (those a write stores to;
 # a read merges their entries): hivemind's default crawl is a beam of 20 nodes, each answering with
 # every peer's entry under the key, O(N^2) bytes for one read or write in a swarm under 20 nodes
-# (BENCHMARKS.md); a replica that withholds entries is made up for by the others (docs/ROBUSTNESS.md)
+# (BENCHMARKS.md); a replica that withholds entries is made up for by the others (docs/ROBUSTNESS.md).
+# A read of a key read from all of them less than FULL_READ_EVERY_S ago asks only the nearest (a
+# quarter of the bytes at 16 peers: the nearest holds every write, the first a write stores to)
 BEAM = REPLICAS
+FULL_READ_EVERY_S = 1.0
 ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,250}:[0-9]{1,5}")  # a coordinator's HOST:PORT in a record
 
 
@@ -102,6 +105,7 @@ class RunDirectory:
         self._reachable: set[str] = set()  # peer ids whose record says they can be dialed
         self._rejoin = tuple(rejoin)
         self._rejoined_at = -math.inf  # monotonic time of the last attempt
+        self._read_fully_at: dict[str, float] = {}  # key: monotonic time of its last read from every replica
 
     async def store_record(
         self, round_number: int, schedule: RoundSchedule, *, refresh_s: float = 0.0
@@ -129,10 +133,16 @@ class RunDirectory:
         )
 
     async def get(self, key: str):
-        """The latest value under `key` on the BEAM nodes nearest it, counting the serialized bytes of
-        what came back."""
+        """The latest value under `key` on the BEAM nodes nearest it (the nearest only, if read from
+        all less than FULL_READ_EVERY_S ago), counting the serialized bytes of what came back."""
         self.counts.dht_reads += 1
-        found = await self.dht.get(key, latest=True, return_future=True, beam_size=BEAM, num_workers=BEAM)
+        now, beam = time.monotonic(), 1
+        if now - self._read_fully_at.get(key, -math.inf) >= FULL_READ_EVERY_S:
+            self._read_fully_at = {
+                k: t for k, t in self._read_fully_at.items() if now - t < FULL_READ_EVERY_S
+            }
+            self._read_fully_at[key], beam = now, BEAM
+        found = await self.dht.get(key, latest=True, return_future=True, beam_size=beam, num_workers=beam)
         if found is not None and isinstance(found.value, dict):
             self.counts.received["dht"] += sum(
                 len(MSGPackSerializer.dumps(getattr(entry, "value", None))) + len(subkey)
