@@ -39,7 +39,8 @@ for everyone; with butterfly averaging (`average`), steps 3-4 become a reduce-sc
 all-gather (shoal.peer.swarm.coordinated). Should it stop answering, the round finishes as above.
 
 Its parts, in shoal.peer.swarm: what it serves (`server`), its view of the run in the DHT (`directory`),
-what it holds against other peers (`ledger`), its downloads (pull) and coordinated rounds (`rounds`).
+what it holds against other peers (`ledger`), its downloads (pull), the reads of an uncoordinated round
+(`collect`) and coordinated rounds (`rounds`).
 
 The DHT is the caller's (created before any thread: hivemind forks a process for it). This object
 runs one event loop on a thread of its own for the handlers and downloads; `close()` stops it.
@@ -47,7 +48,6 @@ runs one event loop on a thread of its own for the handlers and downloads; `clos
 
 import asyncio
 import functools
-import math
 import threading
 import time
 from collections import deque
@@ -63,6 +63,7 @@ from shoal.peer.algorithms.butterfly import Pieces
 from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, mean_by_gather
 from shoal.peer.algorithms.fanin import choose
 from shoal.peer.swarm.channels import Channels
+from shoal.peer.swarm.collect import collect
 from shoal.peer.swarm.coordinated import CoordinatedRounds
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
 from shoal.peer.swarm.counters import SwarmCounters
@@ -71,7 +72,7 @@ from shoal.peer.swarm.isolation import Isolation
 from shoal.peer.swarm.ledger import Ledger
 from shoal.peer.swarm.membership import PeerRecord, owner_subkey
 from shoal.peer.swarm.names import final_key, round_key
-from shoal.peer.swarm.pull import Puller, abandon
+from shoal.peer.swarm.pull import Puller
 from shoal.peer.swarm.records import Announcement, RoundPlan, RoundSchedule
 from shoal.peer.swarm.relay import UNCHECKED, Reachability
 from shoal.peer.swarm.server import PayloadServer
@@ -378,8 +379,13 @@ class SwarmExchange(Exchange):
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         return mean_by_gather(self, tensor, weight, self.counts.rejected)
 
-    def close(self, drain: timedelta = timedelta(0)) -> bool:
+    def close(self, drain: timedelta = timedelta(0), *, unregister: bool = True) -> bool:
         """Removes the handlers, closes this process's P2P replica and stops the loop thread.
+
+        `unregister` False leaves the handlers to the daemon, for a caller that shuts the DHT (and its
+        libp2p daemon) down right after: each removal makes the daemon send its new protocol list to
+        every connected peer (libp2p's identify push), 5 times N peers' pushes, about 0.6 kB each, for
+        nothing when the daemon ends anyway.
 
         With `drain`, first goes on serving, for at most that long, until every other participant of
         the last round has pulled this peer's payload of it (a butterfly round: its mean, and pieces
@@ -390,7 +396,7 @@ class SwarmExchange(Exchange):
             return True
         until = time.monotonic() + drain.total_seconds()
         drained = drain <= timedelta(0) or self._call(self.server.drain(until))
-        self._call(self._stop())
+        self._call(self._stop(unregister))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         return drained
@@ -426,10 +432,10 @@ class SwarmExchange(Exchange):
         await self.directory.store_record(self.schedule.round_at(time.time()), self.schedule)
         return p2p
 
-    async def _stop(self) -> None:
+    async def _stop(self, unregister: bool) -> None:
         if self.coordinator is not None and self.coordinator.started:
             await self.coordinator.stop()
-        await self.server.stop(self._p2p)
+        await self.server.stop(self._p2p, unregister=unregister)
         self._puller.channels.close()
         await self._p2p.shutdown()
 
@@ -497,69 +503,8 @@ class SwarmExchange(Exchange):
         self, round_number: int, mine: Announcement, deadline: float
     ) -> tuple[dict[bytes, Announcement], set[bytes]]:
         """Uncoordinated: until `deadline`, the announcements of compatible peers in the DHT and their
-        payloads. Returns (the announcements taken, the compatible peers)."""
-        key = round_key(self.run, round_number)
-        announced = {self.owner: mine}
-        announced_at: dict[bytes, float] = {}
-        ignored: set[bytes] = set()
-        fetches: dict[bytes, asyncio.Task] = {}
-        compatible: set[bytes] = set()
-        records_read_at, unknown, strangers = -math.inf, False, set()
-        # polls back off while nothing new comes (a peer whose record outlives it is waited for until the
-        # deadline), at most to 4 polls' time or a tenth of a round
-        shortest_s = self.poll_interval_s
-        poll_s, longest_s = shortest_s, max(shortest_s, min(4 * shortest_s, self.schedule.round_seconds / 10))
-        while True:
-            # DHT reads are most of the wire overhead (BENCHMARKS.md): each answers with every peer's entry
-            # from each node it asks. The peer list (the larger entries) is re-read at most once a second,
-            # sooner when an unknown peer announced; once every compatible peer's payload is in, only the
-            # peer list is, to notice a newcomer, and at most twice a round
-            waiting = not compatible <= announced.keys() | ignored
-            if waiting or not all(task.done() for task in fetches.values()) or not compatible:
-                if unknown or time.monotonic() - records_read_at >= self.records_interval_s:
-                    compatible, records_read_at = await self.directory.compatible_peers(), time.monotonic()
-            else:
-                idle_s = max(self.records_interval_s, self.schedule.round_seconds / 2)
-                await asyncio.sleep(min(idle_s, max(0.0, deadline - time.time())))
-                if time.time() >= deadline:
-                    break
-                compatible, records_read_at = await self.directory.compatible_peers(), time.monotonic()
-                if compatible <= announced.keys() | ignored:
-                    continue
-            unknown, taken = False, len(announced)
-            for owner, announcement in await self.directory.announcements(key, self.max_payload_bytes):
-                # compatible owners come from schema-checked records: signed public-key subkeys
-                if owner not in compatible:  # a newcomer, whose record is read at once (once)
-                    unknown = unknown or owner not in strangers
-                    strangers.add(owner)
-                    continue
-                if owner in announced or owner in ignored:
-                    continue
-                reason = self.ledger.refusal(round_number, owner, announcement)
-                if reason is not None:
-                    ignored.add(owner)
-                    self.counts.rejected[reason] += 1
-                    if reason != "banned":
-                        self._strike(owner, reason, round_number)
-                    continue
-                announced[owner] = announcement
-                announced_at[owner] = time.time()
-            self._pull_chosen(round_number, announced, fetches)
-            new = unknown or len(announced) > taken
-            poll_s = shortest_s if new else min(2 * poll_s, longest_s)
-            remaining = deadline - time.time()
-            if remaining <= 0:
-                break
-            await asyncio.sleep(min(poll_s, remaining))
-        # a payload nobody could pull by the deadline strikes its author if the author said it held
-        # nothing, or if it was announced a whole fetch timeout before: announcing without serving would
-        # otherwise cost nothing, and every peer would wait on it, round after round
-        for owner, task in fetches.items():
-            refused = (round_number, announced[owner].digest) in self._puller.refused_by_author
-            if not task.done() and (refused or deadline - announced_at[owner] >= self.fetch_timeout_s):
-                self._count_and_strike(owner, "unserved", round_number)
-        await abandon(list(fetches.values()))
-        return announced, compatible
+        payloads (shoal.peer.swarm.collect). Returns (the announcements taken, the compatible peers)."""
+        return await collect(self, round_number, mine, deadline)
 
     def _chosen(self, round_number: int, announced: dict[bytes, Announcement]) -> dict[bytes, Announcement]:
         """The announcements whose payloads count in the round: at most `gather_limit` of them, chosen by
@@ -567,18 +512,6 @@ class SwarmExchange(Exchange):
         claims = {owner: a.samples for owner, a in announced.items()}
         chosen = choose(self.run.encode(), round_number, claims, self.gather_limit)
         return {owner: a for owner, a in announced.items() if owner in chosen}
-
-    def _pull_chosen(
-        self, round_number: int, announced: dict[bytes, Announcement], fetches: dict[bytes, asyncio.Task]
-    ) -> None:
-        """Pulls the chosen payloads not held yet, and stops pulling those a later announcement displaced
-        from the chosen set (with no limit: every payload announced)."""
-        chosen = self._chosen(round_number, announced)
-        for owner in [owner for owner in fetches if owner not in chosen]:
-            fetches.pop(owner).cancel()
-        for owner, announcement in chosen.items():
-            if owner not in fetches and not self.server.holds(round_number, announcement.digest):
-                fetches[owner] = asyncio.create_task(self._fetch(round_number, announcement, announced))
 
     async def _settle(
         self,

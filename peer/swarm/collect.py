@@ -1,0 +1,166 @@
+"""The collection of an uncoordinated round of SwarmExchange (shoal.peer.swarm.exchange): until the round's
+deadline, the announcements of compatible peers read from the DHT, and the chosen payloads pulled as
+they come.
+
+DHT reads are most of an uncoordinated round's wire traffic besides the payloads (BENCHMARKS.md):
+every read answers with every peer's entry from each node it asks. `Polls` decides when to read (no
+I/O): the announcements are re-read at the poll interval, backing off to 4 polls' time (at most a tenth
+of a round) while nothing new comes, since a peer whose record outlives it is waited for until the
+deadline; the peer list (the larger entries) at most once per `records_every_s`, sooner once per
+unknown announcer; and once every compatible peer's payload is in, only the peer list, to notice a
+newcomer, and at most twice a round.
+"""
+
+import asyncio
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from shoal.peer.swarm.counters import SwarmCounters
+from shoal.peer.swarm.directory import RunDirectory
+from shoal.peer.swarm.ledger import Ledger
+from shoal.peer.swarm.names import round_key
+from shoal.peer.swarm.pull import Puller, abandon
+from shoal.peer.swarm.records import Announcement, RoundSchedule
+from shoal.peer.swarm.server import PayloadServer
+
+
+@dataclass
+class Polls:
+    """When a round re-reads its announcements and the peer list (see the module docstring); times are
+    `time.monotonic()`'s."""
+
+    shortest_s: float
+    round_seconds: float
+    records_every_s: float
+    records_read_at: float = -math.inf
+    unknown: bool = False
+    """An unknown peer announced since the peer list was last read."""
+    strangers: set[bytes] = field(default_factory=set)
+    poll_s: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.poll_s = self.shortest_s
+
+    @property
+    def longest_s(self) -> float:
+        return max(self.shortest_s, min(4 * self.shortest_s, self.round_seconds / 10))
+
+    def records_due(self, now: float) -> bool:
+        return self.unknown or now - self.records_read_at >= self.records_every_s
+
+    def records_read(self, now: float) -> None:
+        self.records_read_at, self.unknown = now, False
+
+    def stranger(self, owner: bytes) -> None:
+        """An announcement by a peer not in the peer list: the list is re-read at once, once per peer."""
+        self.unknown = self.unknown or owner not in self.strangers
+        self.strangers.add(owner)
+
+    def next_poll_s(self, news: bool) -> float:
+        """The wait before the next read of the announcements: the shortest after news, else doubled."""
+        self.poll_s = self.shortest_s if news else min(2 * self.poll_s, self.longest_s)
+        return self.poll_s
+
+    def idle_s(self) -> float:
+        """The wait between reads of the peer list once every payload is in."""
+        return max(self.records_every_s, self.round_seconds / 2)
+
+
+class CollectHost(Protocol):
+    """What `collect` uses of its SwarmExchange."""
+
+    run: str
+    schedule: RoundSchedule
+    directory: RunDirectory
+    ledger: Ledger
+    counts: SwarmCounters
+    max_payload_bytes: int
+    fetch_timeout_s: float
+    poll_interval_s: float
+    records_interval_s: float
+    server: PayloadServer
+    _puller: Puller
+
+    def _strike(self, owner: bytes, reason: str, round_number: int | None) -> None: ...
+    def _count_and_strike(self, owner: bytes, reason: str, round_number: int | None) -> None: ...
+    def _chosen(self, number: int, announced: dict[bytes, Announcement]) -> dict[bytes, Announcement]: ...
+    async def _fetch(self, number: int, announcement: Announcement, holders: Mapping) -> None: ...
+
+
+async def collect(
+    swarm: CollectHost, round_number: int, mine: Announcement, deadline: float
+) -> tuple[dict[bytes, Announcement], set[bytes]]:
+    """Until `deadline`, the announcements of compatible peers in the DHT, their chosen payloads pulled
+    (`pull_chosen`). Returns (the announcements taken, the compatible peers)."""
+    key = round_key(swarm.run, round_number)
+    announced = {mine.owner: mine}
+    announced_at: dict[bytes, float] = {}
+    ignored: set[bytes] = set()
+    fetches: dict[bytes, asyncio.Task] = {}
+    compatible: set[bytes] = set()
+    polls = Polls(swarm.poll_interval_s, swarm.schedule.round_seconds, swarm.records_interval_s)
+    while True:
+        waiting = not compatible <= announced.keys() | ignored
+        if waiting or not all(task.done() for task in fetches.values()) or not compatible:
+            if polls.records_due(time.monotonic()):
+                compatible = await swarm.directory.compatible_peers()
+                polls.records_read(time.monotonic())
+        else:
+            await asyncio.sleep(min(polls.idle_s(), max(0.0, deadline - time.time())))
+            if time.time() >= deadline:
+                break
+            compatible = await swarm.directory.compatible_peers()
+            polls.records_read(time.monotonic())
+            if compatible <= announced.keys() | ignored:
+                continue
+        taken = len(announced)
+        for owner, announcement in await swarm.directory.announcements(key, swarm.max_payload_bytes):
+            # compatible owners come from schema-checked records: signed public-key subkeys
+            if owner not in compatible:
+                polls.stranger(owner)
+                continue
+            if owner in announced or owner in ignored:
+                continue
+            reason = swarm.ledger.refusal(round_number, owner, announcement)
+            if reason is not None:
+                ignored.add(owner)
+                swarm.counts.rejected[reason] += 1
+                if reason != "banned":
+                    swarm._strike(owner, reason, round_number)
+                continue
+            announced[owner] = announcement
+            announced_at[owner] = time.time()
+        pull_chosen(swarm, round_number, announced, fetches)
+        poll_s = polls.next_poll_s(news=polls.unknown or len(announced) > taken)
+        remaining = deadline - time.time()
+        if remaining <= 0:
+            break
+        await asyncio.sleep(min(poll_s, remaining))
+    # a payload nobody could pull by the deadline strikes its author if the author said it held nothing,
+    # or if it was announced a whole fetch timeout before: announcing without serving would otherwise
+    # cost nothing, and every peer would wait on it, round after round
+    for owner, task in fetches.items():
+        refused = (round_number, announced[owner].digest) in swarm._puller.refused_by_author
+        if not task.done() and (refused or deadline - announced_at[owner] >= swarm.fetch_timeout_s):
+            swarm._count_and_strike(owner, "unserved", round_number)
+    await abandon(list(fetches.values()))
+    return announced, compatible
+
+
+def pull_chosen(
+    swarm: CollectHost,
+    round_number: int,
+    announced: dict[bytes, Announcement],
+    fetches: dict[bytes, asyncio.Task],
+) -> None:
+    """Pulls the chosen payloads (`swarm._chosen`) not held yet, and stops pulling those a later
+    announcement displaced from the chosen set (with no limit: every payload announced)."""
+    chosen = swarm._chosen(round_number, announced)
+    for owner in [owner for owner in fetches if owner not in chosen]:
+        fetches.pop(owner).cancel()
+    for owner, announcement in chosen.items():
+        if owner not in fetches and not swarm.server.holds(round_number, announcement.digest):
+            fetches[owner] = asyncio.create_task(swarm._fetch(round_number, announcement, announced))
