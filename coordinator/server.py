@@ -198,7 +198,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 context, Refused("RESOURCE_EXHAUSTED", f"request over {MAX_REQUEST_BYTES} bytes")
             )
         if self.limiter is not None:
-            over = self.limiter.check(method, peer_id, client_address(context.peer()), time.monotonic())
+            address, now = client_address(context.peer()), time.monotonic()
+            over = self.limiter.check(method, peer_id, address, now, self.state.next_round)
             if over is not None:
                 if self.metrics is not None:
                     self.metrics.rate_limited.labels(method=method.lower(), by=over).inc()

@@ -569,7 +569,8 @@ class SwarmPeer:
         finally:
             try:
                 if self.exchange is not None:
-                    self.exchange.close(drain=self.drain)
+                    # the DHT's daemon ends next: removing the handlers first would only tell every peer
+                    self.exchange.close(drain=self.drain, unregister=False)
             finally:
                 self.dht.shutdown()
 

@@ -52,6 +52,17 @@ class TetheredDHT(hivemind.DHT):
         die_with_parent(multiprocessing.parent_process().pid)
         super().run()
 
+    async def _shutdown(self) -> None:
+        # in the DHT's process. hivemind's node removes its handlers before it ends its own daemon, and
+        # each removal makes the daemon push its new protocol list to every connected peer (libp2p's
+        # identify push): 4 pushes of about 0.6 kB per connection, on connections about to close
+        node = self._node
+        if not node._should_shutdown_p2p:  # a daemon that lives on is told of the removed handlers
+            await node.shutdown()
+            return
+        node.is_alive = False
+        await node.p2p.shutdown()
+
 
 def start_dht(
     initial_peers: Sequence[str],

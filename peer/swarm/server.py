@@ -102,13 +102,16 @@ class PayloadServer:
         await p2p.add_protobuf_handler(self.probe_handler, self.serve_probe, ProbeRequest, stream_output=True)
         await p2p.add_protobuf_handler(RUN_HANDLER, self.serve_run, RunRequest)
 
-    async def stop(self, p2p: P2P) -> None:
-        await p2p.remove_binary_stream_handler(self.channel_handler)
+    async def stop(self, p2p: P2P, *, unregister: bool = True) -> None:
+        """Closes the open channels and, with `unregister`, removes the handlers from the daemon."""
+        if unregister:
+            await p2p.remove_binary_stream_handler(self.channel_handler)
         if self._channels is not None:
             self._channels.close()
-        for name in (self.payload_handler, self.state_handler, self.probe_handler):
-            await p2p.remove_protobuf_handler(name, stream_output=True)
-        await p2p.remove_protobuf_handler(RUN_HANDLER)
+        if unregister:
+            for name in (self.payload_handler, self.state_handler, self.probe_handler):
+                await p2p.remove_protobuf_handler(name, stream_output=True)
+            await p2p.remove_protobuf_handler(RUN_HANDLER)
 
     # --- what is served ---
 

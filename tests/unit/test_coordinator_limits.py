@@ -52,6 +52,25 @@ def test_an_honest_peers_pace_is_never_limited(timeout):
         assert limiter.check(method, "12D3KooWhonest", "192.0.2.1", at) is None, (method, at)
 
 
+def test_a_bucket_refills_with_every_epoch_since_it_was_last_taken_from():
+    bucket = Buckets(per_s=0.001, burst=3, max_keys=10, per_epoch=2.0)
+    assert [bucket.take("a", 0.0, epoch=5) for _ in range(4)] == [True, True, True, False]
+    assert [bucket.take("a", 0.0, epoch=6) for _ in range(3)] == [True, True, False]
+    assert not bucket.take("a", 0.0, epoch=4)  # an older epoch gives nothing back
+    assert [bucket.take("a", 0.0, epoch=100) for _ in range(4)] == [True, True, True, False]  # burst only
+
+
+def test_peers_that_keep_up_with_fast_rounds_are_never_limited_and_a_flood_still_is():
+    """Rounds of a quarter second (a tiny model: the coordinator decides a round once all reported): a
+    report and a heartbeat a round for 1,000 rounds; a heartbeat flood at the same pace is refused."""
+    limiter = RateLimiter(heartbeats_per_s=3 / 6.0)
+    for number in range(1000):
+        for method, at in (("Report", 0.1), ("Heartbeat", 0.2)):
+            assert limiter.check(method, "12D3KooWfast", "192.0.2.1", number / 4 + at, number) is None
+    flood = [limiter.check("Heartbeat", "12D3KooWflood", "192.0.2.2", i / 400, i // 100) for i in range(1000)]
+    assert flood.count("peer") > 900
+
+
 @pytest.mark.parametrize(
     ("peer", "address"),
     [
@@ -70,3 +89,5 @@ def test_bad_limits_are_refused():
         Limits(peer_per_s=0)
     with pytest.raises(ValueError):
         Limits(address_join_burst=0)
+    with pytest.raises(ValueError):
+        Limits(peer_per_round=-1)
