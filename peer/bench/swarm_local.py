@@ -88,6 +88,8 @@ def worker(args: argparse.Namespace) -> None:
             "dht_read": exchange.counts.received["dht"],
             "dht_written": exchange.counts.sent["dht"],
             "dht_reads": exchange.counts.dht_reads,
+            "dht_stores": exchange.counts.dht_stores,
+            "dht_rewrites": exchange.counts.dht_rewrites,
             "rejected": dict(exchange.counts.rejected),
             "compute_s": statistics.median(r.compute_s for r in reports),
             "param_hash": hashlib.sha256(
@@ -180,6 +182,9 @@ def run_swarm(
             statistics.mean(r["dht_written"] for r in results) / rounds
         ),
         "dht_reads_per_peer_per_round": round(statistics.mean(r["dht_reads"] for r in results) / rounds, 1),
+        "dht_stores_per_peer_per_round": round(statistics.mean(r["dht_stores"] for r in results) / rounds, 1),
+        # writes sent again: to replicas the routing table had not known, or with hivemind's crawl
+        "dht_rewrites": sum(r["dht_rewrites"] for r in results),
         "rejected": sum(sum(r["rejected"].values()) for r in results),
         "median_compute_s": statistics.median(r["compute_s"] for r in results),
     }

@@ -21,6 +21,9 @@ class SwarmCounters:
     """Announcements, downloads and contributions dropped, by reason."""
     dht_stores: int = 0
     """Records and announcements this peer wrote into the DHT."""
+    dht_rewrites: int = 0
+    """Writes sent again: to replicas a later read found (the routing table had not known them), or with
+    hivemind's crawl (a replica did not take it, or the table was too large to know them all)."""
     dht_reads: int = 0
     """Reads of records or announcements this peer made."""
     resyncs: int = 0
@@ -72,6 +75,7 @@ class SwarmCounters:
             "late": self.late,
             "coordinated_rounds": self.coordinated_rounds,
             "dht_stores": self.dht_stores,
+            "dht_rewrites": self.dht_rewrites,
             "dht_reads": self.dht_reads,
             "butterfly_rounds": self.butterfly_rounds,
             "pieces_recomputed": self.pieces_recomputed,

@@ -12,6 +12,7 @@ Everything here runs on the exchange's event loop thread.
 """
 
 import asyncio
+import dataclasses
 import functools
 import math
 import re
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import hivemind
 from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
@@ -106,6 +109,8 @@ class RunDirectory:
         self._rejoin = tuple(rejoin)
         self._rejoined_at = -math.inf  # monotonic time of the last attempt
         self._read_fully_at: dict[str, float] = {}  # key: monotonic time of its last read from every replica
+        # key: this peer's last write there and the replicas it went to, until a read from every replica
+        self._unconfirmed: dict[str, tuple[dict, float, frozenset[bytes]]] = {}
 
     async def store_record(
         self, round_number: int, schedule: RoundSchedule, *, refresh_s: float = 0.0
@@ -125,12 +130,36 @@ class RunDirectory:
         self.record = self.record.copy(update=fields)
 
     async def store(self, key: str, value: dict, expiration: float) -> None:
-        """Stores `value` under this peer's subkey, counting its serialized bytes."""
+        """Stores `value` under this peer's subkey, counting its serialized bytes: on the replicas its
+        routing table knows, and on any nearer one the next read from every replica finds (`get`)."""
         self.counts.sent["dht"] += len(key) + len(self.owner) + len(MSGPackSerializer.dumps(value))
         self.counts.dht_stores += 1
-        await self.dht.store(
-            key, value, expiration, subkey=self.owner, return_future=True, beam_size=BEAM, num_workers=BEAM
-        )
+        written = await self._store_near(key, value, expiration, skip=frozenset())
+        if written is not None:
+            self._unconfirmed[key] = (value, expiration, written)
+
+    async def _store_near(
+        self, key: str, value: dict, expiration: float, *, skip: frozenset[bytes]
+    ) -> frozenset[bytes] | None:
+        """Stores on the nearest replicas the routing table knows, except those in `skip`; hivemind's
+        crawling store instead if one did not take it or the table may have dropped nodes. Returns the
+        replicas that hold it (None: crawled)."""
+        write = functools.partial(_store_near, key, self.owner, value, expiration, skip)
+        outcome = await self.dht.run_coroutine(write, return_future=True)
+        if outcome is None or not outcome[1]:
+            self.counts.dht_rewrites += 1
+            await self.dht.store(
+                key,
+                value,
+                expiration,
+                subkey=self.owner,
+                return_future=True,
+                beam_size=BEAM,
+                num_workers=BEAM,
+            )
+            return None
+        self.counts.dht_rewrites += bool(skip and outcome[0])
+        return skip | frozenset(outcome[0])
 
     async def get(self, key: str):
         """The latest value under `key` on the BEAM nodes nearest it (the nearest only, if read from
@@ -143,6 +172,10 @@ class RunDirectory:
             }
             self._read_fully_at[key], beam = now, BEAM
         found = await self.dht.get(key, latest=True, return_future=True, beam_size=beam, num_workers=beam)
+        if beam == BEAM and key in self._unconfirmed:
+            # the read put the replicas in the routing table: this peer's last write goes to any it missed
+            value, expiration, written = self._unconfirmed.pop(key)
+            await self._store_near(key, value, expiration, skip=written)
         if found is not None and isinstance(found.value, dict):
             self.counts.received["dht"] += sum(
                 len(MSGPackSerializer.dumps(getattr(entry, "value", None))) + len(subkey)
@@ -301,3 +334,39 @@ async def _ping_again(maddrs: tuple[str, ...], _dht: hivemind.DHT, node: DHTNode
         *(asyncio.wait_for(ping(maddr), REJOIN_TIMEOUT_S) for maddr in maddrs), return_exceptions=True
     )
     return sum(outcome is True for outcome in outcomes)
+
+
+async def _store_near(
+    key: str, subkey: bytes, value: dict, expiration: float, skip: frozenset[bytes], _dht, node: DHTNode
+) -> tuple[list[bytes], bool] | None:
+    """In the DHT's process: signs (key, subkey, value) with the node's record validators and stores it
+    on the REPLICAS nodes nearest `key` that its routing table knows (itself among them, unless a
+    client), those in `skip` (node ids) excepted. No crawl: each node a crawl asks answers with every
+    entry it holds under the key, most of a write's bytes (BENCHMARKS.md).
+
+    Returns (the node ids stored to, whether each took it); None if the table holds a bucket's worth of
+    nodes: it may then have turned away nearer ones for room, and only a crawl finds the replicas."""
+    protocol, key_id = node.protocol, DHTID.generate(source=key)
+    if len(protocol.routing_table.uid_to_peer_id) >= protocol.routing_table.bucket_size:
+        return None
+    candidates = protocol.routing_table.get_nearest_neighbors(key_id, REPLICAS, exclude=node.node_id)
+    if not protocol.client_mode:
+        candidates.append((node.node_id, None))
+    nearest = sorted(candidates, key=lambda candidate: key_id.xor_distance(candidate[0]))[:REPLICAS]
+    targets = [(node_id, peer) for node_id, peer in nearest if node_id.to_bytes() not in skip]
+    if not targets:
+        return [], True
+    serialized = protocol.serializer.dumps(subkey), protocol.serializer.dumps(value)
+    record = DHTRecord(key_id.to_bytes(), *serialized, expiration)
+    if protocol.record_validator is not None:
+        record = dataclasses.replace(record, value=protocol.record_validator.sign_value(record))
+    remote = [peer for _, peer in targets if peer is not None]
+    taken = []
+    if len(remote) < len(targets):
+        valid = protocol.record_validator is None or protocol.record_validator.validate(record)
+        taken.append(valid and protocol.storage.store(key_id, record.value, expiration, subkey=subkey))
+    outcomes = await asyncio.gather(
+        *(protocol.call_store(peer, [key_id], [record.value], [expiration], [subkey]) for peer in remote)
+    )
+    taken += [bool(outcome and outcome[0]) for outcome in outcomes]
+    return [node_id.to_bytes() for node_id, _ in targets], all(taken)

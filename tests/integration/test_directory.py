@@ -77,5 +77,47 @@ def test_writes_land_on_the_replicas_and_reads_merge_them(directories):
     holders = [d.dht.run_coroutine(functools.partial(_holds, key)) for d in directories]
     assert sum(holders) == REPLICAS < 5  # hivemind's default would store on 5 of the 7
     assert all(d.counts.dht_reads == 1 and d.counts.dht_stores == 2 for d in directories)
+    assert sum(d.counts.dht_rewrites for d in directories) == 0  # every routing table knew them
     compatible = asyncio.run(directories[-1].compatible_peers())
     assert compatible == owners
+
+
+async def _node_id(_dht, node) -> bytes:
+    return node.node_id.to_bytes()
+
+
+async def _forget(node_ids: list[bytes], _dht, node) -> None:
+    """In a DHT's process: drops these nodes from its routing table, as if it had never met them."""
+    for node_id in map(DHTID.from_bytes, node_ids):
+        if node_id in node.protocol.routing_table:
+            del node.protocol.routing_table[node_id]
+
+
+async def _owners(key: str, _dht, node) -> list[bytes]:
+    """In a DHT's process: the subkeys its node stores under `key`."""
+    found = node.protocol.storage.get(DHTID.generate(source=key))
+    return [] if found is None else [subkey for subkey, _ in found.value.items()]
+
+
+@pytest.mark.timeout(120)
+def test_a_write_reaches_the_replicas_its_routing_table_did_not_know(directories):
+    key = round_key("run", 2)
+    key_id = DHTID.generate(source=key)
+    ids = [d.dht.run_coroutine(_node_id) for d in directories]
+    by_distance = sorted(range(NODES), key=lambda i: key_id.xor_distance(DHTID.from_bytes(ids[i])))
+    replicas, writer = by_distance[:REPLICAS], directories[by_distance[-1]]
+    writer.dht.run_coroutine(functools.partial(_forget, [ids[i] for i in replicas]))
+    mine = Announcement(writer.owner, writer.record.peer_id, bytes(32), 100, 1)
+
+    asyncio.run(writer.store(key, mine.value(), time.time() + 60))
+    held = [directories[i].dht.run_coroutine(functools.partial(_owners, key)) for i in replicas]
+    assert not any(writer.owner in owners for owners in held)  # it wrote to the nearest nodes it knew
+    assert writer.counts.dht_rewrites == 0
+
+    read = dict(asyncio.run(writer.announcements(key, 1000)))  # a read from every replica finds them
+    assert writer.counts.dht_rewrites == 1
+    held = [directories[i].dht.run_coroutine(functools.partial(_owners, key)) for i in replicas]
+    assert all(writer.owner in owners for owners in held)
+    assert writer.owner in read
+    others = dict(asyncio.run(directories[replicas[0]].announcements(key, 1000)))
+    assert others.keys() == {writer.owner}
