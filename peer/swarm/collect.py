@@ -6,13 +6,13 @@ DHT reads are most of an uncoordinated round's wire traffic besides the payloads
 every read answers with every peer's entry from each node it asks. `Polls` decides when to read (no
 I/O): the announcements are re-read at the poll interval, backing off to 4 polls' time (at most a tenth
 of a round) while nothing new comes, since a peer whose record outlives it is waited for until the
-deadline; the peer list (the larger entries) at most once per `records_every_s`, sooner once per
-unknown announcer; and once every compatible peer's payload is in, only the peer list, to notice a
-newcomer, and at most twice a round.
+deadline; the peer list (the larger entries) once at the start of the round and again at once for each
+unknown announcer, not while waiting: a peer that left stays in it until its record expires anyway,
+and a newcomer shows up as an unknown announcer. Once every compatible peer's payload is in, the
+announcements are read at most twice a round, to notice a newcomer.
 """
 
 import asyncio
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,8 +34,9 @@ class Polls:
 
     shortest_s: float
     round_seconds: float
-    records_every_s: float
-    records_read_at: float = -math.inf
+    idle_every_s: float
+    records_read: bool = False
+    """Whether the peer list was read this round."""
     unknown: bool = False
     """An unknown peer announced since the peer list was last read."""
     strangers: set[bytes] = field(default_factory=set)
@@ -48,11 +49,11 @@ class Polls:
     def longest_s(self) -> float:
         return max(self.shortest_s, min(4 * self.shortest_s, self.round_seconds / 10))
 
-    def records_due(self, now: float) -> bool:
-        return self.unknown or now - self.records_read_at >= self.records_every_s
+    def records_due(self) -> bool:
+        return self.unknown or not self.records_read
 
-    def records_read(self, now: float) -> None:
-        self.records_read_at, self.unknown = now, False
+    def read_records(self) -> None:
+        self.records_read, self.unknown = True, False
 
     def stranger(self, owner: bytes) -> None:
         """An announcement by a peer not in the peer list: the list is re-read at once, once per peer."""
@@ -65,8 +66,8 @@ class Polls:
         return self.poll_s
 
     def idle_s(self) -> float:
-        """The wait between reads of the peer list once every payload is in."""
-        return max(self.records_every_s, self.round_seconds / 2)
+        """The wait between reads of the announcements once every payload is in."""
+        return max(self.idle_every_s, self.round_seconds / 2)
 
 
 class CollectHost(Protocol):
@@ -80,7 +81,7 @@ class CollectHost(Protocol):
     max_payload_bytes: int
     fetch_timeout_s: float
     poll_interval_s: float
-    records_interval_s: float
+    idle_interval_s: float
     server: PayloadServer
     _puller: Puller
 
@@ -101,21 +102,17 @@ async def collect(
     ignored: set[bytes] = set()
     fetches: dict[bytes, asyncio.Task] = {}
     compatible: set[bytes] = set()
-    polls = Polls(swarm.poll_interval_s, swarm.schedule.round_seconds, swarm.records_interval_s)
+    polls = Polls(swarm.poll_interval_s, swarm.schedule.round_seconds, swarm.idle_interval_s)
     while True:
         waiting = not compatible <= announced.keys() | ignored
-        if waiting or not all(task.done() for task in fetches.values()) or not compatible:
-            if polls.records_due(time.monotonic()):
-                compatible = await swarm.directory.compatible_peers()
-                polls.records_read(time.monotonic())
-        else:
+        busy = waiting or not all(task.done() for task in fetches.values())
+        if polls.records_read and not busy and not polls.unknown:
             await asyncio.sleep(min(polls.idle_s(), max(0.0, deadline - time.time())))
             if time.time() >= deadline:
                 break
+        if polls.records_due():
             compatible = await swarm.directory.compatible_peers()
-            polls.records_read(time.monotonic())
-            if compatible <= announced.keys() | ignored:
-                continue
+            polls.read_records()
         taken = len(announced)
         for owner, announcement in await swarm.directory.announcements(key, swarm.max_payload_bytes):
             # compatible owners come from schema-checked records: signed public-key subkeys

@@ -95,7 +95,8 @@ class SwarmExchange(Exchange):
         dht: a running hivemind.DHT, with `membership.record_validators(run, identity)`.
         run: the run's name, shared by its participants; namespaces DHT keys and the handler.
         schedule: the rounds' clock.
-        identity: this peer's RSA key; its records sit under its public-key subkey.
+        identity: this peer's RSA key; its records sit under the public-key subkey of the record key
+            derived from it (shoal.peer.swarm.signing).
         config: the run's configuration (model, algorithm, hyperparameters); peers whose
             configuration or shoal version differ are refused, with the differing settings named.
         device: reported in this peer's record.
@@ -146,7 +147,7 @@ class SwarmExchange(Exchange):
         self.max_payload_bytes = max_payload_bytes
         self.fetch_timeout_s = fetch_timeout.total_seconds()
         self.poll_interval_s = poll_interval.total_seconds()
-        self.records_interval_s = max(1.0, self.poll_interval_s)
+        self.idle_interval_s = max(1.0, self.poll_interval_s)
         self.peer_id = dht.peer_id.to_base58()
         self.owner = owner_subkey(identity)
         self.counts = SwarmCounters()

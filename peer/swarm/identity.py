@@ -2,8 +2,8 @@
 
 The file is a libp2p `PrivateKey` protobuf holding an RSA key in DER, exactly what hivemind's
 `P2P.generate_identity` writes: passed as the DHT's `identity_path` it fixes the libp2p peer id,
-and the same key signs the peer's DHT records (its public key is the record subkey, see
-shoal.peer.swarm.membership), so a restarted peer is recognized as itself everywhere.
+and the Ed25519 key derived from it signs the peer's DHT records (its public key is the record
+subkey, see shoal.peer.swarm.signing), so a restarted peer is recognized as itself everywhere.
 """
 
 import os

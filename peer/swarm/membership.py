@@ -2,10 +2,11 @@
 setting that differs, and the signed, schema-checked DHT records peers heartbeat.
 
 Records are protected the way hivemind protects its own: every record a peer writes sits under a
-subkey carrying its RSA public key (`RSASignatureValidator`), so no one else can overwrite it, and
-the run's fixed keys are checked against pydantic models (`SchemaValidator`; hivemind 1.1.12 needs
-`pydantic.v1` models). A peer is identified by that public-key subkey: it cannot be forged, unlike
-a peer id written inside a value.
+subkey carrying its public key, and the record is signed (shoal.peer.swarm.signing: Ed25519, derived
+from the peer's identity; hivemind's `RSASignatureValidator` in the same role cost 642 more bytes
+an entry), so no one else can overwrite it, and the run's fixed keys are checked against pydantic
+models (`SchemaValidator`; hivemind 1.1.12 needs `pydantic.v1` models). A peer is identified by that
+public-key subkey: it cannot be forged, unlike a peer id written inside a value.
 """
 
 import hashlib
@@ -14,12 +15,12 @@ from collections import Counter
 from collections.abc import Mapping
 from importlib.metadata import version
 
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.schema import SchemaValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import BaseModel, StrictBool, StrictStr, confloat, conint, conlist, constr
 
 from shoal.peer.swarm.names import check_run_name
+from shoal.peer.swarm.signing import Ed25519RecordValidator, OwnerSubkey, owner_marker, record_key
 
 SHOAL_VERSION = version("shoal")
 
@@ -46,17 +47,20 @@ class PeerRecord(BaseModel):
 class RunRecords(BaseModel):
     """The run's fixed DHT keys (`<run>_<field>`): one entry per peer public key."""
 
-    peers: dict[BytesWithPublicKey, PeerRecord | None]
+    peers: dict[OwnerSubkey, PeerRecord | None]
 
 
 def record_validators(run: str, identity: RSAPrivateKey) -> list:
     """What the DHT of a run must validate records with (pass to `start_dht(record_validators=...)`)."""
-    return [SchemaValidator(RunRecords, prefix=check_run_name(run)), RSASignatureValidator(identity)]
+    return [
+        SchemaValidator(RunRecords, prefix=check_run_name(run)),
+        Ed25519RecordValidator(record_key(identity)),
+    ]
 
 
 def owner_subkey(identity: RSAPrivateKey) -> bytes:
     """The subkey that marks a record as written (and only writable) by `identity`."""
-    return RSASignatureValidator(identity).local_public_key
+    return owner_marker(record_key(identity))
 
 
 def run_hash(config: Mapping[str, str]) -> str:

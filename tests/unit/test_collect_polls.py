@@ -4,24 +4,24 @@ from shoal.peer.swarm.collect import Polls
 
 
 def test_polls_back_off_to_four_polls_or_a_tenth_of_a_round_and_news_resets_them():
-    polls = Polls(shortest_s=0.2, round_seconds=12.0, records_every_s=1.0)
+    polls = Polls(shortest_s=0.2, round_seconds=12.0, idle_every_s=1.0)
     assert [polls.next_poll_s(news=False) for _ in range(4)] == [0.4, 0.8, 0.8, 0.8]
     assert polls.next_poll_s(news=True) == 0.2
-    short_rounds = Polls(shortest_s=0.2, round_seconds=4.0, records_every_s=1.0)
+    short_rounds = Polls(shortest_s=0.2, round_seconds=4.0, idle_every_s=1.0)
     assert max(short_rounds.next_poll_s(news=False) for _ in range(5)) == 0.4  # a tenth of the round
-    assert Polls(shortest_s=2.0, round_seconds=4.0, records_every_s=2.0).longest_s == 2.0
+    assert Polls(shortest_s=2.0, round_seconds=4.0, idle_every_s=2.0).longest_s == 2.0
 
 
-def test_the_peer_list_is_read_once_per_interval_and_at_once_for_each_new_stranger():
-    polls = Polls(shortest_s=0.2, round_seconds=12.0, records_every_s=1.0)
-    assert polls.records_due(100.0)  # never read
-    polls.records_read(100.0)
-    assert not polls.records_due(100.5) and polls.records_due(101.0)
+def test_the_peer_list_is_read_once_a_round_and_at_once_for_each_new_stranger():
+    polls = Polls(shortest_s=0.2, round_seconds=12.0, idle_every_s=1.0)
+    assert polls.records_due()  # not read this round
+    polls.read_records()
+    assert not polls.records_due()  # not again while waiting: a newcomer announces
     polls.stranger(b"new")
-    assert polls.records_due(100.5)  # an unknown announcer: at once
-    polls.records_read(100.5)
+    assert polls.records_due()  # an unknown announcer: at once
+    polls.read_records()
     polls.stranger(b"new")  # still not in the list (incompatible): not again
-    assert not polls.records_due(100.6)
+    assert not polls.records_due()
     polls.stranger(b"other")
-    assert polls.records_due(100.6)
-    assert polls.idle_s() == 6.0  # once every payload is in: twice a round
+    assert polls.records_due()
+    assert polls.idle_s() == 6.0  # the announcements, once every payload is in: twice a round
