@@ -111,7 +111,7 @@ async def collect(
             if time.time() >= deadline:
                 break
         if polls.records_due():
-            compatible = await swarm.directory.compatible_peers()
+            compatible = await swarm.directory.compatible_peers(fully=polls.unknown)
             polls.read_records()
         taken = len(announced)
         for owner, announcement in await swarm.directory.announcements(key, swarm.max_payload_bytes):

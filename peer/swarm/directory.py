@@ -53,17 +53,18 @@ logger = get_logger(__name__)
 REJOIN_EVERY_S = 10.0  # a peer alone in its run dials its initial peers again at most this often ...
 REJOIN_TIMEOUT_S = 5.0  # ... each for at most this long
 # under a coordinator, a peer rewrites its DHT record at most this often: the coordinator tracks who is
-# alive, so the record only serves `shoal status` (which shows its age), joining checks and the fallback;
-# a write costs about 18 KB on the wire in a small swarm (BENCHMARKS.md)
+# alive, so the record only serves `shoal status` (which shows its age), joining checks and the fallback
 RECORD_REFRESH_S = 120.0
 # reads and writes crawl only as far as the REPLICAS nodes nearest their key (those a write stores to;
 # a read merges their entries): hivemind's default crawl is a beam of 20 nodes, each answering with
 # every peer's entry under the key, O(N^2) bytes for one read or write in a swarm under 20 nodes
 # (BENCHMARKS.md); a replica that withholds entries is made up for by the others (docs/ROBUSTNESS.md).
-# A read of a key read from all of them less than FULL_READ_EVERY_S ago asks only the nearest (a
-# quarter of the bytes at 16 peers: the nearest holds every write, the first a write stores to)
+# A read of a key read from all of them less than so many rounds ago asks only the nearest (a third of
+# the bytes: the nearest holds every write that found it, the first a write stores to); a newcomer to
+# the peer list or a withholding nearest node is then seen that much later (docs/ROBUSTNESS.md)
 BEAM = REPLICAS
-FULL_READ_EVERY_S = 1.0
+RECORDS_FULLY_EVERY_ROUNDS = 1.5
+ANNOUNCEMENTS_FULLY_EVERY_ROUNDS = 0.25
 ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,250}:[0-9]{1,5}")  # a coordinator's HOST:PORT in a record
 
 
@@ -161,15 +162,16 @@ class RunDirectory:
         self.counts.dht_rewrites += bool(skip and outcome[0])
         return skip | frozenset(outcome[0])
 
-    async def get(self, key: str):
+    async def get(self, key: str, *, every_rounds: float, fully: bool = False):
         """The latest value under `key` on the BEAM nodes nearest it (the nearest only, if read from
-        all less than FULL_READ_EVERY_S ago), counting the serialized bytes of what came back."""
+        all less than `every_rounds` rounds ago, and at least a second, unless `fully`), counting the
+        serialized bytes of what came back."""
         self.counts.dht_reads += 1
         now, beam = time.monotonic(), 1
-        if now - self._read_fully_at.get(key, -math.inf) >= FULL_READ_EVERY_S:
-            self._read_fully_at = {
-                k: t for k, t in self._read_fully_at.items() if now - t < FULL_READ_EVERY_S
-            }
+        every_s = max(1.0, every_rounds * self.record.round_seconds)
+        if fully or now - self._read_fully_at.get(key, -math.inf) >= every_s:
+            kept_s = max(1.0, 2 * self.record.round_seconds)
+            self._read_fully_at = {k: t for k, t in self._read_fully_at.items() if now - t < kept_s}
             self._read_fully_at[key], beam = now, BEAM
         found = await self.dht.get(key, latest=True, return_future=True, beam_size=beam, num_workers=beam)
         if beam == BEAM and key in self._unconfirmed:
@@ -184,9 +186,11 @@ class RunDirectory:
             )
         return found
 
-    async def compatible_peers(self) -> set[bytes]:
-        """Public-key subkeys of the peers whose current record is compatible with this one's."""
-        records, malformed = peer_records(await self.get(peers_key(self.run)))
+    async def compatible_peers(self, *, fully: bool = False) -> set[bytes]:
+        """Public-key subkeys of the peers whose current record is compatible with this one's (read
+        from every replica if `fully`: an unknown peer announced)."""
+        found = await self.get(peers_key(self.run), every_rounds=RECORDS_FULLY_EVERY_ROUNDS, fully=fully)
+        records, malformed = peer_records(found)
         if malformed:
             self.counts.rejected["bad_record"] += malformed
         compatible = {self.owner}
@@ -231,7 +235,7 @@ class RunDirectory:
         self, key: str, max_payload_bytes: int
     ) -> list[tuple[object, Announcement | MalformedPayloadError]]:
         """(subkey, its announcement or why it is malformed) for every entry under `key`."""
-        found = await self.get(key)
+        found = await self.get(key, every_rounds=ANNOUNCEMENTS_FULLY_EVERY_ROUNDS)
         if found is None or not isinstance(found.value, dict):
             return []
         announcements = []
