@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
@@ -186,6 +187,7 @@ def run_swarm(
         # writes sent again: to replicas the routing table had not known, or with hivemind's crawl
         "dht_rewrites": sum(r["dht_rewrites"] for r in results),
         "rejected": sum(sum(r["rejected"].values()) for r in results),
+        "rejected_by_reason": dict(sum((Counter(r["rejected"]) for r in results), Counter())),
         "median_compute_s": statistics.median(r["compute_s"] for r in results),
     }
 
