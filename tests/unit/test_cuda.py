@@ -104,9 +104,11 @@ def test_screened_compact_demo_on_the_gpu_matches_the_cpu():
 CONFIG = GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16)
 
 
-def diloco_on(device, mode: str, make_codec=None, workers: int = 2, **settings) -> list[list[torch.Tensor]]:
+def diloco_on(
+    device, mode: str, make_codec=None, workers: int = 2, gather_limit: int = 0, **settings
+) -> list[list[torch.Tensor]]:
     """Every worker's final parameters; `make_codec` makes each worker its own (codecs are not
-    thread-safe)."""
+    thread-safe); `gather_limit` bounds the fan-in."""
     torch.manual_seed(0)
     initial = TinyGPT(CONFIG).state_dict()
 
@@ -126,7 +128,7 @@ def diloco_on(device, mode: str, make_codec=None, workers: int = 2, **settings) 
             diloco.finish()
         return [p.detach().cpu() for p in model.parameters()]
 
-    return run_workers(workers, work, timeout=timedelta(seconds=60))
+    return run_workers(workers, work, timeout=timedelta(seconds=60), gather_limit=gather_limit)
 
 
 @pytest.mark.parametrize("mode", ["standard", "delayed", "eager"])
@@ -167,6 +169,39 @@ def test_sparse_diloco_on_the_gpu_matches_the_cpu(mode):
         drift = distance(gpu_params, cpu_params) / distance(cpu_params, initial)
         print(f"sparse {mode}: the GPU's model is {drift:.2e} of training's movement from the CPU's")
         assert drift < 0.02, drift
+    for other in on_gpu[1:]:
+        for a, b in zip(on_gpu[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("carry", [False, True])
+def test_demo_under_a_bounded_fan_in_on_the_gpu_equals_the_cpu(carry):
+    """`--gather 2` of 4 workers, float64: the payloads left out (and with `carry`, what they sent
+    going back into the momentum) on the GPU give the CPU's parameters, and the same workers wait."""
+    torch.manual_seed(10)
+    initial = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
+    grads = make_grads(steps=6, workers=4)
+    settings = {"lr": 1e-3, "gather_limit": 2, "carry": carry}
+    on_cpu = train_workers(initial, grads, **settings)
+    on_gpu = train_workers(initial, grads, device=CUDA, **settings)
+    assert [opt.uncounted for _, opt in on_gpu] == [opt.uncounted for _, opt in on_cpu]
+    assert sum(opt.uncounted for _, opt in on_gpu) == 2 * 6
+    for (gpu_params, _), (cpu_params, _) in zip(on_gpu, on_cpu, strict=True):
+        for got, want in zip(gpu_params, cpu_params, strict=True):
+            torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["standard", "eager"])
+def test_diloco_with_carry_under_a_bounded_fan_in_on_the_gpu_matches_the_cpu(mode):
+    """`--gather 1` of 3 workers with `carry`: a pseudo-gradient left out is averaged into the next one
+    on the GPU as on the CPU, and the workers on the GPU end on one model."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    settings = {"workers": 3, "gather_limit": 1, "carry": True}
+    on_cpu = diloco_on(torch.device("cpu"), mode, lambda: DenseCodec(8), **settings)
+    on_gpu = diloco_on(CUDA, mode, lambda: DenseCodec(8), **settings)
+    for gpu_params, cpu_params in zip(on_gpu, on_cpu, strict=True):
+        for got, want in zip(gpu_params, cpu_params, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
     for other in on_gpu[1:]:
         for a, b in zip(on_gpu[0], other, strict=True):
             assert torch.equal(a, b)

@@ -27,9 +27,10 @@ def make_grads(steps: int, workers: int, seed: int = 0) -> list[list[list[torch.
     ]
 
 
-def train_workers(initial, grads, dtype=torch.float64, device="cpu", **demo_kwargs):
+def train_workers(initial, grads, dtype=torch.float64, device="cpu", gather_limit=0, **demo_kwargs):
     """Every worker's final params (on `device`) and optimizer, each worker a loopback thread;
-    unscreened (the reference semantics) unless `robust` says otherwise."""
+    unscreened (the reference semantics) unless `robust` says otherwise; `gather_limit` bounds the
+    fan-in (`LoopbackExchange.group`)."""
     demo_kwargs.setdefault("robust", NONE)
 
     def work(rank, exchange):
@@ -41,7 +42,7 @@ def train_workers(initial, grads, dtype=torch.float64, device="cpu", **demo_kwar
             opt.step()
         return [p.detach() for p in params], opt
 
-    return run_workers(len(grads[0]), work)
+    return run_workers(len(grads[0]), work, gather_limit=gather_limit)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
