@@ -75,7 +75,7 @@ from shoal.peer.swarm.names import final_key, round_key
 from shoal.peer.swarm.pull import Puller
 from shoal.peer.swarm.records import Announcement, RoundPlan, RoundSchedule
 from shoal.peer.swarm.relay import UNCHECKED, Reachability
-from shoal.peer.swarm.server import PayloadServer
+from shoal.peer.swarm.server import PayloadServer, round_pullers
 from shoal.peer.swarm.state import (
     StateSnapshot,
     Tally,
@@ -539,8 +539,7 @@ class SwarmExchange(Exchange):
         served = self.counts.sent["payload"] + self.counts.sent["state"]
         self.isolation.observe(len(announced.keys() - {mine.owner}), len(set(held) - {mine.owner}), served)
         held = await self._agree({owner: announced[owner] for owner in held}, mine, snapshot, voters)
-        pullers = {a.peer for owner, a in announced.items() if owner != mine.owner}
-        self.server.expected_pullers = pullers if mine.owner in announced else set()
+        self.server.expect_pulls(*round_pullers(mine.owner, announced, voters))
         payloads = [self.server.held[(round_number, announced[owner].digest)] for owner in held]
         return [
             Contribution(rank, payload, announced[owner].samples, sender=owner, round=round_number)

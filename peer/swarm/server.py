@@ -25,7 +25,7 @@ import functools
 import hashlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.logging import get_logger
@@ -35,7 +35,8 @@ from shoal.peer.swarm.channels import ChannelServer
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.names import RUN_HANDLER, check_run_name, handler
 from shoal.peer.swarm.pull import chunks
-from shoal.peer.swarm.state import StateSnapshot
+from shoal.peer.swarm.records import Announcement
+from shoal.peer.swarm.state import StateSnapshot, Tally
 from shoal.protocol import Payload, parse_message
 from shoal.protocol.swarm_pb2 import PayloadRequest, ProbeRequest, RunReply, RunRequest, StateRequest
 
@@ -79,7 +80,9 @@ class PayloadServer:
         self.pullers: set[str] = set()
         """The peers that pulled this peer's last payload (a butterfly round: its mean)."""
         self.expected_pullers: set[str] = set()
-        """The other participants of the last round."""
+        """The other participants of the last round, where they are known by name ..."""
+        self.expected_pulls = 0
+        """... and how many there are (a coordinator's `--gather` result names only the chosen)."""
         self.relays: set[str] = set()
         """The relays this peer is reached through (shoal.peer.swarm.relay): one that pulled its payload
         keeps it for every other peer."""
@@ -123,6 +126,7 @@ class PayloadServer:
             self.keep_state(snapshot)
         self.held[(round_number, digest)] = payload
         self.mine, self.pullers, self.expected_pullers = (round_number, digest), set(), set()
+        self.expected_pulls = 0
         for key in [k for k in self.held if k[0] < round_number - 1]:
             del self.held[key]
         return digest
@@ -166,13 +170,13 @@ class PayloadServer:
             del self.means[old]
         for old in [key for key in self._mean_ready if key[0] < round_number]:
             del self._mean_ready[old]
-        self.pullers, self.expected_pullers = set(), set()
+        self.pullers, self.expected_pullers, self.expected_pulls = set(), set(), 0
 
     def publish_mean(self, round_number: int, piece: int, data: bytes, expected_pullers: set[str]) -> None:
         """Serves this peer's mean of the piece it owns; the other participants will pull it."""
         self.means[(round_number, piece)] = data
         self._mean_ready.setdefault((round_number, piece), asyncio.Event()).set()
-        self.expected_pullers = expected_pullers
+        self.expected_pullers, self.expected_pulls = expected_pullers, len(expected_pullers)
 
     # --- the handlers ---
 
@@ -250,17 +254,41 @@ class PayloadServer:
         last round that it re-serves (peers that cannot dial that payload's author may depend on it).
         At most until the monotonic time `until`; returns whether all of them had its own."""
         while not (
-            (self.expected_pullers <= self.pullers or self.pullers & self.relays)
+            (self._missing_pulls() == 0 or self.pullers & self.relays)
             and time.monotonic() - self._part_served_at >= PARTS_QUIET_S
             and time.monotonic() - self._reserved_at >= RESERVED_QUIET_S
         ):
             if time.monotonic() >= until:
-                missing = len(self.expected_pullers - self.pullers)
+                missing = self._missing_pulls()
                 if missing:
                     logger.warning(f"leaving before {missing} peer(s) pulled this peer's last payload")
                 return missing == 0  # pieces may still be asked for (also by a peer that never stops)
             await asyncio.sleep(0.05)
         return True
+
+    def expect_pulls(self, named: set[str], count: int) -> None:
+        """Who will pull this peer's payload of its last round (`round_pullers`), for `drain`."""
+        self.expected_pullers, self.expected_pulls = named, count
+
+    def _missing_pulls(self) -> int:
+        """How many of the last round's other participants have not pulled this peer's payload (mean)."""
+        return max(len(self.expected_pullers - self.pullers), self.expected_pulls - len(self.pullers))
+
+
+def round_pullers(
+    owner: bytes, counted: Mapping[bytes, Announcement], voters: Mapping[bytes, Announcement] | Tally | None
+) -> tuple[set[str], int]:
+    """Who will pull a peer's payload of a round (its drain waits for them): nobody if it does not count
+    (`counted`: the owners whose payloads count); else every other peer of the round, since each pulls
+    every payload that counts, not only the other counted ones (`--gather`). Named where their
+    announcements are known (`voters`, or `counted` when every payload counts), counted where a
+    coordinator's tally stands for them. Returns (peer ids, how many)."""
+    if owner not in counted:
+        return set(), 0
+    everyone = voters if isinstance(voters, Mapping) else counted
+    named = {a.peer for other, a in everyone.items() if other != owner}
+    voted = sum(voters.votes.values()) - 1 if isinstance(voters, Tally) else 0
+    return named, max(len(named), voted)
 
 
 def ask_runs(dht, peers: Sequence[str], run: str, timeout_s: float = 5.0) -> dict[str, str]:
