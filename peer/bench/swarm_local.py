@@ -3,7 +3,8 @@
 For each swarm size, N peer processes (this module run with `--worker`) join a hivemind DHT started
 here, train the model with DeMo over a SwarmExchange for R clock-synchronous rounds, and report the
 payload bytes they sent. The wire is measured, not modelled: the bytes the loopback interface carried
-(/proc/net/dev, transmit side) from the first round's start to the last round's deadline, so they
+(/proc/net/dev, transmit side) from the first round's start (peers ready earlier wait for it) to the
+last round's deadline (a round skipped because a computation overran moves it on), so they
 include libp2p framing and encryption, TCP/IP headers, DHT traffic (records, announcements, polling)
 and retries. The prediction from the codec alone is that every payload that counts is pulled once by
 each of the N - 1 other peers: `payload bytes * (N - 1)` per peer per round, and with a bounded
@@ -80,11 +81,14 @@ def worker(args: argparse.Namespace) -> None:
         trainer = peer.train(
             model, DeMoConfig(), lambda step, _micro, _size: plan.batch(streams.train, step, args.index)
         )
+        if not args.coordinator:  # a peer ready early would compute and exchange round 0 before the window
+            time.sleep(max(0.0, args.start - time.time()))
         reports = [done.report for done in peer.rounds(max_rounds=args.rounds)]
         result = {
             "params": sum(p.numel() for p in model.parameters()),
             "payload_bytes": trainer.optimizer.bytes_sent / len(reports),
             "participants": [r.participants for r in reports],
+            "round_numbers": [r.round for r in reports],
             "received": exchange.counts.bytes_received,
             "dht_read": exchange.counts.received["dht"],
             "dht_written": exchange.counts.sent["dht"],
@@ -141,8 +145,7 @@ def run_swarm(
                 time.sleep(max(0.0, begin - time.time()))
             start_bytes = loopback_tx_bytes()
             if not coordinated:
-                time.sleep(max(0.0, begin + rounds * round_seconds - time.time()))
-                wire = loopback_tx_bytes() - start_bytes
+                boundaries = boundary_bytes(processes, begin, round_seconds, rounds)
             for process in processes:
                 if process.wait(timeout=120 + (4 * rounds * round_seconds if coordinated else 0)) != 0:
                     raise RuntimeError(f"a bench peer exited with {process.returncode}")
@@ -156,6 +159,9 @@ def run_swarm(
                 _stop(coordinator)
             node.shutdown()
         results = [json.loads(Path(f"{tmp}/{i}.json").read_text()) for i in range(peers)]
+    last = max(max(r["round_numbers"]) for r in results)
+    if not coordinated:  # to the deadline of the last round run: one whose computing overran is skipped
+        wire = boundaries.get(last + 1, boundaries[max(boundaries)]) - start_bytes
     payload = statistics.mean(r["payload_bytes"] for r in results)
     counted = min(gather or peers, peers)
     predicted = payload * counted * (peers - 1) / peers
@@ -169,6 +175,9 @@ def run_swarm(
         "gather": gather,
         "coordinated": coordinated,
         "rounds": rounds,
+        # round numbers a peer skipped (its computation overran a round's deadline): the wire is
+        # measured to the last one's deadline, and divided by the rounds run
+        "rounds_skipped": last + 1 - rounds,
         "round_seconds": round_seconds,
         "rounds_per_second": 1 / round_seconds,
         "complete_rounds": complete,
@@ -190,6 +199,18 @@ def run_swarm(
         "rejected_by_reason": dict(sum((Counter(r["rejected"]) for r in results), Counter())),
         "median_compute_s": statistics.median(r["compute_s"] for r in results),
     }
+
+
+def boundary_bytes(processes: list, begin: float, round_seconds: float, rounds: int) -> dict[int, int]:
+    """Loopback bytes at each round boundary (`begin + k * round_seconds`: k) while a peer runs, for at
+    most four times the rounds' length."""
+    samples: dict[int, int] = {}
+    for k in range(4 * rounds + 1):
+        if samples and all(process.poll() is not None for process in processes):
+            break
+        time.sleep(max(0.0, begin + k * round_seconds - time.time()))
+        samples[k] = loopback_tx_bytes()
+    return samples
 
 
 def _first_announcement(address: str, timeout_s: float) -> None:

@@ -245,6 +245,7 @@ def test_bench_swarm_local_measures_the_wire_against_the_codec(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     (row,) = json.loads(result.stdout)["results"]
     assert row["peers"] == 2 and row["complete_rounds"] == 3 and row["rejected"] == 0
+    assert row["rounds_skipped"] == 0
     assert row["predicted_wire_bytes_per_peer_per_round"] == row["payload_bytes"] > 1000
     # the wire carries at least the payloads, and framing, DHT traffic and headers on top
     assert row["wire_bytes_per_peer_per_round"] > row["predicted_wire_bytes_per_peer_per_round"]
