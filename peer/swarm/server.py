@@ -125,8 +125,8 @@ class PayloadServer:
         if snapshot is not None:
             self.keep_state(snapshot)
         self.held[(round_number, digest)] = payload
-        self.mine, self.pullers, self.expected_pullers = (round_number, digest), set(), set()
-        self.expected_pulls = 0
+        self.mine, self.pullers = (round_number, digest), set()
+        self.expect_pulls(set(), 0)
         for key in [k for k in self.held if k[0] < round_number - 1]:
             del self.held[key]
         return digest
@@ -170,13 +170,14 @@ class PayloadServer:
             del self.means[old]
         for old in [key for key in self._mean_ready if key[0] < round_number]:
             del self._mean_ready[old]
-        self.pullers, self.expected_pullers, self.expected_pulls = set(), set(), 0
+        self.pullers = set()
+        self.expect_pulls(set(), 0)
 
     def publish_mean(self, round_number: int, piece: int, data: bytes, expected_pullers: set[str]) -> None:
         """Serves this peer's mean of the piece it owns; the other participants will pull it."""
         self.means[(round_number, piece)] = data
         self._mean_ready.setdefault((round_number, piece), asyncio.Event()).set()
-        self.expected_pullers, self.expected_pulls = expected_pullers, len(expected_pullers)
+        self.expect_pulls(expected_pullers, len(expected_pullers))
 
     # --- the handlers ---
 
