@@ -6,10 +6,12 @@ DHT reads are most of an uncoordinated round's wire traffic besides the payloads
 every read answers with every peer's entry from each node it asks. `Polls` decides when to read (no
 I/O): the announcements are re-read at the poll interval, backing off to 4 polls' time (at most a tenth
 of a round) while nothing new comes, since a peer whose record outlives it is waited for until the
-deadline; the peer list (the larger entries) once at the start of the round and again at once for each
-unknown announcer, not while waiting: a peer that left stays in it until its record expires anyway,
-and a newcomer shows up as an unknown announcer. Once every compatible peer's payload is in, the
-announcements are read at most twice a round, to notice a newcomer.
+deadline; the round's first read asks only the nearest replica (most peers have yet to announce). The
+peer list (the larger entries) is asked for at the start of the round (the directory answers from its
+last read for two rounds) and read again at once for each unknown announcer, not while waiting: a peer
+that left is dropped when its record expires anyway, and a newcomer shows up as an unknown announcer.
+Once every compatible peer's payload is in, the announcements are read at most twice a round, from
+the nearest replica, to notice a newcomer, and not in the round's last tenth (too late to pull).
 """
 
 import asyncio
@@ -39,6 +41,8 @@ class Polls:
     """Whether the peer list was read this round."""
     unknown: bool = False
     """An unknown peer announced since the peer list was last read."""
+    announcements_read: bool = False
+    """Whether the announcements were read this round."""
     strangers: set[bytes] = field(default_factory=set)
     poll_s: float = field(init=False)
 
@@ -64,6 +68,13 @@ class Polls:
         """The wait before the next read of the announcements: the shortest after news, else doubled."""
         self.poll_s = self.shortest_s if news else min(2 * self.poll_s, self.longest_s)
         return self.poll_s
+
+    def nearest_only(self, idle: bool) -> bool:
+        """Whether this read of the announcements asks the nearest replica only: the round's first
+        (most peers have yet to announce) and those once every payload is in; every replica otherwise,
+        at most every quarter of a round (shoal.peer.swarm.directory)."""
+        first, self.announcements_read = not self.announcements_read, True
+        return first or idle
 
     def idle_s(self) -> float:
         """The wait between reads of the announcements once every payload is in."""
@@ -106,15 +117,20 @@ async def collect(
     while True:
         waiting = not compatible <= announced.keys() | ignored
         busy = waiting or not all(task.done() for task in fetches.values())
-        if polls.records_read and not busy and not polls.unknown:
+        idle = polls.records_read and not busy and not polls.unknown
+        if idle:
             await asyncio.sleep(min(polls.idle_s(), max(0.0, deadline - time.time())))
-            if time.time() >= deadline:
+            if deadline - time.time() < polls.longest_s:  # a newcomer seen now would be too late
+                await asyncio.sleep(max(0.0, deadline - time.time()))
                 break
         if polls.records_due():
             compatible = await swarm.directory.compatible_peers(fully=polls.unknown)
             polls.read_records()
         taken = len(announced)
-        for owner, announcement in await swarm.directory.announcements(key, swarm.max_payload_bytes):
+        nearest = polls.nearest_only(idle)
+        for owner, announcement in await swarm.directory.announcements(
+            key, swarm.max_payload_bytes, nearest=nearest
+        ):
             # compatible owners come from schema-checked records: signed public-key subkeys
             if owner not in compatible:
                 polls.stranger(owner)

@@ -63,8 +63,13 @@ RECORD_REFRESH_S = 120.0
 # the bytes: the nearest holds every write that found it, the first a write stores to); a newcomer to
 # the peer list or a withholding nearest node is then seen that much later (docs/ROBUSTNESS.md)
 BEAM = REPLICAS
-RECORDS_FULLY_EVERY_ROUNDS = 1.5
+RECORDS_FULLY_EVERY_ROUNDS = 4.0
 ANNOUNCEMENTS_FULLY_EVERY_ROUNDS = 0.25
+# the peer list (a record of every peer) is read again at most this often, and at once when an unknown
+# peer announced: a newcomer shows up that way, a peer that left is dropped when its last record read
+# expires (a record outlives its writer's next write by three rounds: `store_record`), and records
+# change little (relays, reachability, the coordinator's address)
+RECORDS_EVERY_ROUNDS = 2.0
 ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,250}:[0-9]{1,5}")  # a coordinator's HOST:PORT in a record
 
 
@@ -110,6 +115,8 @@ class RunDirectory:
         self._rejoin = tuple(rejoin)
         self._rejoined_at = -math.inf  # monotonic time of the last attempt
         self._read_fully_at: dict[str, float] = {}  # key: monotonic time of its last read from every replica
+        self._compatible: dict[bytes, float] = {}  # the last peer list read: compatible owner: its expiry
+        self._records_read_at = -math.inf  # monotonic time of that read
         # key: this peer's last write there and the replicas it went to, until a read from every replica
         self._unconfirmed: dict[str, tuple[dict, float, frozenset[bytes]]] = {}
 
@@ -162,17 +169,19 @@ class RunDirectory:
         self.counts.dht_rewrites += bool(skip and outcome[0])
         return skip | frozenset(outcome[0])
 
-    async def get(self, key: str, *, every_rounds: float, fully: bool = False):
+    async def get(self, key: str, *, every_rounds: float, fully: bool = False, nearest: bool = False):
         """The latest value under `key` on the BEAM nodes nearest it (the nearest only, if read from
-        all less than `every_rounds` rounds ago, and at least a second, unless `fully`), counting the
-        serialized bytes of what came back."""
+        all less than `every_rounds` rounds ago, and at least a second, unless `fully`; or if `nearest`:
+        a first read with `nearest` then counts as one from all), counting the bytes of what came back."""
         self.counts.dht_reads += 1
         now, beam = time.monotonic(), 1
         every_s = max(1.0, every_rounds * self.record.round_seconds)
-        if fully or now - self._read_fully_at.get(key, -math.inf) >= every_s:
-            kept_s = max(1.0, 2 * self.record.round_seconds)
-            self._read_fully_at = {k: t for k, t in self._read_fully_at.items() if now - t < kept_s}
+        if nearest:
+            self._read_fully_at.setdefault(key, now)
+        elif fully or now - self._read_fully_at.get(key, -math.inf) >= every_s:
             self._read_fully_at[key], beam = now, BEAM
+        kept_s = max(1.0, RECORDS_FULLY_EVERY_ROUNDS * self.record.round_seconds)
+        self._read_fully_at = {k: t for k, t in self._read_fully_at.items() if now - t < kept_s or k == key}
         found = await self.dht.get(key, latest=True, return_future=True, beam_size=beam, num_workers=beam)
         if beam == BEAM and key in self._unconfirmed:
             # the read put the replicas in the routing table: this peer's last write goes to any it missed
@@ -187,9 +196,14 @@ class RunDirectory:
         return found
 
     async def compatible_peers(self, *, fully: bool = False) -> set[bytes]:
-        """Public-key subkeys of the peers whose current record is compatible with this one's (read
-        from every replica if `fully`: an unknown peer announced)."""
+        """Public-key subkeys of the peers whose current record is compatible with this one's: as last
+        read, less the expired records, if that was less than RECORDS_EVERY_ROUNDS rounds ago; read
+        from every replica if `fully` (an unknown peer announced)."""
+        now = time.monotonic()
+        if not fully and now - self._records_read_at < RECORDS_EVERY_ROUNDS * self.record.round_seconds:
+            return {owner for owner, expires in self._compatible.items() if expires > time.time()}
         found = await self.get(peers_key(self.run), every_rounds=RECORDS_FULLY_EVERY_ROUNDS, fully=fully)
+        self._records_read_at = now
         records, malformed = peer_records(found)
         if malformed:
             self.counts.rejected["bad_record"] += malformed
@@ -217,6 +231,8 @@ class RunDirectory:
         winner = winning_clock(clocks)
         self.run_clock = None if winner == mine else winner
         self._relays = relays
+        self._compatible = {owner: _expiry(found, owner) for owner in compatible - {self.owner}}
+        self._compatible[self.owner] = math.inf
         return compatible
 
     def relays_of(self, peer_id: str) -> tuple[str, ...]:
@@ -232,10 +248,10 @@ class RunDirectory:
         return peer_id in self._reachable
 
     async def announcements(
-        self, key: str, max_payload_bytes: int
+        self, key: str, max_payload_bytes: int, *, nearest: bool = False
     ) -> list[tuple[object, Announcement | MalformedPayloadError]]:
-        """(subkey, its announcement or why it is malformed) for every entry under `key`."""
-        found = await self.get(key, every_rounds=ANNOUNCEMENTS_FULLY_EVERY_ROUNDS)
+        """(subkey, its announcement or why it is malformed) for every entry under `key` (see `get`)."""
+        found = await self.get(key, every_rounds=ANNOUNCEMENTS_FULLY_EVERY_ROUNDS, nearest=nearest)
         if found is None or not isinstance(found.value, dict):
             return []
         announcements = []
@@ -320,6 +336,11 @@ def first_record(
         reachable=reachability.reachable,
         relays=list(reachability.relays),
     )
+
+
+def _expiry(found, owner: bytes) -> float:
+    """When the entry of `owner` in a DHT read expires (unix time; hivemind checked it is a float)."""
+    return getattr(found.value.get(owner), "expiration_time", math.inf)
 
 
 async def _ping_again(maddrs: tuple[str, ...], _dht: hivemind.DHT, node: DHTNode) -> int:

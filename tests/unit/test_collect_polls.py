@@ -25,3 +25,10 @@ def test_the_peer_list_is_read_once_a_round_and_at_once_for_each_new_stranger():
     polls.stranger(b"other")
     assert polls.records_due()
     assert polls.idle_s() == 6.0  # the announcements, once every payload is in: twice a round
+
+
+def test_a_rounds_first_read_of_the_announcements_and_idle_reads_ask_the_nearest_replica_only():
+    polls = Polls(shortest_s=0.2, round_seconds=12.0, idle_every_s=1.0)
+    assert polls.nearest_only(idle=False)  # the first: most peers have yet to announce
+    assert not polls.nearest_only(idle=False)  # then as the directory decides (every replica at times)
+    assert polls.nearest_only(idle=True)  # every payload in: only to notice a newcomer

@@ -1,9 +1,11 @@
 """How far a RunDirectory read reaches (shoal.peer.swarm.directory): every replica when the key was not
-read from all of them for a while, or when asked to; the nearest only in between."""
+read from all of them for a while, or when asked to; the nearest only in between. And how often the
+peer list is read at all: its last read stands for two rounds, less the records that expired since."""
 
 import asyncio
 
 import pytest
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 from shoal.peer.swarm import directory as directory_module
 from shoal.peer.swarm.bootstrap import REPLICAS
@@ -14,14 +16,16 @@ from tests.unit.test_run_clock import record
 
 
 class Reads:
-    """Stands in for hivemind.DHT: records the beam of each read, holds nothing."""
+    """Stands in for hivemind.DHT: records the beam of each read, answers with `held`."""
 
-    def __init__(self):
+    def __init__(self, held=None):
         self.beams: list[tuple[str, int]] = []
+        self.held = held
 
     async def get(self, key, *, latest, return_future, beam_size, num_workers):
         assert latest and return_future and beam_size == num_workers
         self.beams.append((key, beam_size))
+        return self.held
 
 
 @pytest.fixture
@@ -53,13 +57,50 @@ def test_announcements_are_read_from_every_replica_a_quarter_of_a_round_apart(cl
     assert run.counts.dht_reads == 6
 
 
-def test_the_peer_list_is_read_fully_every_round_and_a_half_or_when_a_stranger_announced(clock):
+def test_a_rounds_first_read_and_idle_reads_ask_the_nearest_and_start_the_quarter_round(clock):
     dht = Reads()
     run = directory(dht, round_seconds=12.0)
-    for at, fully in ((0.0, False), (12.0, False), (18.0, False), (19.0, True), (20.0, False)):
+    key = round_key("run", 5)
+    for at, nearest in ((0.0, True), (1.0, False), (2.9, False), (3.0, False), (4.0, True), (6.5, True)):
         clock[0] = 1000.0 + at
-        asyncio.run(run.compatible_peers(fully=fully))
-    assert dht.beams == [(peers_key("run"), beam) for beam in (REPLICAS, 1, REPLICAS, REPLICAS, 1)]
+        asyncio.run(run.announcements(key, max_payload_bytes=1 << 20, nearest=nearest))
+    # a peer still missing a quarter of a round after the first read: every replica, then at most
+    # every quarter of a round; reads once every payload is in: the nearest only, however long since
+    assert [beam for _, beam in dht.beams] == [1, 1, 1, REPLICAS, 1, 1]
+
+
+def test_the_peer_list_is_read_every_two_rounds_fully_every_four_or_at_once_for_a_stranger(clock):
+    dht = Reads()
+    run = directory(dht, round_seconds=12.0)
+    for at, fully in ((0.0, False), (12.0, False), (24.0, False), (30.0, True), (40.0, False), (54.0, False)):
+        clock[0] = 1000.0 + at
+        assert asyncio.run(run.compatible_peers(fully=fully)) == {b"me"}
+    for at in (77.9, 78.0):
+        clock[0] = 1000.0 + at
+        asyncio.run(run.compatible_peers())
+    assert dht.beams == [(peers_key("run"), beam) for beam in (REPLICAS, 1, REPLICAS, 1, REPLICAS)]
+
+
+def test_between_reads_of_the_peer_list_a_peer_whose_record_expired_is_dropped(clock, monkeypatch):
+    now = [5000.0]
+    monkeypatch.setattr(directory_module.time, "time", lambda: now[0])
+    mine = record(0.0, 12.0)
+    held = {
+        b"long": ValueWithExpiration(mine.dict(), 5100.0),
+        b"short": ValueWithExpiration(mine.dict(), 5010.0),
+        b"bad": ValueWithExpiration({"peer_id": 1}, 5100.0),  # malformed: counted, never compatible
+        b"other": ValueWithExpiration(record(0.0, 12.0, config={"model": "other"}).dict(), 5100.0),
+    }
+    dht = Reads(ValueWithExpiration(held, 5100.0))
+    run = RunDirectory(dht, run="run", owner=b"me", record=mine, counts=SwarmCounters(), coordinated=False)
+    assert asyncio.run(run.compatible_peers()) == {b"me", b"long", b"short"}
+    assert run.counts.rejected["bad_record"] == 1 and len(run.refused) == 1
+    now[0], clock[0] = 5011.0, clock[0] + 11.0
+    assert asyncio.run(run.compatible_peers()) == {b"me", b"long"}  # from the last read: no new one
+    assert len(dht.beams) == 1
+    now[0], clock[0] = 5030.0, clock[0] + 19.0
+    assert asyncio.run(run.compatible_peers()) == {b"me", b"long", b"short"}  # read again: rewritten
+    assert len(dht.beams) == 2
 
 
 def test_short_rounds_still_read_every_replica_at_most_once_a_second(clock):
