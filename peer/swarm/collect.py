@@ -1,6 +1,6 @@
 """The collection of an uncoordinated round of SwarmExchange (shoal.peer.swarm.exchange): until the round's
 deadline, the announcements of compatible peers read from the DHT, and the chosen payloads pulled as
-they come.
+they come (under a fan-in, once the chosen set is final: `Pulls`).
 
 DHT reads are most of an uncoordinated round's wire traffic besides the payloads (BENCHMARKS.md):
 every read answers with every peer's entry from each node it asks. `Polls` decides when to read (no
@@ -15,6 +15,7 @@ the nearest replica, to notice a newcomer, and not in the round's last tenth (to
 """
 
 import asyncio
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -81,6 +82,34 @@ class Polls:
         return max(self.idle_every_s, self.round_seconds / 2)
 
 
+@dataclass
+class Pulls:
+    """When a round starts pulling (no I/O). Under a fan-in (`gather`) smaller than the compatible peers,
+    the chosen set is final only once every one of them announced: a payload pulled before that may be
+    displaced by a later announcement, and its bytes are wasted (most of the difference between 4 and
+    16 peers: BENCHMARKS.md). So pulls wait for every compatible peer, or for `provisional_from`
+    (halfway from this peer's announcement to the deadline), whichever comes first; without a fan-in
+    every payload counts, and they start at once."""
+
+    gather: int
+    provisional_from: float
+    since: float = math.inf
+    """When pulls started (`time.time()`)."""
+
+    def due(self, compatible: set[bytes], taken: set[bytes]) -> bool:
+        if self.since == math.inf and (
+            not 0 < self.gather < len(compatible)
+            or compatible <= taken
+            or time.time() >= self.provisional_from
+        ):
+            self.since = time.time()
+        return self.started
+
+    @property
+    def started(self) -> bool:
+        return self.since < math.inf
+
+
 class CollectHost(Protocol):
     """What `collect` uses of its SwarmExchange."""
 
@@ -90,6 +119,7 @@ class CollectHost(Protocol):
     ledger: Ledger
     counts: SwarmCounters
     max_payload_bytes: int
+    gather_limit: int
     fetch_timeout_s: float
     poll_interval_s: float
     idle_interval_s: float
@@ -114,6 +144,7 @@ async def collect(
     fetches: dict[bytes, asyncio.Task] = {}
     compatible: set[bytes] = set()
     polls = Polls(swarm.poll_interval_s, swarm.schedule.round_seconds, swarm.idle_interval_s)
+    pulls = Pulls(swarm.gather_limit, provisional_from=time.time() + (deadline - time.time()) / 2)
     while True:
         waiting = not compatible <= announced.keys() | ignored
         busy = waiting or not all(task.done() for task in fetches.values())
@@ -146,18 +177,21 @@ async def collect(
                 continue
             announced[owner] = announcement
             announced_at[owner] = time.time()
-        pull_chosen(swarm, round_number, announced, fetches)
-        poll_s = polls.next_poll_s(news=polls.unknown or len(announced) > taken)
+        if pulls.due(compatible, announced.keys() | ignored):
+            pull_chosen(swarm, round_number, announced, fetches)
+        # while pulls wait for the chosen set, a new announcement does not hasten the next read
+        poll_s = polls.next_poll_s(news=polls.unknown or (len(announced) > taken and pulls.started))
         remaining = deadline - time.time()
         if remaining <= 0:
             break
         await asyncio.sleep(min(poll_s, remaining))
     # a payload nobody could pull by the deadline strikes its author if the author said it held nothing,
-    # or if it was announced a whole fetch timeout before: announcing without serving would otherwise
-    # cost nothing, and every peer would wait on it, round after round
+    # or if it was announced (and pulled) a whole fetch timeout before: announcing without serving would
+    # otherwise cost nothing, and every peer would wait on it, round after round
     for owner, task in fetches.items():
         refused = (round_number, announced[owner].digest) in swarm._puller.refused_by_author
-        if not task.done() and (refused or deadline - announced_at[owner] >= swarm.fetch_timeout_s):
+        pulled_s = deadline - max(announced_at[owner], pulls.since)
+        if not task.done() and (refused or pulled_s >= swarm.fetch_timeout_s):
             swarm._count_and_strike(owner, "unserved", round_number)
     await abandon(list(fetches.values()))
     return announced, compatible

@@ -1,6 +1,7 @@
 """When an uncoordinated round reads the DHT (shoal.peer.swarm.collect.Polls): no I/O, a clock goes in."""
 
-from shoal.peer.swarm.collect import Polls
+from shoal.peer.swarm import collect as collect_module
+from shoal.peer.swarm.collect import Polls, Pulls
 
 
 def test_polls_back_off_to_four_polls_or_a_tenth_of_a_round_and_news_resets_them():
@@ -32,3 +33,21 @@ def test_a_rounds_first_read_of_the_announcements_and_idle_reads_ask_the_nearest
     assert polls.nearest_only(idle=False)  # the first: most peers have yet to announce
     assert not polls.nearest_only(idle=False)  # then as the directory decides (every replica at times)
     assert polls.nearest_only(idle=True)  # every payload in: only to notice a newcomer
+
+
+def test_under_a_fan_in_pulls_wait_for_every_compatible_peer_or_until_halfway_to_the_deadline(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(collect_module.time, "time", lambda: now[0])
+    everyone = {b"a", b"b", b"c", b"d"}
+    pulls = Pulls(gather=2, provisional_from=105.0)
+    assert not pulls.due(everyone, {b"a", b"b", b"c"})  # d may still outrank one of the chosen
+    assert not pulls.started  # news does not hasten the next read meanwhile
+    assert pulls.due(everyone, everyone) and pulls.since == 100.0
+    assert pulls.due(everyone, {b"a"})  # once started, for the rest of the round
+    late = Pulls(gather=2, provisional_from=105.0)
+    assert not late.due(everyone, {b"a"})
+    now[0] = 105.0
+    assert late.due(everyone, {b"a"}) and late.since == 105.0  # halfway: the choice as it stands
+    now[0] = 100.0
+    assert Pulls(gather=0, provisional_from=105.0).due(everyone, {b"a"})  # no fan-in: every one counts
+    assert Pulls(gather=4, provisional_from=105.0).due(everyone, {b"a"})  # every compatible peer fits
