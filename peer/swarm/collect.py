@@ -95,11 +95,15 @@ class Pulls:
     provisional_from: float
     since: float = math.inf
     """When pulls started (`time.time()`)."""
+    settled: float = math.inf
+    """When every compatible peer had announced (`time.time()`)."""
 
     def due(self, compatible: set[bytes], taken: set[bytes]) -> bool:
+        if self.settled == math.inf and compatible <= taken:
+            self.settled = time.time()
         if self.since == math.inf and (
             not 0 < self.gather < len(compatible)
-            or compatible <= taken
+            or self.settled < math.inf
             or time.time() >= self.provisional_from
         ):
             self.since = time.time()
@@ -123,6 +127,8 @@ class CollectHost(Protocol):
     fetch_timeout_s: float
     poll_interval_s: float
     idle_interval_s: float
+    settled_s: float | None
+    _members: list[bytes]
     server: PayloadServer
     _puller: Puller
 
@@ -145,6 +151,11 @@ async def collect(
     compatible: set[bytes] = set()
     polls = Polls(swarm.poll_interval_s, swarm.schedule.round_seconds, swarm.idle_interval_s)
     pulls = Pulls(swarm.gather_limit, provisional_from=time.time() + (deadline - time.time()) / 2)
+    started = deadline - swarm.schedule.round_seconds
+    if swarm.settled_s is not None and 0 < swarm.gather_limit < len(swarm._members):
+        # the pulls wait for every compatible peer: no read before they were all in last round (less a
+        # poll, to follow them as they come sooner), where it would find some missing
+        await asyncio.sleep(max(0.0, min(started + swarm.settled_s, pulls.provisional_from) - time.time()))
     while True:
         waiting = not compatible <= announced.keys() | ignored
         busy = waiting or not all(task.done() for task in fetches.values())
@@ -194,6 +205,7 @@ async def collect(
         if not task.done() and (refused or pulled_s >= swarm.fetch_timeout_s):
             swarm._count_and_strike(owner, "unserved", round_number)
     await abandon(list(fetches.values()))
+    swarm.settled_s = pulls.settled - started - polls.shortest_s if pulls.settled < math.inf else None
     return announced, compatible
 
 

@@ -1,5 +1,7 @@
 """When an uncoordinated round reads the DHT (shoal.peer.swarm.collect.Polls): no I/O, a clock goes in."""
 
+import math
+
 from shoal.peer.swarm import collect as collect_module
 from shoal.peer.swarm.collect import Polls, Pulls
 
@@ -42,12 +44,13 @@ def test_under_a_fan_in_pulls_wait_for_every_compatible_peer_or_until_halfway_to
     pulls = Pulls(gather=2, provisional_from=105.0)
     assert not pulls.due(everyone, {b"a", b"b", b"c"})  # d may still outrank one of the chosen
     assert not pulls.started  # news does not hasten the next read meanwhile
-    assert pulls.due(everyone, everyone) and pulls.since == 100.0
+    assert pulls.due(everyone, everyone) and pulls.since == pulls.settled == 100.0
     assert pulls.due(everyone, {b"a"})  # once started, for the rest of the round
     late = Pulls(gather=2, provisional_from=105.0)
     assert not late.due(everyone, {b"a"})
     now[0] = 105.0
     assert late.due(everyone, {b"a"}) and late.since == 105.0  # halfway: the choice as it stands
+    assert late.settled == math.inf  # not settled: the next round reads as soon as it announced
     now[0] = 100.0
     assert Pulls(gather=0, provisional_from=105.0).due(everyone, {b"a"})  # no fan-in: every one counts
     assert Pulls(gather=4, provisional_from=105.0).due(everyone, {b"a"})  # every compatible peer fits
