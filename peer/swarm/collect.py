@@ -11,7 +11,8 @@ peer list (the larger entries) is asked for at the start of the round (the direc
 last read for two rounds) and read again at once for each unknown announcer, not while waiting: a peer
 that left is dropped when its record expires anyway, and a newcomer shows up as an unknown announcer.
 Once every compatible peer's payload is in, the announcements are read at most twice a round, from
-the nearest replica, to notice a newcomer, and not in the round's last tenth (too late to pull).
+the nearest replica, to notice a newcomer, and not within the longest poll interval of the deadline
+(too late to pull).
 Under a fan-in, pulls wait for the chosen set to be final (`Pulls`), and so does the round's first
 read: until every compatible peer was in last round.
 """
@@ -98,11 +99,17 @@ class Pulls:
     since: float = math.inf
     """When pulls started (`time.time()`)."""
     settled: float = math.inf
-    """When every compatible peer had announced (`time.time()`)."""
+    """When the read that found every compatible peer announced began (`time.time()`)."""
+    missed: bool = False
+    """Whether a read found one missing."""
 
-    def due(self, compatible: set[bytes], taken: set[bytes]) -> bool:
-        if self.settled == math.inf and compatible <= taken:
-            self.settled = time.time()
+    def due(self, compatible: set[bytes], taken: set[bytes], read_at: float) -> bool:
+        """Whether to pull, after a read begun at `read_at` found `taken` (announced or refused)."""
+        if self.settled == math.inf:
+            if compatible <= taken:
+                self.settled = read_at
+            else:
+                self.missed = True
         if self.since == math.inf and (
             not 0 < self.gather < len(compatible)
             or self.settled < math.inf
@@ -114,6 +121,15 @@ class Pulls:
     @property
     def started(self) -> bool:
         return self.since < math.inf
+
+    def settled_s(self, round_started: float, poll_s: float) -> float | None:
+        """How far into the round every compatible peer was in (None: never), for the next round's first
+        read: from the start of the read that found them (its latency would otherwise add up round
+        after round), and a poll sooner if none was missing, so that it follows them as they come
+        sooner and finds one missing now and then."""
+        if self.settled == math.inf:
+            return None
+        return self.settled - round_started - (0.0 if self.missed else poll_s)
 
 
 class CollectHost(Protocol):
@@ -155,8 +171,8 @@ async def collect(
     pulls = Pulls(swarm.gather_limit, provisional_from=time.time() + (deadline - time.time()) / 2)
     started = deadline - swarm.schedule.round_seconds
     if swarm.settled_s is not None and 0 < swarm.gather_limit < len(swarm._members):
-        # the pulls wait for every compatible peer: no read before they were all in last round (less a
-        # poll, to follow them as they come sooner), where it would find some missing
+        # the pulls wait for every compatible peer: no read before they were all in last round
+        # (`Pulls.settled_s`), where it would find some missing
         await asyncio.sleep(max(0.0, min(started + swarm.settled_s, pulls.provisional_from) - time.time()))
     while True:
         waiting = not compatible <= announced.keys() | ignored
@@ -164,13 +180,13 @@ async def collect(
         idle = polls.records_read and not busy and not polls.unknown
         if idle:
             await asyncio.sleep(min(polls.idle_s(), max(0.0, deadline - time.time())))
-            if deadline - time.time() < polls.longest_s:  # a newcomer seen now would be too late
+            if deadline - time.time() < polls.longest_s:  # a newcomer seen now would be too late to pull
                 await asyncio.sleep(max(0.0, deadline - time.time()))
                 break
         if polls.records_due():
             compatible = await swarm.directory.compatible_peers(fully=polls.unknown)
             polls.read_records()
-        taken = len(announced)
+        taken, read_at = len(announced), time.time()
         nearest = polls.nearest_only(idle)
         for owner, announcement in await swarm.directory.announcements(
             key, swarm.max_payload_bytes, nearest=nearest
@@ -190,7 +206,7 @@ async def collect(
                 continue
             announced[owner] = announcement
             announced_at[owner] = time.time()
-        if pulls.due(compatible, announced.keys() | ignored):
+        if pulls.due(compatible, announced.keys() | ignored, read_at):
             pull_chosen(swarm, round_number, announced, fetches)
         # while pulls wait for the chosen set, a new announcement does not hasten the next read
         poll_s = polls.next_poll_s(news=polls.unknown or (len(announced) > taken and pulls.started))
@@ -207,7 +223,7 @@ async def collect(
         if not task.done() and (refused or pulled_s >= swarm.fetch_timeout_s):
             swarm._count_and_strike(owner, "unserved", round_number)
     await abandon(list(fetches.values()))
-    swarm.settled_s = pulls.settled - started - polls.shortest_s if pulls.settled < math.inf else None
+    swarm.settled_s = pulls.settled_s(started, polls.shortest_s)
     return announced, compatible
 
 

@@ -143,6 +143,8 @@ class RunDirectory:
         self.counts.sent["dht"] += len(key) + len(self.owner) + len(MSGPackSerializer.dumps(value))
         self.counts.dht_stores += 1
         written = await self._store_near(key, value, expiration, skip=frozenset())
+        # until a read from every replica (which a round's key may never get: `get`), or its expiry
+        self._unconfirmed = {k: entry for k, entry in self._unconfirmed.items() if entry[1] > time.time()}
         if written is not None:
             self._unconfirmed[key] = (value, expiration, written)
 
@@ -299,6 +301,7 @@ class RunDirectory:
         )
         self.update_record(start_time=start_time, round_seconds=round_seconds)
         self.run_clock = None
+        self._records_read_at = -math.inf  # judged compatible on the old clock: read them again
         self.counts.clocks_adopted += 1
         return RoundSchedule(start_time=start_time, round_seconds=round_seconds)
 

@@ -211,8 +211,8 @@ def test_a_bounded_fan_in_agrees_rotates_pulls_only_the_chosen_and_outlives_a_ch
         assert report["resyncs"] == 0 and "stale_state" not in report["rejected"]  # one set everywhere
         assert 3 <= report["left_out"] <= rounds - 2  # its turn came, and went
         assert report["uncounted"] == report["left_out"]  # what was left out, its optimizer carried
-        # at most 2 pulled a round (1 when chosen itself), where every peer would pull 4 or 3; pulls
-        # wait for every announcement, so only one pulled halfway to the deadline can be displaced
+        # at most 2 pulled a round (1 when chosen itself), where every peer would pull 4 or 3; a payload
+        # pulled provisionally (halfway to the deadline, some still missing), then displaced, is the rest
         assert report["received"] <= 2 * rounds * report["payload_bytes"]
     # 3 of 5 left out of rounds 0-4 (peer 4 among them up to 5 times), 3 of 4 in round 5, 2 of 4 after
     assert 15 - 5 + 3 + 2 * 4 <= sum(r["left_out"] for r in survivors) <= 15 + 3 + 2 * 4

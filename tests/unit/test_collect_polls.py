@@ -42,15 +42,26 @@ def test_under_a_fan_in_pulls_wait_for_every_compatible_peer_or_until_halfway_to
     monkeypatch.setattr(collect_module.time, "time", lambda: now[0])
     everyone = {b"a", b"b", b"c", b"d"}
     pulls = Pulls(gather=2, provisional_from=105.0)
-    assert not pulls.due(everyone, {b"a", b"b", b"c"})  # d may still outrank one of the chosen
+    assert not pulls.due(everyone, {b"a", b"b", b"c"}, read_at=99.5)  # d may still outrank a chosen one
     assert not pulls.started  # news does not hasten the next read meanwhile
-    assert pulls.due(everyone, everyone) and pulls.since == pulls.settled == 100.0
-    assert pulls.due(everyone, {b"a"})  # once started, for the rest of the round
+    assert pulls.due(everyone, everyone, read_at=99.8) and pulls.since == 100.0 and pulls.settled == 99.8
+    assert pulls.due(everyone, {b"a"}, read_at=99.9)  # once started, for the rest of the round
     late = Pulls(gather=2, provisional_from=105.0)
-    assert not late.due(everyone, {b"a"})
+    assert not late.due(everyone, {b"a"}, read_at=99.0)
     now[0] = 105.0
-    assert late.due(everyone, {b"a"}) and late.since == 105.0  # halfway: the choice as it stands
-    assert late.settled == math.inf  # not settled: the next round reads as soon as it announced
+    assert late.due(everyone, {b"a"}, read_at=104.9) and late.since == 105.0  # halfway: as it stands
+    assert late.settled == math.inf and late.settled_s(90.0, 0.2) is None  # next round: read at once
     now[0] = 100.0
-    assert Pulls(gather=0, provisional_from=105.0).due(everyone, {b"a"})  # no fan-in: every one counts
-    assert Pulls(gather=4, provisional_from=105.0).due(everyone, {b"a"})  # every compatible peer fits
+    assert Pulls(gather=0, provisional_from=105.0).due(everyone, {b"a"}, read_at=99.0)  # every one counts
+    assert Pulls(gather=4, provisional_from=105.0).due(everyone, {b"a"}, read_at=99.0)  # all of them fit
+
+
+def test_the_next_rounds_first_read_follows_when_every_peer_was_in_without_adding_up_read_latency():
+    everyone = {b"a", b"b"}
+    missed = Pulls(gather=1, provisional_from=200.0)
+    missed.due(everyone, {b"a"}, read_at=96.0)
+    missed.due(everyone, everyone, read_at=97.0)  # the read that found them began at 97: 7 s in
+    assert missed.settled_s(90.0, 0.2) == 7.0
+    found = Pulls(gather=1, provisional_from=200.0)
+    found.due(everyone, everyone, read_at=97.0)  # all in at the first read: maybe long before it
+    assert found.settled_s(90.0, 0.2) == 7.0 - 0.2  # so the next round looks a poll sooner

@@ -111,3 +111,31 @@ def test_short_rounds_still_read_every_replica_at_most_once_a_second(clock):
         clock[0] = 1000.0 + at
         asyncio.run(run.announcements(key, max_payload_bytes=1 << 20))
     assert [beam for _, beam in dht.beams] == [REPLICAS, 1, 1, REPLICAS]
+
+
+def test_a_peer_that_takes_the_runs_clock_reads_the_peer_list_again(clock):
+    dht = Reads()
+    run = directory(dht, round_seconds=12.0)
+    asyncio.run(run.compatible_peers())
+    run.run_clock = (500.0, 6.0)  # another peer's clock, which the run follows
+    assert run.take_run_clock() is not None
+    asyncio.run(run.compatible_peers())  # judged on the old clock: not answered from the last read
+    assert len(dht.beams) == 2
+
+
+class Stores(Reads):
+    """Also stands in for a write straight to the replicas: each takes it."""
+
+    async def run_coroutine(self, write, *, return_future):
+        return [b"replica"], True
+
+
+def test_a_write_no_read_from_every_replica_confirmed_is_forgotten_once_it_expired(clock, monkeypatch):
+    now = [5000.0]
+    monkeypatch.setattr(directory_module.time, "time", lambda: now[0])
+    run = directory(Stores(), round_seconds=12.0)
+    asyncio.run(run.store(round_key("run", 1), {"x": 1}, 5010.0))
+    asyncio.run(run.store(round_key("run", 2), {"x": 2}, 5020.0))
+    now[0] = 5011.0
+    asyncio.run(run.store(round_key("run", 3), {"x": 3}, 5030.0))
+    assert set(run._unconfirmed) == {round_key("run", 2), round_key("run", 3)}
