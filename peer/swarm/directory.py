@@ -37,7 +37,6 @@ from shoal.peer.swarm.membership import (
     PeerRecord,
     incompatibility,
     other_clock,
-    run_hash,
     winning_clock,
 )
 from shoal.peer.swarm.names import peers_key
@@ -63,7 +62,7 @@ RECORD_REFRESH_S = 120.0
 # the bytes: the nearest holds every write that found it, the first a write stores to); a newcomer to
 # the peer list or a withholding nearest node is then seen that much later (docs/ROBUSTNESS.md)
 BEAM = REPLICAS
-RECORDS_FULLY_EVERY_ROUNDS = 4.0
+RECORDS_FULLY_EVERY_ROUNDS = 8.0
 ANNOUNCEMENTS_FULLY_EVERY_ROUNDS = 0.25
 # the peer list (a record of every peer) is read again at most this often, and at once when an unknown
 # peer announced: a newcomer shows up that way, a peer that left is dropped when its last record read
@@ -111,12 +110,14 @@ class RunDirectory:
         """The round clock (start time, round length) this run converges on, when it is not this
         peer's: another peer started the run at once (`membership.winning_clock`)."""
         self._relays: dict[str, tuple[str, ...]] = {}  # peer id: the relays its record names
+        self._peer_ids = {owner: record.peer_id}  # compatible owner: the peer id its last record read names
         self._reachable: set[str] = set()  # peer ids whose record says they can be dialed
         self._rejoin = tuple(rejoin)
         self._rejoined_at = -math.inf  # monotonic time of the last attempt
         self._read_fully_at: dict[str, float] = {}  # key: monotonic time of its last read from every replica
         self._compatible: dict[bytes, float] = {}  # the last peer list read: compatible owner: its expiry
         self._records_read_at = -math.inf  # monotonic time of that read
+        self._record_expires = -math.inf  # the expiry of this peer's last record written
         # key: this peer's last write there and the replicas it went to, until a read from every replica
         self._unconfirmed: dict[str, tuple[dict, float, frozenset[bytes]]] = {}
 
@@ -128,9 +129,14 @@ class RunDirectory:
         now = time.time()
         if now - self.record.updated < refresh_s:
             return
-        self.record = self.record.copy(update={"round": round_number, "updated": now})
         next_write = now + (RECORD_REFRESH_S if self.coordinated else 0.0)
         expires = max(schedule.deadline(round_number), next_write) + 3 * schedule.round_seconds
+        # a second write in a round (the first round's, after the one at start; a new clock's) must
+        # expire later than the last: a replica refuses an entry that expires no later than the one it
+        # holds, and a refused write crawls the DHT (`_store_near`), every node asked answering with
+        # every record (at 16 peers, a sixth of a 6-round run's bytes)
+        expires = self._record_expires = max(expires, self._record_expires + 0.001)
+        self.record = self.record.copy(update={"round": round_number, "updated": now})
         await self.store(peers_key(self.run), self.record.dict(), expires)
 
     def update_record(self, **fields) -> None:
@@ -204,12 +210,18 @@ class RunDirectory:
         now = time.monotonic()
         if not fully and now - self._records_read_at < RECORDS_EVERY_ROUNDS * self.record.round_seconds:
             return {owner for owner, expires in self._compatible.items() if expires > time.time()}
-        found = await self.get(peers_key(self.run), every_rounds=RECORDS_FULLY_EVERY_ROUNDS, fully=fully)
+        # the first read asks the nearest replica only (at 16 peers, most of a joiner's first round's
+        # bytes): a record it lacks shows up when its peer announces, as an unknown announcer (`fully`)
+        first = self._records_read_at == -math.inf and not fully
+        found = await self.get(
+            peers_key(self.run), every_rounds=RECORDS_FULLY_EVERY_ROUNDS, fully=fully, nearest=first
+        )
         self._records_read_at = now
         records, malformed = peer_records(found)
         if malformed:
             self.counts.rejected["bad_record"] += malformed
         compatible = {self.owner}
+        peer_ids = {self.owner: self.record.peer_id}
         relays: dict[str, tuple[str, ...]] = {}
         self._reachable = set()
         self.coordinators = {}
@@ -218,6 +230,7 @@ class RunDirectory:
             reason = incompatibility(self.record, record)
             if reason is None:
                 compatible.add(owner)
+                peer_ids[owner] = record.peer_id
                 relays[record.peer_id] = tuple(record.relays)
                 if record.reachable:
                     self._reachable.add(record.peer_id)
@@ -232,7 +245,7 @@ class RunDirectory:
         clocks[mine] = len(compatible)
         winner = winning_clock(clocks)
         self.run_clock = None if winner == mine else winner
-        self._relays = relays
+        self._relays, self._peer_ids = relays, peer_ids
         self._compatible = {owner: _expiry(found, owner) for owner in compatible - {self.owner}}
         self._compatible[self.owner] = math.inf
         return compatible
@@ -259,7 +272,12 @@ class RunDirectory:
         announcements = []
         for owner, entry in found.value.items():
             try:
-                parsed = Announcement.parse(owner, getattr(entry, "value", None), max_payload_bytes)
+                peer = self._peer_ids.get(owner) if isinstance(owner, bytes) else None
+                if peer is None:
+                    raise MalformedPayloadError(
+                        "bad_announcement", "no compatible record read for its author"
+                    )
+                parsed = Announcement.parse(owner, getattr(entry, "value", None), max_payload_bytes, peer)
                 announcements.append((owner, parsed))
             except MalformedPayloadError as error:
                 announcements.append((owner, error))
@@ -328,7 +346,6 @@ def first_record(
     return PeerRecord(
         peer_id=peer_id,
         version=SHOAL_VERSION,
-        run_hash=run_hash(config),
         config=dict(config),
         device=device,
         throughput=0.0,

@@ -12,6 +12,7 @@ from shoal.peer.swarm.bootstrap import REPLICAS
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.directory import RunDirectory
 from shoal.peer.swarm.names import peers_key, round_key
+from shoal.peer.swarm.records import RoundSchedule
 from tests.unit.test_run_clock import record
 
 
@@ -69,16 +70,17 @@ def test_a_rounds_first_read_and_idle_reads_ask_the_nearest_and_start_the_quarte
     assert [beam for _, beam in dht.beams] == [1, 1, 1, REPLICAS, 1, 1]
 
 
-def test_the_peer_list_is_read_every_two_rounds_fully_every_four_or_at_once_for_a_stranger(clock):
+def test_the_peer_list_is_read_every_two_rounds_fully_every_eight_or_at_once_for_a_stranger(clock):
+    # the first read asks the nearest replica (and starts the eight rounds): a stranger shows what it lacks
     dht = Reads()
     run = directory(dht, round_seconds=12.0)
     for at, fully in ((0.0, False), (12.0, False), (24.0, False), (30.0, True), (40.0, False), (54.0, False)):
         clock[0] = 1000.0 + at
         assert asyncio.run(run.compatible_peers(fully=fully)) == {b"me"}
-    for at in (77.9, 78.0):
+    for at in (78.0, 102.0, 125.9, 126.0):  # 96 s (8 rounds) after the last read from every replica
         clock[0] = 1000.0 + at
         asyncio.run(run.compatible_peers())
-    assert dht.beams == [(peers_key("run"), beam) for beam in (REPLICAS, 1, REPLICAS, 1, REPLICAS)]
+    assert dht.beams == [(peers_key("run"), beam) for beam in (1, 1, REPLICAS, 1, 1, 1, REPLICAS)]
 
 
 def test_between_reads_of_the_peer_list_a_peer_whose_record_expired_is_dropped(clock, monkeypatch):
@@ -139,3 +141,42 @@ def test_a_write_no_read_from_every_replica_confirmed_is_forgotten_once_it_expir
     now[0] = 5011.0
     asyncio.run(run.store(round_key("run", 3), {"x": 3}, 5030.0))
     assert set(run._unconfirmed) == {round_key("run", 2), round_key("run", 3)}
+
+
+def test_an_announcement_is_pulled_from_the_peer_id_its_authors_record_names(clock, monkeypatch):
+    monkeypatch.setattr(directory_module.time, "time", lambda: 5000.0)
+    theirs = record(0.0, 12.0).copy(update={"peer_id": "QmTheirs"})
+    dht = Reads(ValueWithExpiration({b"them": ValueWithExpiration(theirs.dict(), 5100.0)}, 5100.0))
+    run = RunDirectory(
+        dht, run="run", owner=b"me", record=record(0.0, 12.0), counts=SwarmCounters(), coordinated=False
+    )
+    assert asyncio.run(run.compatible_peers()) == {b"me", b"them"}
+    value = {"digest": b"d" * 32, "size": 10, "samples": 1}
+    dht.held = ValueWithExpiration(
+        {
+            b"me": ValueWithExpiration(value, 5100.0),
+            b"them": ValueWithExpiration(value | {"peer": "QmForged"}, 5100.0),  # the record's wins
+            b"stranger": ValueWithExpiration(value, 5100.0),  # no record read: not an announcement yet
+        },
+        5100.0,
+    )
+    read = dict(asyncio.run(run.announcements(round_key("run", 1), max_payload_bytes=100)))
+    assert read[b"me"].peer == run.record.peer_id and read[b"them"].peer == "QmTheirs"
+    assert read[b"stranger"].reason == "bad_announcement"
+    assert "peer" not in read[b"them"].value()  # what goes into the DHT: the record names it
+
+
+def test_a_second_record_write_in_a_round_expires_later_so_that_no_replica_refuses_it(monkeypatch):
+    monkeypatch.setattr(directory_module.time, "time", lambda: 1000.0)
+    run = directory(Reads(), round_seconds=12.0)
+    writes = []
+
+    async def store(key, value, expiration):
+        writes.append((value["round"], expiration))
+
+    monkeypatch.setattr(run, "store", store)
+    schedule = RoundSchedule(start_time=1000.0, round_seconds=12.0)
+    for _ in range(2):  # at start, then in round 0: the same round, the same deadline
+        asyncio.run(run.store_record(0, schedule))
+    asyncio.run(run.store_record(1, schedule))
+    assert [expiration for _, expiration in writes] == pytest.approx([1048.0, 1048.001, 1060.0])

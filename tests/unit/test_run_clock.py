@@ -15,7 +15,6 @@ def record(
     return PeerRecord(
         peer_id="12D3KooW",
         version=version,
-        run_hash=membership.run_hash(config),
         config=dict(config),
         device="cpu",
         throughput=0.0,
