@@ -12,7 +12,7 @@ last read for two rounds) and read again at once for each unknown announcer, not
 that left is dropped when its record expires anyway, and a newcomer shows up as an unknown announcer.
 Once every compatible peer is in, nothing is read until the deadline: a newcomer that announced later
 shows up in the next round's first read, or in the peer list, read every two rounds, and is then
-waited for (at 16 peers the read that looked for it, twice a round, was an eighth of the wire:
+waited for (at 16 peers the read that looked for it, once or twice a round, answered 3.2 kB each:
 docs/SCALE.md).
 Under a fan-in, pulls wait for the chosen set to be final (`Pulls`), and so does the round's first
 read: until every compatible peer was in last round.

@@ -383,16 +383,15 @@ def decided(result: RoundResultReply, max_bytes: int, rejected: Counter[str]) ->
     announced: dict[bytes, Announcement] = {}
     for participant in result.participants:
         owner = participant.peer_id.encode()
-        value = {
-            "peer": participant.peer_id,
-            "digest": participant.digest,
-            "size": participant.size,
-            "samples": participant.samples,
-            "state": participant.state,
-            "synced": participant.synced,
-        }
+        value = [
+            participant.digest,
+            participant.size,
+            participant.samples,
+            participant.state,
+            participant.synced,
+        ]
         try:
-            announced[owner] = Announcement.parse(owner, value, max_bytes)
+            announced[owner] = Announcement.parse(owner, value, max_bytes, participant.peer_id)
         except MalformedPayloadError as error:
             rejected[error.reason] += 1
     return announced

@@ -12,7 +12,8 @@ from shoal.peer.swarm.bootstrap import REPLICAS
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.directory import RunDirectory
 from shoal.peer.swarm.names import peers_key, round_key
-from shoal.peer.swarm.records import RoundSchedule
+from shoal.peer.swarm.records import Announcement, RoundSchedule
+from shoal.protocol import MalformedPayloadError
 from tests.unit.test_run_clock import record
 
 
@@ -145,25 +146,27 @@ def test_a_write_no_read_from_every_replica_confirmed_is_forgotten_once_it_expir
 
 def test_an_announcement_is_pulled_from_the_peer_id_its_authors_record_names(clock, monkeypatch):
     monkeypatch.setattr(directory_module.time, "time", lambda: 5000.0)
-    theirs = record(0.0, 12.0).copy(update={"peer_id": "QmTheirs"})
+    theirs = record(0.0, 12.0).copy(update={"peer_id": "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"})
     dht = Reads(ValueWithExpiration({b"them": ValueWithExpiration(theirs.dict(), 5100.0)}, 5100.0))
     run = RunDirectory(
         dht, run="run", owner=b"me", record=record(0.0, 12.0), counts=SwarmCounters(), coordinated=False
     )
     assert asyncio.run(run.compatible_peers()) == {b"me", b"them"}
-    value = {"digest": b"d" * 32, "size": 10, "samples": 1}
+    value = [b"d" * 32, 10, 1]
     dht.held = ValueWithExpiration(
         {
             b"me": ValueWithExpiration(value, 5100.0),
-            b"them": ValueWithExpiration(value | {"peer": "QmForged"}, 5100.0),  # the record's wins
+            b"them": ValueWithExpiration(value, 5100.0),
             b"stranger": ValueWithExpiration(value, 5100.0),  # no record read: not an announcement yet
         },
         5100.0,
     )
     read = dict(asyncio.run(run.announcements(round_key("run", 1), max_payload_bytes=100)))
-    assert read[b"me"].peer == run.record.peer_id and read[b"them"].peer == "QmTheirs"
+    assert read[b"me"].peer == run.record.peer_id and read[b"them"].peer == theirs.peer_id
     assert read[b"stranger"].reason == "bad_announcement"
-    assert "peer" not in read[b"them"].value()  # what goes into the DHT: the record names it
+    with pytest.raises(MalformedPayloadError, match="announcement is not"):  # named fields: not this form
+        Announcement.parse(b"them", {"digest": b"d" * 32, "size": 10, "samples": 1}, 100, theirs.peer_id)
+    assert read[b"them"].value() == value  # what goes into the DHT: no names, no peer id
 
 
 def test_a_second_record_write_in_a_round_expires_later_so_that_no_replica_refuses_it(monkeypatch):
