@@ -581,7 +581,8 @@ def _identity(path: str | None, progress: Progress) -> RSAPrivateKey:
 def _check_compatible(exchange: SwarmExchange) -> None:
     """Refuses to train alone next to a swarm of another configuration, or next to one that follows a
     coordinator (coordinated peers announce their payloads only to it)."""
-    compatible = exchange.compatible_peers()
+    # from every replica: a node nearest the key that hides records could otherwise keep newcomers out
+    compatible = exchange.compatible_peers(fully=True)
     # most of them, so that one peer lying in its record cannot keep newcomers out
     if exchange.coordinator is None and 2 * len(exchange.directory.coordinators) > len(compatible) - 1:
         addresses = ", ".join(sorted(set(exchange.directory.coordinators.values())))

@@ -118,6 +118,7 @@ class RunDirectory:
         self._compatible: dict[bytes, float] = {}  # the last peer list read: compatible owner: its expiry
         self._records_read_at = -math.inf  # monotonic time of that read
         self._record_expires = -math.inf  # the expiry of this peer's last record written
+        self._read_fully = False  # whether the last read asked every replica
         # key: this peer's last write there and the replicas it went to, until a read from every replica
         self._unconfirmed: dict[str, tuple[dict, float, frozenset[bytes]]] = {}
 
@@ -190,6 +191,7 @@ class RunDirectory:
             self._read_fully_at[key], beam = now, BEAM
         kept_s = max(1.0, RECORDS_FULLY_EVERY_ROUNDS * self.record.round_seconds)
         self._read_fully_at = {k: t for k, t in self._read_fully_at.items() if now - t < kept_s or k == key}
+        self._read_fully = beam == BEAM
         found = await self.dht.get(key, latest=True, return_future=True, beam_size=beam, num_workers=beam)
         if beam == BEAM and key in self._unconfirmed:
             # the read put the replicas in the routing table: this peer's last write goes to any it missed
@@ -210,8 +212,10 @@ class RunDirectory:
         now = time.monotonic()
         if not fully and now - self._records_read_at < RECORDS_EVERY_ROUNDS * self.record.round_seconds:
             return {owner for owner, expires in self._compatible.items() if expires > time.time()}
-        # the first read asks the nearest replica only (at 16 peers, most of a joiner's first round's
-        # bytes): a record it lacks shows up when its peer announces, as an unknown announcer (`fully`)
+        # the first read asks the nearest replica only (at 16 peers, most of a first round's bytes): a
+        # record it lacks shows up when its peer announces, as an unknown announcer (`fully`); what a
+        # hiding node could sway is decided on a read from every replica (a clock, below; joining:
+        # shoal.peer.node._check_compatible)
         first = self._records_read_at == -math.inf and not fully
         found = await self.get(
             peers_key(self.run), every_rounds=RECORDS_FULLY_EVERY_ROUNDS, fully=fully, nearest=first
@@ -244,6 +248,10 @@ class RunDirectory:
         mine = (self.record.start_time, self.record.round_seconds)
         clocks[mine] = len(compatible)
         winner = winning_clock(clocks)
+        if winner != mine and not self._read_fully:
+            # another clock is followed only on a read from every replica: a nearest node that hides
+            # the others' records would otherwise move this peer onto the clock of a few of its own
+            return await self.compatible_peers(fully=True)
         self.run_clock = None if winner == mine else winner
         self._relays, self._peer_ids = relays, peer_ids
         self._compatible = {owner: _expiry(found, owner) for owner in compatible - {self.owner}}

@@ -302,10 +302,10 @@ class SwarmExchange(Exchange):
             self.coordinator.progress.round = max(self.coordinator.progress.round, round_number)
         return contributions
 
-    def compatible_peers(self) -> set[bytes]:
+    def compatible_peers(self, *, fully: bool = False) -> set[bytes]:
         """Public-key subkeys of the peers whose record is compatible with this one's (itself included);
-        the others are in `refused`, with what differs."""
-        return self._call(self.directory.compatible_peers())
+        the others are in `refused`, with what differs. `fully`: read from every replica."""
+        return self._call(self.directory.compatible_peers(fully=fully))
 
     def set_progress(
         self, *, throughput: float, samples: int, compute_throughput: float = 0.0, min_samples: int = 0

@@ -20,7 +20,7 @@ from shoal.peer.bench.netlab import NetLab
 
 RECORD = {
     "peer_id": "12D3KooW" + "x" * 44,
-    "version": "0.1.0",
+    "version": "0.2.0",
     "config": {"model": "5m", "algorithm": "demo", "lr": "0.002", "seed": "0", "compression_topk": "4"},
     "device": "cpu",
     "throughput": 1.0,

@@ -59,7 +59,7 @@ def test_announcements_are_read_from_every_replica_a_quarter_of_a_round_apart(cl
     assert run.counts.dht_reads == 6
 
 
-def test_a_rounds_first_read_and_idle_reads_ask_the_nearest_and_start_the_quarter_round(clock):
+def test_reads_asked_of_the_nearest_start_the_quarter_round_and_do_not_reset_it(clock):
     dht = Reads()
     run = directory(dht, round_seconds=12.0)
     key = round_key("run", 5)
@@ -67,7 +67,7 @@ def test_a_rounds_first_read_and_idle_reads_ask_the_nearest_and_start_the_quarte
         clock[0] = 1000.0 + at
         asyncio.run(run.announcements(key, max_payload_bytes=1 << 20, nearest=nearest))
     # a peer still missing a quarter of a round after the first read: every replica, then at most
-    # every quarter of a round; reads once every payload is in: the nearest only, however long since
+    # every quarter of a round; reads asked of the nearest (a round's first): so, however long since
     assert [beam for _, beam in dht.beams] == [1, 1, 1, REPLICAS, 1, 1]
 
 
@@ -124,6 +124,16 @@ def test_a_peer_that_takes_the_runs_clock_reads_the_peer_list_again(clock):
     assert run.take_run_clock() is not None
     asyncio.run(run.compatible_peers())  # judged on the old clock: not answered from the last read
     assert len(dht.beams) == 2
+
+
+def test_another_clock_is_followed_only_on_a_read_from_every_replica(clock, monkeypatch):
+    monkeypatch.setattr(directory_module.time, "time", lambda: 5000.0)
+    others = {bytes([i]): ValueWithExpiration(record(900.0, 12.0).dict(), 5100.0) for i in range(2)}
+    dht = Reads(ValueWithExpiration(others, 5100.0))  # what a node hiding every other record shows
+    run = directory(dht, round_seconds=12.0)
+    asyncio.run(run.compatible_peers())
+    assert [beam for _, beam in dht.beams] == [1, REPLICAS]  # the nearest's answer, then everyone's
+    assert run.run_clock == (900.0, 12.0)  # here every replica agrees: followed
 
 
 class Stores(Reads):
