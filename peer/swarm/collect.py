@@ -10,10 +10,9 @@ deadline; the round's first read asks only the nearest replica (most peers have 
 peer list (the larger entries) is asked for at the start of the round (the directory answers from its
 last read for two rounds) and read again at once for each unknown announcer, not while waiting: a peer
 that left is dropped when its record expires anyway, and a newcomer shows up as an unknown announcer.
-Once every compatible peer is in, nothing is read until the deadline: a newcomer that announced later
-shows up in the next round's first read, or in the peer list, read every two rounds, and is then
-waited for (at 16 peers the read that looked for it, once or twice a round, answered 3.2 kB each:
-docs/SCALE.md).
+Once every compatible peer's payload is in, the announcements are read at most twice a round, from
+the nearest replica, to notice a newcomer, and not within the longest poll interval of the deadline
+(too late to pull).
 Under a fan-in, pulls wait for the chosen set to be final (`Pulls`), and so does the round's first
 read: until every compatible peer was in last round.
 """
@@ -41,6 +40,7 @@ class Polls:
 
     shortest_s: float
     round_seconds: float
+    idle_every_s: float
     records_read: bool = False
     """Whether the peer list was read this round."""
     unknown: bool = False
@@ -73,12 +73,16 @@ class Polls:
         self.poll_s = self.shortest_s if news else min(2 * self.poll_s, self.longest_s)
         return self.poll_s
 
-    def nearest_only(self) -> bool:
+    def nearest_only(self, idle: bool) -> bool:
         """Whether this read of the announcements asks the nearest replica only: the round's first
-        (most peers have yet to announce); every replica otherwise, at most every quarter of a round
-        (shoal.peer.swarm.directory)."""
+        (most peers have yet to announce) and those once every payload is in; every replica otherwise,
+        at most every quarter of a round (shoal.peer.swarm.directory)."""
         first, self.announcements_read = not self.announcements_read, True
-        return first
+        return first or idle
+
+    def idle_s(self) -> float:
+        """The wait between reads of the announcements once every payload is in."""
+        return max(self.idle_every_s, self.round_seconds / 2)
 
 
 @dataclass
@@ -140,6 +144,7 @@ class CollectHost(Protocol):
     gather_limit: int
     fetch_timeout_s: float
     poll_interval_s: float
+    idle_interval_s: float
     settled_s: float | None
     _members: list[bytes]
     server: PayloadServer
@@ -162,7 +167,7 @@ async def collect(
     ignored: set[bytes] = set()
     fetches: dict[bytes, asyncio.Task] = {}
     compatible: set[bytes] = set()
-    polls = Polls(swarm.poll_interval_s, swarm.schedule.round_seconds)
+    polls = Polls(swarm.poll_interval_s, swarm.schedule.round_seconds, swarm.idle_interval_s)
     pulls = Pulls(swarm.gather_limit, provisional_from=time.time() + (deadline - time.time()) / 2)
     started = deadline - swarm.schedule.round_seconds
     if swarm.settled_s is not None and 0 < swarm.gather_limit < len(swarm._members):
@@ -170,16 +175,21 @@ async def collect(
         # (`Pulls.settled_s`), where it would find some missing
         await asyncio.sleep(max(0.0, min(started + swarm.settled_s, pulls.provisional_from) - time.time()))
     while True:
-        if polls.records_read and not polls.unknown and compatible <= announced.keys() | ignored:
-            # every compatible peer is in (see the module docstring): the pulls run out the round
-            await asyncio.sleep(max(0.0, deadline - time.time()))
-            break
+        waiting = not compatible <= announced.keys() | ignored
+        busy = waiting or not all(task.done() for task in fetches.values())
+        idle = polls.records_read and not busy and not polls.unknown
+        if idle:
+            await asyncio.sleep(min(polls.idle_s(), max(0.0, deadline - time.time())))
+            if deadline - time.time() < polls.longest_s:  # a newcomer seen now would be too late to pull
+                await asyncio.sleep(max(0.0, deadline - time.time()))
+                break
         if polls.records_due():
             compatible = await swarm.directory.compatible_peers(fully=polls.unknown)
             polls.read_records()
         taken, read_at = len(announced), time.time()
+        nearest = polls.nearest_only(idle)
         for owner, announcement in await swarm.directory.announcements(
-            key, swarm.max_payload_bytes, nearest=polls.nearest_only()
+            key, swarm.max_payload_bytes, nearest=nearest
         ):
             # compatible owners come from schema-checked records: signed public-key subkeys
             if owner not in compatible:
