@@ -10,9 +10,11 @@ deadline; the round's first read asks only the nearest replica (most peers have 
 peer list (the larger entries) is asked for at the start of the round (the directory answers from its
 last read for two rounds) and read again at once for each unknown announcer, not while waiting: a peer
 that left is dropped when its record expires anyway, and a newcomer shows up as an unknown announcer.
-Once every compatible peer's payload is in, the announcements are read at most twice a round, from
-the nearest replica, to notice a newcomer, and not within the longest poll interval of the deadline
-(too late to pull).
+Once every compatible peer's payload is in, nothing more is read while this peer sees as many peers
+as last round (a newcomer shows up in the next round's first read, or in the peer list); while it sees
+fewer, or in its first round, the announcements are read at most twice a round from the nearest replica
+(its peer list may have lost records, or they expired: their authors then announce as unknown peers),
+and not within the longest poll interval of the deadline (too late to pull).
 Under a fan-in, pulls wait for the chosen set to be final (`Pulls`), and so does the round's first
 read: until every compatible peer was in last round.
 """
@@ -83,6 +85,15 @@ class Polls:
     def idle_s(self) -> float:
         """The wait between reads of the announcements once every payload is in."""
         return max(self.idle_every_s, self.round_seconds / 2)
+
+    @staticmethod
+    def looks_on(seen: int, last_round: int) -> bool:
+        """Whether to go on reading the announcements once every payload is in, seeing `seen` compatible
+        peers (itself included) against `last_round`'s (0: none yet): only while fewer. A peer whose
+        list lost records would otherwise train alone (a hostile-peer test's honest peers did, one round,
+        and lost 3.7% against a clean run); one that sees all of last round's would read for nothing (at
+        16 peers, 0.9 reads of 3.3 kB a round)."""
+        return seen < last_round or last_round == 0
 
 
 @dataclass
@@ -178,6 +189,9 @@ async def collect(
         waiting = not compatible <= announced.keys() | ignored
         busy = waiting or not all(task.done() for task in fetches.values())
         idle = polls.records_read and not busy and not polls.unknown
+        if idle and not polls.looks_on(len(compatible), len(swarm._members)):
+            await asyncio.sleep(max(0.0, deadline - time.time()))
+            break
         if idle:
             await asyncio.sleep(min(polls.idle_s(), max(0.0, deadline - time.time())))
             if deadline - time.time() < polls.longest_s:  # a newcomer seen now would be too late to pull

@@ -37,6 +37,14 @@ def test_a_rounds_first_read_of_the_announcements_and_idle_reads_ask_the_nearest
     assert polls.nearest_only(idle=True)  # every payload in: only to notice a newcomer
 
 
+def test_once_every_payload_is_in_reads_go_on_only_while_fewer_peers_are_seen_than_last_round():
+    assert not Polls.looks_on(seen=16, last_round=16)  # all of last round's: nothing to look for
+    assert not Polls.looks_on(seen=17, last_round=16)  # a newcomer already found
+    assert Polls.looks_on(seen=1, last_round=4)  # its list lost records: their authors announce unknown
+    assert Polls.looks_on(seen=3, last_round=4)
+    assert Polls.looks_on(seen=4, last_round=0)  # a first round: no last round to go by
+
+
 def test_under_a_fan_in_pulls_wait_for_every_compatible_peer_or_until_halfway_to_the_deadline(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(collect_module.time, "time", lambda: now[0])
