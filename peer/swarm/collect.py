@@ -42,7 +42,6 @@ class Polls:
 
     shortest_s: float
     round_seconds: float
-    idle_every_s: float
     records_read: bool = False
     """Whether the peer list was read this round."""
     unknown: bool = False
@@ -83,8 +82,9 @@ class Polls:
         return first or idle
 
     def idle_s(self) -> float:
-        """The wait between reads of the announcements once every payload is in."""
-        return max(self.idle_every_s, self.round_seconds / 2)
+        """The wait between reads of the announcements once every payload is in: half a round, at
+        least a second and a poll."""
+        return max(1.0, self.shortest_s, self.round_seconds / 2)
 
     @staticmethod
     def looks_on(seen: int, last_round: int) -> bool:
@@ -155,7 +155,6 @@ class CollectHost(Protocol):
     gather_limit: int
     fetch_timeout_s: float
     poll_interval_s: float
-    idle_interval_s: float
     settled_s: float | None
     _members: list[bytes]
     server: PayloadServer
@@ -178,7 +177,7 @@ async def collect(
     ignored: set[bytes] = set()
     fetches: dict[bytes, asyncio.Task] = {}
     compatible: set[bytes] = set()
-    polls = Polls(swarm.poll_interval_s, swarm.schedule.round_seconds, swarm.idle_interval_s)
+    polls = Polls(swarm.poll_interval_s, swarm.schedule.round_seconds)
     pulls = Pulls(swarm.gather_limit, provisional_from=time.time() + (deadline - time.time()) / 2)
     started = deadline - swarm.schedule.round_seconds
     if swarm.settled_s is not None and 0 < swarm.gather_limit < len(swarm._members):

@@ -147,7 +147,6 @@ class SwarmExchange(Exchange):
         self.max_payload_bytes = max_payload_bytes
         self.fetch_timeout_s = fetch_timeout.total_seconds()
         self.poll_interval_s = poll_interval.total_seconds()
-        self.idle_interval_s = max(1.0, self.poll_interval_s)
         self.settled_s: float | None = None  # how far into its last round every compatible peer announced
         self.peer_id = dht.peer_id.to_base58()
         self.owner = owner_subkey(identity)

@@ -7,16 +7,16 @@ from shoal.peer.swarm.collect import Polls, Pulls
 
 
 def test_polls_back_off_to_four_polls_or_a_tenth_of_a_round_and_news_resets_them():
-    polls = Polls(shortest_s=0.2, round_seconds=12.0, idle_every_s=1.0)
+    polls = Polls(shortest_s=0.2, round_seconds=12.0)
     assert [polls.next_poll_s(news=False) for _ in range(4)] == [0.4, 0.8, 0.8, 0.8]
     assert polls.next_poll_s(news=True) == 0.2
-    short_rounds = Polls(shortest_s=0.2, round_seconds=4.0, idle_every_s=1.0)
+    short_rounds = Polls(shortest_s=0.2, round_seconds=4.0)
     assert max(short_rounds.next_poll_s(news=False) for _ in range(5)) == 0.4  # a tenth of the round
-    assert Polls(shortest_s=2.0, round_seconds=4.0, idle_every_s=2.0).longest_s == 2.0
+    assert Polls(shortest_s=2.0, round_seconds=4.0).longest_s == 2.0
 
 
 def test_the_peer_list_is_read_once_a_round_and_at_once_for_each_new_stranger():
-    polls = Polls(shortest_s=0.2, round_seconds=12.0, idle_every_s=1.0)
+    polls = Polls(shortest_s=0.2, round_seconds=12.0)
     assert polls.records_due()  # not read this round
     polls.read_records()
     assert not polls.records_due()  # not again while waiting: a newcomer announces
@@ -31,7 +31,7 @@ def test_the_peer_list_is_read_once_a_round_and_at_once_for_each_new_stranger():
 
 
 def test_a_rounds_first_read_of_the_announcements_and_idle_reads_ask_the_nearest_replica_only():
-    polls = Polls(shortest_s=0.2, round_seconds=12.0, idle_every_s=1.0)
+    polls = Polls(shortest_s=0.2, round_seconds=12.0)
     assert polls.nearest_only(idle=False)  # the first: most peers have yet to announce
     assert not polls.nearest_only(idle=False)  # then as the directory decides (every replica at times)
     assert polls.nearest_only(idle=True)  # every payload in: only to notice a newcomer
