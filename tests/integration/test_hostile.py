@@ -37,9 +37,9 @@ def swarm(
     coordinated: bool = False,
     peers: int = 4,
 ) -> list[dict]:
-    """Runs 4 peers until round `rounds`: the first starts the run, the last attacks (if `attack`);
-    `coordinated`: under a `shoal coordinator` whose first round waits for all four. Returns every
-    peer's summary event, the attacker's last."""
+    """Runs `peers` peers until round `rounds`: the first starts the run, the last attacks (if
+    `attack`); `coordinated`: under a `shoal coordinator` whose first round waits for all of them.
+    Returns every peer's summary event, the attacker's last."""
     common = ["join", "--host", "127.0.0.1", "--run", name, "--log-format", "json", "--seed", "3"]
     common += ["--until-round", str(rounds), *args]
     if coordinated:
@@ -51,7 +51,7 @@ def swarm(
     coordinator: subprocess.Popen | None = None
 
     def start(i: int, extra: list[str]) -> None:
-        command = ATTACKER if attack and i == 3 else HONEST
+        command = ATTACKER if attack and i == peers - 1 else HONEST
         with logs[i].open("w") as out, (tmp_path / f"{name}-{i}.err").open("w") as err:
             processes.append(
                 subprocess.Popen(
@@ -69,7 +69,11 @@ def swarm(
             server = [*HONEST, "coordinator", "--listen", address, "--state", str(tmp_path / f"{name}.db")]
             with (tmp_path / f"{name}-coordinator.log").open("w") as log:
                 coordinator = subprocess.Popen(
-                    [*server, "--min-peers", "4"], cwd=ROOT, stdout=log, stderr=log, start_new_session=True
+                    [*server, "--min-peers", str(peers)],
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,
                 )
         start(0, ["--start-time", str(time.time() + STARTUP_S)])
         deadline = time.time() + 60
