@@ -61,6 +61,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.gather:
         config["gather"] = str(args.gather)
     with SwarmPeer.start("bench", [args.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as peer:
+        args.start = _ready_then_start(Path(args.out))
         link = None
         if args.coordinator:
             from shoal.peer.swarm.coordinator_link import CoordinatorLink
@@ -104,6 +105,35 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(result))
 
 
+def _ready_then_start(out: Path) -> float:
+    """In a worker, its DHT joined: says so (`<out>.ready`) and returns the first round's start time,
+    once the benchmark has written it (`<out>.start`: every peer was ready)."""
+    out.with_suffix(".ready").touch()
+    start = out.with_suffix(".start")
+    while not start.exists():
+        time.sleep(0.1)
+    return float(start.read_text())
+
+
+def _start_when_ready(tmp: Path, processes: list, timeout_s: float) -> float:
+    """Waits until every worker's DHT joined (on 2 cores, 16 peers took 40-60 s, and one that came late
+    joined a round or two in, on another state: it forked the run), then tells them when round 0
+    starts: time enough for the rest of their set-up (the peer record, the model), 5 s + 0.5 s a peer."""
+    deadline = time.time() + timeout_s
+    while not all((tmp / f"{i}.ready").exists() for i in range(len(processes))):
+        if any(process.poll() is not None for process in processes):
+            raise RuntimeError("a bench peer exited before it was ready")
+        if time.time() > deadline:
+            raise RuntimeError(f"bench peers not ready after {timeout_s:.0f} s")
+        time.sleep(0.2)
+    begin = time.time() + 5 + 0.5 * len(processes)
+    for i in range(len(processes)):
+        written = tmp / f"{i}.start.tmp"
+        written.write_text(repr(begin))
+        written.rename(tmp / f"{i}.start")
+    return begin
+
+
 def run_swarm(
     model: str, peers: int, rounds: int, round_seconds: float, gather: int = 0, coordinated: bool = False
 ) -> dict:
@@ -118,7 +148,6 @@ def run_swarm(
         if coordinated:
             coordinator, where, _ = _start_coordinator(Path(tmp), peers, round_seconds, False, str(gather))
             linked = ["--coordinator", where]
-        begin = time.time() + 20 + 2 * peers  # imports and DHT joins of every peer
         processes = [
             subprocess.Popen(
                 [
@@ -130,7 +159,7 @@ def run_swarm(
                         "--initial-peer",
                         address,
                     ),
-                    *("--start", str(begin), "--round-seconds", str(round_seconds), "--rounds", str(rounds)),
+                    *("--round-seconds", str(round_seconds), "--rounds", str(rounds)),
                     *("--index", str(i), "--peers", str(peers), "--model", model, "--out", f"{tmp}/{i}.json"),
                     *("--gather", str(gather), *linked),
                 ],
@@ -139,6 +168,7 @@ def run_swarm(
             for i in range(peers)
         ]
         try:
+            begin = _start_when_ready(Path(tmp), processes, timeout_s=60 + 10 * peers)
             if coordinated:
                 _first_announcement(where, timeout_s=begin - time.time() + 120)
             else:
@@ -259,7 +289,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--initial-peer")
-    parser.add_argument("--start", type=float)
     parser.add_argument("--round-seconds", type=float)
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--index", type=int)
