@@ -3,7 +3,7 @@
 For each swarm size, N peer processes (this module run with `--worker`) join a hivemind DHT started
 here, train the model with DeMo over a SwarmExchange for R clock-synchronous rounds, and report the
 payload bytes they sent. The wire is measured, not modelled: the bytes the loopback interface carried
-(/proc/net/dev, transmit side) from the first round's start (peers ready earlier wait for it) to the
+(/proc/net/dev, transmit side) from the first round's start (set once every peer joined the DHT) to the
 last round's deadline (a round skipped because a computation overran moves it on), so they
 include libp2p framing and encryption, TCP/IP headers, DHT traffic (records, announcements, polling)
 and retries. The prediction from the codec alone is that every payload that counts is pulled once by
@@ -61,6 +61,11 @@ def worker(args: argparse.Namespace) -> None:
     if args.gather:
         config["gather"] = str(args.gather)
     with SwarmPeer.start("bench", [args.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as peer:
+        model_config = GPTConfig.preset("small" if args.model == "10m" else "tiny", **MODELS[args.model])
+        torch.manual_seed(0)
+        model = TinyGPT(model_config)
+        streams = stdlib_corpus(max_bytes=4 << 20)
+        plan = BatchPlan(seq_len=model_config.seq_len, batch_size=4, workers=args.peers)
         args.start = _ready_then_start(Path(args.out))
         link = None
         if args.coordinator:
@@ -74,11 +79,6 @@ def worker(args: argparse.Namespace) -> None:
             gather_limit=args.gather,
             coordinator=link,
         )
-        config = GPTConfig.preset("small" if args.model == "10m" else "tiny", **MODELS[args.model])
-        torch.manual_seed(0)
-        model = TinyGPT(config)
-        streams = stdlib_corpus(max_bytes=4 << 20)
-        plan = BatchPlan(seq_len=config.seq_len, batch_size=4, workers=args.peers)
         trainer = peer.train(
             model, DeMoConfig(), lambda step, _micro, _size: plan.batch(streams.train, step, args.index)
         )
@@ -106,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _ready_then_start(out: Path) -> float:
-    """In a worker, its DHT joined: says so (`<out>.ready`) and returns the first round's start time,
+    """In a worker, set up but for the exchange: says so (`<out>.ready`) and returns round 0's start,
     once the benchmark has written it (`<out>.start`: every peer was ready)."""
     out.with_suffix(".ready").touch()
     start = out.with_suffix(".start")
@@ -116,9 +116,10 @@ def _ready_then_start(out: Path) -> float:
 
 
 def _start_when_ready(tmp: Path, processes: list, timeout_s: float) -> float:
-    """Waits until every worker's DHT joined (on 2 cores, 16 peers took 40-60 s, and one that came late
-    joined a round or two in, on another state: it forked the run), then tells them when round 0
-    starts: time enough for the rest of their set-up (the peer record, the model), 5 s + 0.5 s a peer."""
+    """Waits until every worker joined the DHT and built its model and data (on 2 cores, 16 peers took
+    40-60 s, and one that came late joined a round or two in, on another state: it forked the run),
+    then tells them when round 0 starts: time for the rest (the peer record, the compatibility read),
+    5 s + 1 s a peer."""
     deadline = time.time() + timeout_s
     while not all((tmp / f"{i}.ready").exists() for i in range(len(processes))):
         if any(process.poll() is not None for process in processes):
@@ -126,7 +127,7 @@ def _start_when_ready(tmp: Path, processes: list, timeout_s: float) -> float:
         if time.time() > deadline:
             raise RuntimeError(f"bench peers not ready after {timeout_s:.0f} s")
         time.sleep(0.2)
-    begin = time.time() + 5 + 0.5 * len(processes)
+    begin = time.time() + 5 + len(processes)
     for i in range(len(processes)):
         written = tmp / f"{i}.start.tmp"
         written.write_text(repr(begin))
@@ -208,6 +209,7 @@ def run_swarm(
         # round numbers a peer skipped (its computation overran a round's deadline): the wire is
         # measured to the last one's deadline, and divided by the rounds run
         "rounds_skipped": last + 1 - rounds,
+        "late_peers": sum(r["round_numbers"][0] > 0 for r in results),  # missed round 0's start
         "round_seconds": round_seconds,
         "rounds_per_second": 1 / round_seconds,
         "complete_rounds": complete,
