@@ -235,8 +235,6 @@ async def collect(
         pulled_s = deadline - max(announced_at[owner], pulls.since)
         if not task.done() and (refused or pulled_s >= swarm.fetch_timeout_s):
             swarm._count_and_strike(owner, "unserved", round_number)
-    if not all(task.done() for task in fetches.values()):
-        swarm.directory.recheck()
     await abandon(list(fetches.values()))
     swarm.settled_s = pulls.settled_s(started, polls.shortest_s)
     return announced, compatible

@@ -64,16 +64,11 @@ RECORD_REFRESH_S = 120.0
 BEAM = REPLICAS
 RECORDS_FULLY_EVERY_ROUNDS = 8.0
 ANNOUNCEMENTS_FULLY_EVERY_ROUNDS = 0.25
-# the peer list (a record of every peer) is read again this many rounds after a read that changed what
-# this peer knows of the run (the compatible peers, their relays, reachability and coordinators, the
-# refused ones, another clock), twice as long after each read that changed nothing, up to the most; and
-# at once when an unknown peer announced. A newcomer shows up that way; a peer that left is dropped when
-# its record expires (it outlives its writer's next write by three rounds: `store_record`) and a peer's
-# announcement shows that it wrote one this round (`announcements`); what a record says beside its
-# progress is fixed for its writer's life. At 100 peers, the list is about 30 kB a read.
+# the peer list (a record of every peer) is read again at most this often, and at once when an unknown
+# peer announced: a newcomer shows up that way, a peer that left is dropped when its last record read
+# expires (a record outlives its writer's next write by three rounds: `store_record`), and records
+# change little (relays, reachability, the coordinator's address)
 RECORDS_EVERY_ROUNDS = 2.0
-RECORDS_MOST_EVERY_ROUNDS = 8.0
-RECORD_OUTLIVES_ROUNDS = 3
 ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,250}:[0-9]{1,5}")  # a coordinator's HOST:PORT in a record
 
 
@@ -122,8 +117,6 @@ class RunDirectory:
         self._read_fully_at: dict[str, float] = {}  # key: monotonic time of its last read from every replica
         self._compatible: dict[bytes, float] = {}  # the last peer list read: compatible owner: its expiry
         self._records_read_at = -math.inf  # monotonic time of that read
-        self._records_every = RECORDS_EVERY_ROUNDS  # rounds from that read to the next
-        self._known: tuple = ()  # what that read said of the run (`compatible_peers`)
         self._record_expires = -math.inf  # the expiry of this peer's last record written
         self._read_fully = False  # whether the last read asked every replica
         # key: this peer's last write there and the replicas it went to, until a read from every replica
@@ -138,9 +131,7 @@ class RunDirectory:
         if now - self.record.updated < refresh_s:
             return
         next_write = now + (RECORD_REFRESH_S if self.coordinated else 0.0)
-        expires = (
-            max(schedule.deadline(round_number), next_write) + RECORD_OUTLIVES_ROUNDS * schedule.round_seconds
-        )
+        expires = max(schedule.deadline(round_number), next_write) + 3 * schedule.round_seconds
         # a second write in a round (the first round's, after the one at start; a new clock's) must
         # expire later than the last: a replica refuses an entry that expires no later than the one it
         # holds, and a refused write crawls the DHT (`_store_near`), every node asked answering with
@@ -216,10 +207,10 @@ class RunDirectory:
 
     async def compatible_peers(self, *, fully: bool = False) -> set[bytes]:
         """Public-key subkeys of the peers whose current record is compatible with this one's: as last
-        read, less the expired records, if that is not due again (RECORDS_EVERY_ROUNDS); read from
-        every replica if `fully` (an unknown peer announced)."""
+        read, less the expired records, if that was less than RECORDS_EVERY_ROUNDS rounds ago; read
+        from every replica if `fully` (an unknown peer announced)."""
         now = time.monotonic()
-        if not fully and now - self._records_read_at < self._records_every * self.record.round_seconds:
+        if not fully and now - self._records_read_at < RECORDS_EVERY_ROUNDS * self.record.round_seconds:
             return {owner for owner, expires in self._compatible.items() if expires > time.time()}
         # the first read asks the nearest replica only (at 16 peers, most of a first round's bytes): a
         # record it lacks shows up when its peer announces, as an unknown announcer (`fully`); what a
@@ -262,21 +253,10 @@ class RunDirectory:
             # the others' records would otherwise move this peer onto the clock of a few of its own
             return await self.compatible_peers(fully=True)
         self.run_clock = None if winner == mine else winner
-        known = (compatible, relays, self._reachable, self.coordinators, set(self.refused), set(clocks))
-        unchanged = known == self._known and not fully
-        self._records_every = (
-            min(2 * self._records_every, RECORDS_MOST_EVERY_ROUNDS) if unchanged else RECORDS_EVERY_ROUNDS
-        )
-        self._known = known
         self._relays, self._peer_ids = relays, peer_ids
         self._compatible = {owner: _expiry(found, owner) for owner in compatible - {self.owner}}
         self._compatible[self.owner] = math.inf
         return compatible
-
-    def recheck(self) -> None:
-        """A payload could not be pulled by the deadline: the peer list is read again at the next round
-        (its author may have restarted with other relays since the last read)."""
-        self._records_read_at, self._records_every = -math.inf, RECORDS_EVERY_ROUNDS
 
     def relays_of(self, peer_id: str) -> tuple[str, ...]:
         """The relays a compatible peer's record names (it may be behind NAT: pull through them); for a
@@ -307,9 +287,6 @@ class RunDirectory:
                     )
                 parsed = Announcement.parse(owner, getattr(entry, "value", None), max_payload_bytes, peer)
                 announcements.append((owner, parsed))
-                if owner in self._compatible:  # it wrote its record this round, before announcing
-                    outlives = time.time() + RECORD_OUTLIVES_ROUNDS * self.record.round_seconds
-                    self._compatible[owner] = max(self._compatible[owner], outlives)
             except MalformedPayloadError as error:
                 announcements.append((owner, error))
         return announcements
@@ -350,8 +327,7 @@ class RunDirectory:
         )
         self.update_record(start_time=start_time, round_seconds=round_seconds)
         self.run_clock = None
-        # judged compatible on the old clock: read them again
-        self._records_read_at, self._records_every = -math.inf, RECORDS_EVERY_ROUNDS
+        self._records_read_at = -math.inf  # judged compatible on the old clock: read them again
         self.counts.clocks_adopted += 1
         return RoundSchedule(start_time=start_time, round_seconds=round_seconds)
 

@@ -1,7 +1,6 @@
 """How far a RunDirectory read reaches (shoal.peer.swarm.directory): every replica when the key was not
 read from all of them for a while, or when asked to; the nearest only in between. And how often the
-peer list is read at all: its last read stands for two rounds, twice as long while reads change nothing
-(up to eight), less the records that expired since and kept alive by their authors' announcements."""
+peer list is read at all: its last read stands for two rounds, less the records that expired since."""
 
 import asyncio
 
@@ -72,69 +71,17 @@ def test_reads_asked_of_the_nearest_start_the_quarter_round_and_do_not_reset_it(
     assert [beam for _, beam in dht.beams] == [1, 1, 1, REPLICAS, 1, 1]
 
 
-def reads_at(run: RunDirectory, dht: Reads, clock: list[float], times) -> list[float]:
-    """The times of `times` ((seconds, fully) pairs) at which `compatible_peers` read the DHT."""
-    read = []
-    for at, fully in times:
-        clock[0], before = 1000.0 + at, len(dht.beams)
-        asyncio.run(run.compatible_peers(fully=fully))
-        read += [at] * (len(dht.beams) > before)
-    return read
-
-
-def test_the_peer_list_is_read_two_rounds_on_then_twice_as_long_while_unchanged_and_at_once_for_a_stranger(
-    clock,
-):
+def test_the_peer_list_is_read_every_two_rounds_fully_every_eight_or_at_once_for_a_stranger(clock):
+    # the first read asks the nearest replica (and starts the eight rounds): a stranger shows what it lacks
     dht = Reads()
     run = directory(dht, round_seconds=12.0)
-    times = [(0.0, False), (12.0, False), (24.0, False), (60.0, False), (72.0, False), (100.0, True)]
-    times += [(110.0, False), (124.0, False), (150.0, False), (172.0, False), (200.0, False), (268.0, False)]
-    # 2 rounds after the first read (it found the run), 4 and 8 while nothing changed; a stranger reads
-    # at once, from every replica, and the list is due again 2 rounds on
-    assert reads_at(run, dht, clock, times) == [0.0, 24.0, 72.0, 100.0, 124.0, 172.0, 268.0]
-    # the first read asks the nearest replica (and starts the eight rounds to a read from every one)
-    assert dht.beams == [(peers_key("run"), beam) for beam in (1, 1, 1, REPLICAS, 1, 1, REPLICAS)]
-    assert asyncio.run(run.compatible_peers()) == {b"me"}
-
-
-def test_a_payload_not_pulled_by_the_deadline_has_the_peer_list_read_at_the_next_round(clock):
-    dht = Reads()
-    run = directory(dht, round_seconds=12.0)
-    assert reads_at(run, dht, clock, [(0.0, False), (24.0, False), (36.0, False)]) == [0.0, 24.0]
-    run.recheck()  # its author may have restarted with other relays
-    # read at once; it changed nothing, so the next is four rounds on
-    assert reads_at(run, dht, clock, [(40.0, False), (64.0, False), (88.0, False)]) == [40.0, 88.0]
-
-
-def test_a_read_that_changes_the_peer_list_is_followed_by_one_two_rounds_on(clock, monkeypatch):
-    monkeypatch.setattr(directory_module.time, "time", lambda: 5000.0)
-    mine = record(0.0, 12.0)
-    dht = Reads(ValueWithExpiration({b"one": ValueWithExpiration(mine.dict(), 5100.0)}, 5100.0))
-    run = RunDirectory(dht, run="run", owner=b"me", record=mine, counts=SwarmCounters(), coordinated=False)
-    assert reads_at(run, dht, clock, [(0.0, False), (24.0, False)]) == [0.0, 24.0]  # now 4 rounds apart
-    dht.held.value[b"two"] = ValueWithExpiration(mine.dict(), 5100.0)  # a newcomer
-    assert reads_at(run, dht, clock, [(60.0, False), (72.0, False), (96.0, False)]) == [72.0, 96.0]
-    assert asyncio.run(run.compatible_peers()) == {b"me", b"one", b"two"}
-    relayed = record(0.0, 12.0).copy(update={"relays": ["/ip4/10.0.0.1/tcp/31337/p2p/12D3KooWrelay"]})
-    dht.held.value[b"two"] = ValueWithExpiration(relayed.dict(), 5100.0)  # names a relay now
-    assert reads_at(run, dht, clock, [(130.0, False), (144.0, False), (168.0, False)]) == [144.0, 168.0]
-
-
-def test_an_announcement_keeps_its_authors_record_as_read_alive_for_three_rounds(clock, monkeypatch):
-    now = [5000.0]
-    monkeypatch.setattr(directory_module.time, "time", lambda: now[0])
-    mine = record(0.0, 12.0)
-    dht = Reads(ValueWithExpiration({b"them": ValueWithExpiration(mine.dict(), 5010.0)}, 5010.0))
-    run = RunDirectory(dht, run="run", owner=b"me", record=mine, counts=SwarmCounters(), coordinated=False)
-    assert asyncio.run(run.compatible_peers()) == {b"me", b"them"}
-    dht.held = ValueWithExpiration({b"them": ValueWithExpiration([b"d" * 32, 10, 1], 5100.0)}, 5100.0)
-    now[0] = 5005.0  # it announced: it wrote its record this round, which outlives the round by three
-    asyncio.run(run.announcements(round_key("run", 1), max_payload_bytes=100))
-    now[0], clock[0] = 5040.0, clock[0] + 20.0  # the record as read expired; no read due yet
-    assert asyncio.run(run.compatible_peers()) == {b"me", b"them"}
-    now[0] = 5041.5
-    assert asyncio.run(run.compatible_peers()) == {b"me"}
-    assert len(dht.beams) == 2  # one read of the list, one of the announcements
+    for at, fully in ((0.0, False), (12.0, False), (24.0, False), (30.0, True), (40.0, False), (54.0, False)):
+        clock[0] = 1000.0 + at
+        assert asyncio.run(run.compatible_peers(fully=fully)) == {b"me"}
+    for at in (78.0, 102.0, 125.9, 126.0):  # 96 s (8 rounds) after the last read from every replica
+        clock[0] = 1000.0 + at
+        asyncio.run(run.compatible_peers())
+    assert dht.beams == [(peers_key("run"), beam) for beam in (1, 1, REPLICAS, 1, 1, 1, REPLICAS)]
 
 
 def test_between_reads_of_the_peer_list_a_peer_whose_record_expired_is_dropped(clock, monkeypatch):
