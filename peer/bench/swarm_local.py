@@ -3,7 +3,7 @@
 For each swarm size, N peer processes (this module run with `--worker`) join a hivemind DHT started
 here, train the model with DeMo over a SwarmExchange for R clock-synchronous rounds, and report the
 payload bytes they sent. The wire is measured, not modelled: the bytes the loopback interface carried
-(/proc/net/dev, transmit side) from the first round's start (set once every peer joined the DHT) to the
+(/proc/net/dev, transmit side) from the first round's start (set once every peer is set up) to the
 last round's deadline (a round skipped because a computation overran moves it on), so they
 include libp2p framing and encryption, TCP/IP headers, DHT traffic (records, announcements, polling)
 and retries. The prediction from the codec alone is that every payload that counts is pulled once by
@@ -107,9 +107,9 @@ def worker(args: argparse.Namespace) -> None:
 
 def _ready_then_start(out: Path) -> float:
     """In a worker, set up but for the exchange: says so (`<out>.ready`) and returns round 0's start,
-    once the benchmark has written it (`<out>.start`: every peer was ready)."""
+    once the benchmark has written it (`start` beside it: every peer was ready)."""
     out.with_suffix(".ready").touch()
-    start = out.with_suffix(".start")
+    start = out.parent / "start"
     while not start.exists():
         time.sleep(0.1)
     return float(start.read_text())
@@ -128,10 +128,9 @@ def _start_when_ready(tmp: Path, processes: list, timeout_s: float) -> float:
             raise RuntimeError(f"bench peers not ready after {timeout_s:.0f} s")
         time.sleep(0.2)
     begin = time.time() + 5 + len(processes)
-    for i in range(len(processes)):
-        written = tmp / f"{i}.start.tmp"
-        written.write_text(repr(begin))
-        written.rename(tmp / f"{i}.start")
+    written = tmp / "start.tmp"
+    written.write_text(repr(begin))
+    written.rename(tmp / "start")  # whole when a worker sees it
     return begin
 
 
