@@ -185,12 +185,14 @@ def main() -> None:
             checkpoints=CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None,
         )
         resumed = trainer.resume() if args.resume else False
-        reports = []
+        reports, resynced = [], []
         planned = faults.inject(args.fault, exchange)
         for done in peer.rounds(until_round=args.until_round, stop=stop, planned=planned):
             reports.append(done.report)
+            resynced.append(exchange.counts.resyncs - sum(resynced))
         peer.finish()  # the last round applied (no end-of-run agreement: the tests compare the rounds')
         report = report_of(model, trainer, exchange, schedule, reports, resumed=resumed, stopped=peer.stopped)
+        report["resynced"] = resynced  # re-syncs in each of its rounds
         with open(args.out, "w") as out:
             json.dump(report, out)
 
