@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 import hivemind
-from hivemind.p2p import P2PDaemonError
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.p2p import P2PContext, P2PDaemonError
+from hivemind.proto import dht_pb2
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 
@@ -35,6 +37,11 @@ REPLICAS = 3
 # (every peer's entry) on one more node near the key, and a write to a key held in the local cache
 # starts a background re-read of it, crawling a beam of 20 nodes; a run's reads ask only the replicas
 CACHING = {"cache_nearest": 0, "cache_locally": False}
+# the nodes nearest a key that a find answer holding the key's value lists (hivemind lists its
+# bucket size, 20): enough for a crawl of the REPLICAS nearest, which is all a run's reads and writes
+# are; an answer without the value still lists 20, so a crawl toward a new key converges as before.
+# At N peers an answer listed min(N - 1, 20) nodes of 60 B each, the part of a read that grew with N
+FOUND_NEIGHBOURS = REPLICAS + 1
 
 
 class BootstrapError(RuntimeError):
@@ -50,6 +57,7 @@ class TetheredDHT(hivemind.DHT):
         # segfault while "Garbage-collecting" in a DHT child, seen in the integration suite)
         gc.freeze()
         die_with_parent(multiprocessing.parent_process().pid)
+        _trim_found_answers()
         super().run()
 
     async def _shutdown(self) -> None:
@@ -62,6 +70,29 @@ class TetheredDHT(hivemind.DHT):
             return
         node.is_alive = False
         await node.p2p.shutdown()
+
+
+def found_answers_trimmed(answer):
+    """hivemind's find handler `answer`, but an answer that holds a key's value lists only the
+    FOUND_NEIGHBOURS nodes nearest the key (hivemind registers a protocol's rpc_ methods by name and
+    type hints, hence a wrapper with the same signature)."""
+
+    async def rpc_find(self, request: dht_pb2.FindRequest, context: P2PContext) -> dht_pb2.FindResponse:
+        response = await answer(self, request, context)
+        for item in response.results:
+            if item.type != dht_pb2.NOT_FOUND:
+                del item.nearest_node_ids[FOUND_NEIGHBOURS:]
+                del item.nearest_peer_ids[FOUND_NEIGHBOURS:]
+        return response
+
+    rpc_find.trimmed = True
+    return rpc_find
+
+
+def _trim_found_answers() -> None:
+    """In the DHT's process, before its node starts (`found_answers_trimmed`)."""
+    if not getattr(DHTProtocol.rpc_find, "trimmed", False):
+        DHTProtocol.rpc_find = found_answers_trimmed(DHTProtocol.rpc_find)
 
 
 def start_dht(
