@@ -39,8 +39,9 @@ from shoal.peer.hardware import DeviceError, autocast_for, choose_device, memory
 from shoal.peer.metrics import PeerMetrics, build_info
 from shoal.peer.models import LoadedModel, ModelError, load_model
 from shoal.peer.progress import Progress
-from shoal.peer.runtime import OutOfMemory, SwarmPeer, stop_on_signals
+from shoal.peer.runtime import OutOfMemory, SwarmPeer
 from shoal.peer.settings import PARSERS, JoinSettings, SettingsError
+from shoal.peer.stopping import stop_on_signals
 from shoal.peer.swarm.bootstrap import BootstrapError, best_address, check_multiaddrs, private_only
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
 from shoal.peer.swarm.directory import REJOIN_EVERY_S

@@ -13,7 +13,7 @@ in it, measured on the previous rounds, so a fast GPU contributes more samples p
 laptop CPU. `autocast` wraps the forward passes (bf16 on GPUs that support it, shoal.peer.hardware).
 
 Checkpoints (shoal.peer.checkpoint) are written every `checkpoint_every` rounds and when a stop is
-asked for (`stop_on_signals`: SIGTERM or SIGINT set an event that the loop checks after each round,
+asked for (`stop_on_signals`: SIGTERM or SIGINT set a flag that the loop checks after each round,
 so the peer leaves at a round boundary, with a checkpoint, within one round). `resume()` loads the
 newest one; the exchange then re-syncs the peer if the swarm moved on meanwhile.
 """
@@ -21,8 +21,6 @@ newest one; the exchange then re-syncs the peer if the swarm moved on meanwhile.
 import contextlib
 import dataclasses
 import math
-import signal
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -40,6 +38,7 @@ from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Exchange
 from shoal.peer.checkpoint import CheckpointStore
+from shoal.peer.stopping import StopRequest
 from shoal.peer.swarm.bootstrap import start_dht
 from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.membership import record_validators
@@ -103,18 +102,6 @@ class RoundReport:
     def exchange_s(self) -> float:
         """The optimizer step that communicates: encode, exchange, decode, apply."""
         return sum(self.phases[k] for k in PHASES[1:])
-
-
-def stop_on_signals() -> threading.Event:
-    """An event set by SIGTERM or SIGINT (from the main thread only): a stop at the next round end."""
-    stop = threading.Event()
-
-    def handler(signum: int, _frame) -> None:
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, handler)
-    return stop
 
 
 class Trainer:
@@ -211,7 +198,7 @@ class Trainer:
     def rounds_done(self) -> int:
         return self.steps // self.inner_steps
 
-    def run(self, rounds: int, stop: threading.Event | None = None) -> list[RoundReport]:
+    def run(self, rounds: int, stop: StopRequest | None = None) -> list[RoundReport]:
         """Trains `rounds` rounds, or until `stop` is set (then checkpoints and returns early)."""
         reports = []
         for _ in range(rounds):
@@ -494,7 +481,7 @@ class SwarmPeer:
         *,
         until_round: int | None = None,
         max_rounds: int | None = None,
-        stop: threading.Event | None = None,
+        stop: StopRequest | None = None,
         planned: Callable[[RoundPlan], None] | None = None,
     ) -> Iterator[PeerRound]:
         """Trains round after round, each for the round the exchange plans (`plan_round`), until the run

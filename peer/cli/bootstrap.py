@@ -14,9 +14,8 @@ not take for a public one (a private range, or the benchmark range the tests use
 """
 
 import argparse
-import signal
 import sys
-import threading
+import time
 
 HELP = "run a bootstrap node: a DHT node that trains nothing, for peers to join through"
 DESCRIPTION = (
@@ -62,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"shoal bootstrap: error: {error}", file=sys.stderr)
         return 2
+    from shoal.peer.stopping import stop_on_signals
     from shoal.peer.swarm.bootstrap import BootstrapError, BootstrapNode  # imports hivemind: only now
 
     try:
@@ -77,9 +77,7 @@ def run(args: argparse.Namespace) -> int:
     except BootstrapError as error:
         print(f"shoal bootstrap: error: {error}", file=sys.stderr)
         return 1
-    stop = threading.Event()  # from here on a stop ends the loop below, which closes the node
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda _signum, _frame: stop.set())
+    stop = stop_on_signals()  # from here on a stop ends the loop below, which closes the node
     with node:
         address = node.address
         if args.address_file:
@@ -91,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
         if args.metrics_port is not None:
             port = node.serve_metrics(args.host, args.metrics_port)
             print(f"Prometheus metrics on http://{args.host}:{port}/metrics", flush=True)
-        while not stop.wait(1.0):
-            pass
+        while not stop.is_set():
+            time.sleep(1.0)
     return 0
 
 

@@ -17,11 +17,14 @@ deploy/prometheus/prometheus.yml reads), emptied when the demo ends.
 
 Logs: each peer's `peerN.log` holds its JSON lines and then whatever it wrote to stderr; with the
 coordinator's log, the peers' checkpoints and the coordinator's state, they are in a temporary folder
-removed when the demo ends (kept, and named, if it fails), or in `--keep-logs DIR`, kept. Ctrl-C or
-SIGTERM stop every process the demo started.
+removed when the demo ends (kept, and named, if it fails), or in `--keep-logs DIR`, kept. Ctrl-C,
+SIGTERM and SIGHUP stop every process the demo started, whatever it was doing; and each of them is
+told by the kernel (Linux: PR_SET_PDEATHSIG) to end if the demo itself dies without stopping them
+(SIGKILL, a crash).
 """
 
 import contextlib
+import ctypes
 import json
 import os
 import queue
@@ -43,6 +46,8 @@ from shoal.peer.settings import ALGORITHMS
 
 STARTUP_S = 8.0  # importing torch and hivemind, starting a DHT, loading the corpus; more per extra peer
 STARTUP_PER_PEER_S = 2.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class DemoError(RuntimeError):
@@ -66,7 +71,8 @@ def main(
     stream: IO[str] | None = None,
 ) -> int:
     stream = stream or sys.stdout
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the peers too, like Ctrl-C
+    for number in STOP_SIGNALS:  # `kill`, a closed terminal: the peers stop too, as on Ctrl-C
+        signal.signal(number, _interrupt)
     # with --json, stdout carries only the summary; the live view goes to stderr
     progress = Progress("human", sys.stderr if as_json else stream, title=f"shoal demo · {peers} peers")
     try:
@@ -143,7 +149,7 @@ def run(
         command += ["--checkpoint-dir", str(logs / f"peer{index}-checkpoints")]
         processes.append(_start_peer(index, command, logs, threads, events))
 
-    server = None
+    helpers: list[subprocess.Popen] = []  # the coordinator, once started
     failed = False
     try:
         kept = "" if keep_logs else " (removed at the end; shoal demo --keep-logs DIR keeps them)"
@@ -152,8 +158,8 @@ def run(
         )
         if coordinator:
             gather = dict(zip(codec[::2], codec[1::2], strict=True)).get("--gather", "0")
-            server, coordinator_address, coordinator_metrics = _start_coordinator(
-                logs, peers, round_seconds, DEFAULTS[ALGORITHMS[algorithm]].overlapped, gather
+            coordinator_address, coordinator_metrics = _start_coordinator(
+                logs, peers, round_seconds, DEFAULTS[ALGORITHMS[algorithm]].overlapped, gather, helpers
             )
             common += ["--coordinator", coordinator_address]
             progress.message(f"coordinator on {coordinator_address}")
@@ -164,7 +170,7 @@ def run(
         for index in range(1, peers):
             launch(index, "--initial-peers", address)
         summaries = _follow(events, processes, rounds, round_seconds, progress, logs, targets)
-        if server is not None:
+        if helpers:
             stragglers = _stragglers(coordinator_address)
         else:
             stragglers = sum(s["late_rounds"] for i, s in summaries.items() if i != "losses")
@@ -175,11 +181,11 @@ def run(
         failed = True  # keep the logs, to be read
         raise DemoError(f"{error}\nlogs kept in {logs}") from None
     finally:
+        for number in STOP_SIGNALS:  # a second Ctrl-C must not cut the stopping short
+            signal.signal(number, signal.SIG_IGN)
         targets.clear()  # the swarm is gone: Prometheus stops scraping it
-        for process in processes:
+        for process in processes + helpers:
             _stop(process)
-        if server is not None:
-            _stop(server)
         if not keep_logs and not failed:
             shutil.rmtree(logs, ignore_errors=True)
     demo = {"peers": peers, "rounds": rounds, "algorithm": algorithm, "round_seconds": round_seconds}
@@ -196,7 +202,13 @@ def _start_peer(
     # overwriting each other
     log = (logs / f"peer{index}.log").open("a")
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True
+        command,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_ends_with(os.getpid()),
     )
     threading.Thread(target=_read, args=(index, process.stdout, events, log), daemon=True).start()
     return process
@@ -263,12 +275,13 @@ class TargetsFile:
 
 
 def _start_coordinator(
-    logs: Path, peers: int, round_seconds: float, overlap: bool, gather: str
-) -> tuple[subprocess.Popen, str, str]:
+    logs: Path, peers: int, round_seconds: float, overlap: bool, gather: str, started: list[subprocess.Popen]
+) -> tuple[str, str]:
     """A `shoal coordinator` on a free loopback port whose first round waits for every peer; rounds
     compute for half of `round_seconds`, and at most twice that; with `overlap`, the next round is
     announced as soon as a peer reports the last; it chooses the `gather` payloads that count (the
-    peers' --gather). Returns it, its address and its metrics endpoint."""
+    peers' --gather). Adds it to `started` at once (an interruption while it starts stops it too);
+    returns its address and its metrics endpoint."""
     command = [sys.executable, "-m", "shoal.peer.cli", "coordinator", "--listen", "127.0.0.1:0"]
     command += ["--metrics-port", "0"]
     command += ["--state", str(logs / "coordinator.db"), "--log-format", "json", "--min-peers", str(peers)]
@@ -276,13 +289,20 @@ def _start_coordinator(
     command += ["--eviction-s", repr(10 * round_seconds)] + (["--overlap"] if overlap else [])
     command += ["--gather", gather]
     log = (logs / "coordinator.log").open("w")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_ends_with(os.getpid()),
+    )
+    started.append(process)
     line = process.stdout.readline()  # its first line says where it listens (no torch: quick)
     try:
         listening = json.loads(line)
-        return process, listening["address"], listening["metrics"]
+        return listening["address"], listening["metrics"]
     except (json.JSONDecodeError, KeyError, TypeError):
-        _stop(process)
         raise DemoError(f"the coordinator did not start:\n{_tail(logs / 'coordinator.log')}") from None
 
 
@@ -398,6 +418,21 @@ def _row(number: int, peers: dict[int, dict]) -> dict:
 
 def _interrupt(_signum, _frame) -> None:
     raise KeyboardInterrupt
+
+
+def _ends_with(parent: int):
+    """A `preexec_fn` that has the kernel send the child SIGTERM when this process dies, however it dies
+    (Linux; elsewhere None: the demo's own signal handlers stop its children). The child's own SIGTERM
+    handling then stops what it started in turn (a peer's DHT and libp2p daemon)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def ends_with_parent() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the demo died before the request took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return ends_with_parent
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -28,7 +28,8 @@ from shoal.peer.algorithms.configs import DEFAULTS, DeMoConfig
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data import BatchPlan, stdlib_corpus
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.runtime import SwarmPeer, stop_on_signals
+from shoal.peer.runtime import SwarmPeer
+from shoal.peer.stopping import stop_on_signals
 from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.server import PayloadServer
 from shoal.protocol import Payload
