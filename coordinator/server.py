@@ -391,9 +391,8 @@ def result_reply(decided: Round, now: float, gather: int = 0) -> pb.RoundResultR
         now=now,
     )
     if gather and len(participants) > gather:
-        claims = {p.encode(): decided.reports[p].samples for p in participants}
         seed = decided.data_seed.to_bytes(8, "little")
-        chosen = choose(seed, decided.number, claims, gather)
+        chosen = choose(seed, decided.number, [p.encode() for p in participants], gather)
         votes: dict[tuple[bytes, bool], list[str]] = {}
         for peer_id in participants:
             report = decided.reports[peer_id]

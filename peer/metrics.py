@@ -25,11 +25,12 @@ from prometheus_client.registry import Collector
 # swarm's own), exposed at 0 from the start so that a healthy peer has the series too (a test checks
 # that the code raises no other reason)
 REJECTION_REASONS = (
-    "bad_announcement", "bad_block", "bad_request", "bad_chunk", "bad_dtype", "bad_indices", "bad_index_bits",
+    "aggregate_non_finite", "bad_announcement", "bad_block", "bad_request", "bad_chunk", "bad_dtype",
+    "bad_indices", "bad_index_bits",
     "bad_index_coding", "bad_manifest", "bad_record", "bad_samples", "bad_scale", "bad_shape", "bad_topk",
     "bad_zstd", "banned", "channel_request", "channels", "config_mismatch", "digest_mismatch",
     "duplicate", "false_reachable", "length_mismatch", "missing", "non_finite", "opposed", "other_run",
-    "outlier", "probe_rate", "replayed",
+    "outlier", "overclaim", "own_non_finite", "probe_rate", "replayed",
     "resync_failed", "stale_state", "too_large", "unknown_codec", "unknown_value_encoding", "unparsable",
     "unserved",
     "value_out_of_range", "wrong_structure",

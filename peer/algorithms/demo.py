@@ -58,11 +58,14 @@ from shoal.compression.dct_topk import TopKCoefficients, unpack
 from shoal.peer.algorithms.exchange import Contribution, Exchange
 from shoal.peer.algorithms.robust import (
     DEMO,
+    Reference,
     Robustness,
     Screened,
     Suspicion,
     capped_weights,
     judged,
+    judges_by_reference,
+    overclaims,
     report,
     sender_keys,
 )
@@ -87,6 +90,8 @@ class _Gathered:
     """The samples it announced with it."""
     counted: bool = True
     """Whether its payload counted (a bounded fan-in aggregates only some: shoal.peer.algorithms.fanin)."""
+    payload: bytes = b""
+    """What it sent (to know its own contribution among the round's)."""
 
 
 class DeMo(torch.optim.Optimizer):
@@ -116,8 +121,8 @@ class DeMo(torch.optim.Optimizer):
         carry: when a bounded fan-in (shoal.peer.algorithms.fanin) leaves this participant's payload out
             of a round, also put what it sent back into the momentum (`_carry`). Off by default: the
             re-sent coefficients are stale by then, and it cost loss in every setting measured
-            (BENCHMARKS.md). Either way the unsent rest stays in the momentum (error feedback) and
-            the samples are claimed again with the next payload, which rotates the choice.
+            (BENCHMARKS.md). Either way the unsent rest stays in the momentum (error feedback). With
+            `carry`, the samples behind the carried work are claimed again with the next payload.
     """
 
     def __init__(
@@ -166,6 +171,9 @@ class DeMo(torch.optim.Optimizer):
         reported (`outlier`: still applied) by shoal.peer.algorithms.robust."""
         self.clipped = 0
         """Contributions scaled down to the round's norm bound."""
+        self.refused: Counter[str] = Counter()
+        """Steps whose own gradient held NaN or infinite values (`own_non_finite`): it was refused, never
+        added to the momentum; the step still sends the momentum's top-k."""
         self.resyncs = 0
         """Times the exchange replaced this participant's parameters with the swarm's."""
         self.bytes_sent = 0
@@ -183,7 +191,8 @@ class DeMo(torch.optim.Optimizer):
         self._pending: Future[_Gathered] | None = None
         self.carry = carry
         self.carried_samples = 0
-        """Samples whose work did not count yet (bounded fan-in): announced with the next payload."""
+        """Samples whose work did not count yet (bounded fan-in with `carry`): announced with the next
+        payload."""
         self.uncounted = 0
         """Rounds whose aggregate left this participant's payload out (bounded fan-in)."""
         self.lookahead = lookahead
@@ -210,6 +219,7 @@ class DeMo(torch.optim.Optimizer):
         previous = self._collect()  # overlap: the last round, before anything touches the parameters
         waited = time.perf_counter()
         slices, settings = self._slices(), self._settings()
+        self._refuse_non_finite_gradients()
         selections = [self._compress(piece, settings) for piece in slices]
         payload = Payload(
             tensors=[
@@ -292,6 +302,17 @@ class DeMo(torch.optim.Optimizer):
                 p.copy_(origin)
             self._shifted = False
 
+    def _refuse_non_finite_gradients(self) -> None:
+        """A gradient with NaN or infinite values (a diverged forward pass, an overflow) would poison the
+        momentum for good: the step's gradients are dropped instead, and counted (one host sync a step)."""
+        grads = [p.grad for p in self._trainable() if p.grad is not None]
+        if not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            return
+        for p in self._trainable():
+            p.grad = None
+        self.refused["own_non_finite"] += 1
+        self.exchange.refuse("own_non_finite")
+
     def _settings(self) -> dict[torch.Tensor, tuple[float, float]]:
         return {
             p: (group["lr"], group["weight_decay"]) for group in self.param_groups for p in group["params"]
@@ -307,7 +328,7 @@ class DeMo(torch.optim.Optimizer):
         counted = self.exchange.own_counted()
         seconds = time.perf_counter() - start
         self.exchange_s += seconds
-        return _Gathered(contributions, adopted, seconds, selections, samples, counted)
+        return _Gathered(contributions, adopted, seconds, selections, samples, counted, data)
 
     def _collect(self) -> _Gathered | None:
         """The round in flight, waited for (None without overlap or before the first step); its
@@ -331,12 +352,12 @@ class DeMo(torch.optim.Optimizer):
         started = time.perf_counter()
         if not gathered.counted:
             self.uncounted += 1
-            self.carried_samples += gathered.samples
             if self.carry:
+                self.carried_samples += gathered.samples
                 self._carry(gathered, steps_since)
         slices, contributions = self._slices(), gathered.contributions
         self.bytes_received += sum(len(c.payload) for c in contributions if c.rank != self.exchange.rank)
-        received = self._accept(contributions, slices)
+        received = self._accept(contributions, slices, gathered)
         decoded = time.perf_counter()
         for index, piece in enumerate(slices):
             direction = self._combine([(coeffs[index], weight) for coeffs, weight in received], piece)
@@ -406,10 +427,11 @@ class DeMo(torch.optim.Optimizer):
         return selection
 
     def _accept(
-        self, contributions: list[Contribution], slices: list[Slice]
+        self, contributions: list[Contribution], slices: list[Slice], gathered: _Gathered | None = None
     ) -> list[tuple[list[TopKCoefficients], float]]:
         """Decodes and validates every contribution (rank order); drops and counts the malformed,
-        then screens the rest (shoal.peer.algorithms.robust)."""
+        then screens the rest (shoal.peer.algorithms.robust; a round too small for the median rule
+        against what this participant sent, in `gathered`)."""
         limits = DecodeLimits(max_numel=max(piece.plan.numel for piece in slices))
         decoded, senders = [], []
         for contribution in contributions:
@@ -420,8 +442,17 @@ class DeMo(torch.optim.Optimizer):
                 self.rejected[error.reason] += 1
                 self.exchange.reject(contribution, error.reason)
         samples = [float(c.samples) if self.weight_by_samples else 1.0 for c in senders]
+        reference = None
+        if gathered is not None and gathered.selections:
+            mine = next((i for i, c in enumerate(senders) if c.payload == gathered.payload), None)
+            reference = Reference(gathered.selections, own=mine)
         verdict = self._screen(
-            decoded, capped_weights(samples, self.robust.sample_ratio), slices, sender_keys(senders)
+            decoded,
+            capped_weights(samples, self.robust.sample_ratio),
+            slices,
+            sender_keys(senders),
+            [float(c.samples) for c in senders],
+            reference,
         )
         self.clipped += verdict.clipped
         report(self.exchange, senders, verdict, self.rejected)
@@ -440,20 +471,28 @@ class DeMo(torch.optim.Optimizer):
         weights: list[float],
         slices: list[Slice],
         senders: list[bytes],
+        claims: list[float],
+        reference: Reference | None = None,
     ) -> Screened:
         """shoal.peer.algorithms.robust's screening of sparse contributions, from their Gram matrix: per
         slice, each contribution scattered densely once and read at all contributions' indices in one gather
-        (the round's coefficients side by side), then zeroed where it was written."""
+        (the round's coefficients side by side), then zeroed where it was written. `claims`: the samples
+        each one announced (for `overclaim`); `reference`: what this participant sent (`Reference`)."""
         count, policy = len(decoded), self.robust
-        if count < 2 or (policy.norm_ratio is None and not policy.judges):
-            return Screened.of(weights, [1.0] * count, [None] * count, policy)
-        device = decoded[0][0].values.device
-        if not policy.judges or count < policy.min_screened:
+        by_reference = judges_by_reference(policy, count, reference)
+        if (count < 2 and not by_reference) or (policy.norm_ratio is None and not policy.judges):
+            return Screened.of(weights, [1.0] * count, [None] * count, policy, overclaimed=overclaims(claims))
+        if not policy.judges or (count < policy.min_screened and not by_reference):
             squared = [
                 torch.stack([c.values.float().square().sum() for c in coeffs]).sum() for coeffs in decoded
             ]
-            return judged(torch.diag(torch.stack(squared)).tolist(), weights, policy, self.suspicion, senders)
-        gram = torch.zeros(count, count, device=device)
+            gram = torch.diag(torch.stack(squared)).tolist()
+            return judged(gram, weights, policy, self.suspicion, senders, claims)
+        if by_reference:
+            decoded = [*decoded, list(reference.update)]
+        rows = len(decoded)
+        device = decoded[0][0].values.device
+        gram = torch.zeros(rows, rows, device=device)
         for index, piece in enumerate(slices):
             plan = piece.plan
             dense = self.codec.workspace.get(SUM_SLOT, plan.numel, device, torch.float32)
@@ -464,9 +503,11 @@ class DeMo(torch.optim.Optimizer):
             for j, other in enumerate(decoded):
                 dense.scatter_(1, other[index].indices, other[index].values.float())
                 products = dense.gather(1, indices).mul_(values)
-                gram[:, j] += products.view(plan.num_chunks, count, -1).sum(dim=(0, 2))
+                gram[:, j] += products.view(plan.num_chunks, rows, -1).sum(dim=(0, 2))
                 dense.scatter_(1, other[index].indices, 0.0)  # back to zeros, at only what was written
-        return judged(gram.tolist(), weights, policy, self.suspicion, senders)  # one host sync
+        own = reference.own if by_reference else None
+        # one host sync
+        return judged(gram.tolist(), weights, policy, self.suspicion, senders, claims, own, by_reference)
 
     def _decode(
         self, contribution: Contribution, slices: list[Slice], limits: DecodeLimits

@@ -26,7 +26,9 @@ order, as standard mode would).
 
 Each round's contributions are screened (shoal.peer.algorithms.robust: sample weights capped, norms bounded
 by the median's, directions opposed to the others dropped); malformed and opposed ones are left out and
-reported to the exchange, which strikes their senders.
+reported to the exchange, which strikes their senders. A round that counts nothing leaves the
+parameters and the outer momentum as they were; a pseudo-gradient of this participant's or a round's
+mean with NaN or infinite values is refused and counted, never applied nor encoded (issue 47).
 
 In delayed and eager mode the exchange runs on a background thread owned by this object while the
 next inner phase computes; `stats` records how long it took and how long the caller waited for it.
@@ -65,6 +67,7 @@ from shoal.peer.algorithms.exchange import Contribution, Exchange
 from shoal.peer.algorithms.robust import (
     DILOCO,
     DILOCO_SPARSE,
+    Reference,
     Robustness,
     Suspicion,
     add_screened_mean,
@@ -101,6 +104,10 @@ class OuterStats:
     screened: Counter = field(default_factory=Counter)
     """Contributions left out as `opposed` to the others, or as persistent `outlier`s
     (shoal.peer.algorithms.robust), by reason."""
+    refused: Counter = field(default_factory=Counter)
+    """This participant's own pseudo-gradients (`own_non_finite`: its inner phase diverged; it sends
+    zeros) and rounds' means (`aggregate_non_finite`) refused for NaN or infinite values, never applied
+    nor encoded."""
     resyncs: int = 0
     """Times the exchange replaced the shared state with the swarm's."""
     uncounted: int = 0
@@ -171,8 +178,8 @@ class DiLoCo:
         carry: when a bounded fan-in (shoal.peer.algorithms.fanin) leaves this participant's payload out
             of a round, also send its pseudo-gradient again, averaged with the next one (`_carry`). Off
             by default: the carried phases are stale by then, and it cost loss in every setting
-            measured (BENCHMARKS.md). Either way the samples are claimed again with the next payload,
-            which rotates the choice.
+            measured (BENCHMARKS.md). With `carry` the samples of the carried phases are claimed again
+            with the next payload; without, the work left out is lost.
     """
 
     def __init__(
@@ -262,6 +269,8 @@ class DiLoCo:
         previous = self._collect_pending()  # before encoding: the codec is not shared across threads
         self._carry(previous, self._last_sent)
         pseudo = [start - p.detach() for start, p in zip(self.global_params, self.params, strict=True)]
+        if not _finite(pseudo):
+            pseudo = self._refuse_own(pseudo)
         phases, samples = 1 + self._carried_phases, self._samples + self._carried_samples
         if self._carried is not None:  # the mean over the phases, weighted by all their samples
             pseudo = [d.add_(c).div_(phases) for d, c in zip(pseudo, self._carried, strict=True)]
@@ -274,11 +283,11 @@ class DiLoCo:
             self.stats.waited_s += time.perf_counter() - start
             self._carry(result, sent)
             self._adopt(result)
-            self._apply(result.mean)
+            self._apply_round(result, self.global_params, self.outer_optimizer)
         else:
             if previous is not None:  # the true mean of the last round enters the consensus first
                 self._adopt(previous)
-                self._apply(previous.mean, self.consensus_params, self.consensus_optimizer)
+                self._apply_round(previous, self.consensus_params, self.consensus_optimizer)
             # the state compared in this round is the one its mean will be applied to, a step from now
             self._pending = self._background.submit(self._round, sent, self.shared_state())
             if self.mode == "eager":
@@ -329,7 +338,7 @@ class DiLoCo:
         accepted nothing, against M equal participants.
         """
         if previous is None or self._last_sent is None or previous.total_samples <= 0:
-            return [d / self.exchange.world_size for d in fresh.decoded]
+            return [d / max(self.exchange.world_size, 1) for d in fresh.decoded]
         stale = self._last_sent
         stale_share = previous.own_share
         if stale_share is None:
@@ -341,17 +350,17 @@ class DiLoCo:
         ]
 
     def _carry(self, result: _RoundResult | None, sent: _Sent | None) -> None:
-        """Bounded fan-in (shoal.peer.algorithms.fanin): the samples of a pseudo-gradient left out of its
-        round's aggregate are claimed again with the next one; with `carry`, the pseudo-gradient too. A
+        """Bounded fan-in (shoal.peer.algorithms.fanin) with `carry`: a pseudo-gradient left out of its
+        round's aggregate is sent again with the next one, and its samples claimed again. A
         pseudo-gradient is a displacement per inner phase, so the next payload is then the mean over
         the phases it carries, weighing all their samples: summed instead, a peer that waited k rounds
         would move the swarm k times as far."""
         if result is None or sent is None or result.counted:
             return
         self.stats.uncounted += 1
-        self._carried_samples = sent.samples
         if not self.carry:
             return
+        self._carried_samples = sent.samples
         self._carried = [d * sent.phases for d in sent.decoded]
         self._carried_phases = sent.phases
 
@@ -414,9 +423,13 @@ class DiLoCo:
             except MalformedPayloadError as error:
                 self.stats.rejected += 1
                 self.exchange.reject(contribution, error.reason)
+        mine = next((i for i, c in enumerate(senders) if c.payload == sent.payload), None)
+        reference = Reference(sent.decoded, own=mine)
         # rank order: the same sums everywhere
-        total, verdict = add_screened_mean(mean, accepted, self.robust, self.suspicion, sender_keys(senders))
-        own = [f for c, f in zip(senders, verdict.factors, strict=True) if c.payload == sent.payload]
+        total, verdict = add_screened_mean(
+            mean, accepted, self.robust, self.suspicion, sender_keys(senders), reference
+        )
+        own = [verdict.factors[mine]] if mine is not None else []
         self.stats.clipped += verdict.clipped
         report(self.exchange, senders, verdict, self.stats.screened)
         end = time.perf_counter()
@@ -444,13 +457,39 @@ class DiLoCo:
             decoded.append(tensor.float())
         return decoded
 
+    def _refuse_own(self, pseudo: list[torch.Tensor]) -> list[torch.Tensor]:
+        """An inner phase that diverged (NaN or infinite parameters): its pseudo-gradient is refused and
+        zeros go out instead (no weight in any mean: shoal.peer.algorithms.robust leaves them out), the
+        error feedback and the inner optimizer's moments, poisoned too, start over, and the model goes
+        back to the global parameters at the end of the outer step, as after every phase."""
+        self.stats.refused["own_non_finite"] += 1
+        self.exchange.refuse("own_non_finite")
+        if self.residuals is not None:
+            for r in self.residuals:
+                r.zero_()
+        self.inner_optimizer.state.clear()
+        return [torch.zeros_like(d) for d in pseudo]
+
+    def _apply_round(
+        self, result: _RoundResult, params: list[torch.Tensor], optimizer: torch.optim.Optimizer
+    ) -> None:
+        """A round's mean applied to `params`, unless the round counted nothing: the parameters and the
+        outer momentum then stay as they were."""
+        if result.total_samples > 0:
+            self._apply(result.mean, params, optimizer)
+
     def _apply(
         self,
         direction: list[torch.Tensor],
         params: list[torch.Tensor] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
-        """One outer step of `params` (the global parameters by default) along `direction`."""
+        """One outer step of `params` (the global parameters by default) along `direction`, unless it is
+        not finite (refused and counted: a sum of huge finite values can overflow)."""
+        if not _finite(direction):
+            self.stats.refused["aggregate_non_finite"] += 1
+            self.exchange.refuse("aggregate_non_finite")
+            return
         started = time.perf_counter()
         params, optimizer = params or self.global_params, optimizer or self.outer_optimizer
         for start, d in zip(params, direction, strict=True):
@@ -469,7 +508,7 @@ class DiLoCo:
             return
         self._carry(previous, self._last_sent)  # (counted only: nothing follows it)
         self._adopt(previous)
-        self._apply(previous.mean, self.consensus_params, self.consensus_optimizer)
+        self._apply_round(previous, self.consensus_params, self.consensus_optimizer)
         self._last_sent = None
         for p, start, final in zip(self.params, self.global_params, self.consensus_params, strict=True):
             start.copy_(final)
@@ -488,3 +527,9 @@ class DiLoCo:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every value of `tensors` is finite (one host sync, once per outer step)."""
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return bool(torch.stack(flags).all()) if flags else True

@@ -113,6 +113,11 @@ class Exchange(ABC):
         """The caller dropped `contribution` of the last gather (malformed, or an outlier)."""
         return None
 
+    def refuse(self, reason: str) -> None:
+        """The caller refused something of its own, not a contribution (this participant's update, or a
+        round's aggregate, with non-finite values): counted under `reason`, nobody struck."""
+        return None
+
     def own_counted(self) -> bool:
         """After `gather` (same thread): whether this participant's payload was among the round's
         contributions. Only a bounded fan-in (shoal.peer.algorithms.fanin) leaves it out, and the
@@ -171,8 +176,9 @@ class LoopbackExchange(Exchange):
     ) -> list[Contribution]:
         everyone = self._hub.all_gather(self._rank, Contribution(self._rank, bytes(payload), samples))
         self._round += 1
-        claims = {c.rank.to_bytes(4, "little"): c.samples for c in everyone}
-        chosen = choose(b"loopback", self._round, claims, self.gather_limit)
+        chosen = choose(
+            b"loopback", self._round, [c.rank.to_bytes(4, "little") for c in everyone], self.gather_limit
+        )
         self._counted = self._rank.to_bytes(4, "little") in chosen
         return [c for c in everyone if c.rank.to_bytes(4, "little") in chosen]
 

@@ -2,34 +2,34 @@
 
 Each peer still computes every round, but only G payloads are aggregated, so a peer downloads at most
 G payloads a round whatever the swarm's size (docs/SCALE.md). The rule (`choose`) needs no message and
-no history, only the round's candidates and the samples each one announced:
+no history, only the round's candidates:
 
-- the G candidates with the most samples count (a claim is capped at `CAP_RATIO` times the median
-  claim, so a peer that inflates its count gains at most that);
-- ties go to a draw from a hash of (run, round, key), new every round;
-- a peer whose payload did not count claims those samples again with its next one, so its claim
-  grows with every round it waits. Its work itself is not re-sent by default: by the time it would
-  count it is up to N / G - 1 rounds stale, and `shoal bench converge --carry` measured re-sending it
-  as worse for both DeMo (the sent coefficients back into the momentum) and DiLoCo (the
-  pseudo-gradient averaged over the phases it waited); the optimizers' `carry=True` keeps that rule.
-  DeMo's unsent momentum stays with each peer as always.
+- the candidates are ordered by a draw from a hash of (run, cycle, key), new every cycle of
+  ceil(N / G) rounds, and round r of a cycle takes the r-th G of that order (wrapping around at its
+  end): a rotation in which every candidate counts at least once a cycle, and none more than twice;
+- nothing a peer says about itself enters the choice. An earlier rule chose the largest sample claims
+  (capped at 4x the median claim), and a peer that claimed 2^40 samples then won a slot every round:
+  with `--gather 2` it carried two thirds of every round's weight (+52% loss for DiLoCo, +31% for
+  DeMo, issue 47). Claims now only weigh a contribution in its round's mean, capped there at 2x the
+  median (shoal.peer.algorithms.robust), and a claim beyond belief strikes its sender.
 
-With equal compute this is a round-robin: every peer counts once every ceil(N / G) rounds, and none
-waits longer. A peer twice as fast fills its claim twice as fast and counts about twice as often: the
-rotation is weighted by samples. Peers that see the same candidates choose the same set; the exchange
-decides who the candidates are (the swarm: the announcements it took, stragglers and banned peers left
-out). Under a coordinator with `--gather G`, the coordinator applies this rule to the participants it
-decided and lists only the chosen, with a tally of every participant's state for the vote
+A peer whose payload did not count keeps its work only as the optimizers keep it: DeMo's unsent
+momentum stays in its momentum; DiLoCo's pseudo-gradient is dropped unless `carry=True` sends it again
+with the next (`shoal bench converge --carry` measured re-sending it as worse for both: by the time it
+would count it is up to N / G - 1 rounds stale).
+
+Every peer counts about G / N of the rounds, whatever its device: a faster peer's contributions weigh
+more in the rounds it counts in (their samples), not count more often. Peers that see the same
+candidates choose the same set; the exchange decides who the candidates are (the swarm: the
+announcements it took, stragglers and banned peers left out), and a candidate set that changes within
+a cycle (a peer joined, was banned or straggled) shifts the rotation for the rest of it. Under a
+coordinator with `--gather G`, the coordinator applies this rule to the participants it decided and
+lists only the chosen, with a tally of every participant's state for the vote
 (shoal.coordinator.server.result_reply); under one without, every peer applies it to the same list.
 """
 
 import hashlib
-import statistics
-from collections.abc import Mapping
-
-CAP_RATIO = 4.0
-"""A claim counts for at most this many times the round's median claim (an honest peer that waited
-N / G - 1 rounds claims N / G rounds of samples: 4 at G = N / 4)."""
+from collections.abc import Collection
 
 
 def draw(seed: bytes, round_number: int, key: bytes) -> int:
@@ -38,18 +38,18 @@ def draw(seed: bytes, round_number: int, key: bytes) -> int:
     return int.from_bytes(digest.digest()[:8], "little")
 
 
-def choose(seed: bytes, round_number: int, samples: Mapping[bytes, int], limit: int) -> frozenset[bytes]:
-    """The keys of `samples` ({key: samples claimed}) whose contributions count in `round_number`: all
-    of them when `limit` is 0 or there are no more than `limit`; else the `limit` with the largest capped
-    claims, ties broken by `draw`. Claims below 1 count as 1."""
+def choose(seed: bytes, round_number: int, candidates: Collection[bytes], limit: int) -> frozenset[bytes]:
+    """The keys among `candidates` whose contributions count in `round_number`: all of them when `limit`
+    is 0 or there are no more than `limit`; else `limit` of them, by the rotation of the module
+    docstring."""
     if limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    if limit == 0 or len(samples) <= limit:
-        return frozenset(samples)
-    claims = {key: max(int(count), 1) for key, count in samples.items()}
-    cap = CAP_RATIO * statistics.median(claims.values())
-
-    def rank(key: bytes) -> tuple[float, int]:
-        return min(claims[key], cap), draw(seed, round_number, key)
-
-    return frozenset(sorted(claims, key=rank, reverse=True)[:limit])
+    if round_number < 0:
+        raise ValueError(f"round_number must be >= 0, got {round_number}")
+    keys = sorted(set(candidates))
+    if limit == 0 or len(keys) <= limit:
+        return frozenset(keys)
+    cycle, position = divmod(round_number, -(-len(keys) // limit))
+    order = sorted(keys, key=lambda key: (draw(seed, cycle, key), key))
+    start = position * limit
+    return frozenset(order[(start + i) % len(keys)] for i in range(limit))

@@ -45,6 +45,11 @@ if TYPE_CHECKING:
 DEFAULT_CLIP_RATIO = 1.0
 DEFAULT_SAMPLE_RATIO = 2.0
 DEFAULT_MIN_AGREEMENT = 0.0
+BELIEVABLE_RATIO = 64.0
+"""A sample claim above this times the round's lower-median claim is beyond belief: the contribution is
+left out and its sender struck (`overclaim`; three strikes ban it anyway, so keeping it at a capped
+weight meanwhile would only serve a liar). Honest peers differ by their devices' speed; a swarm whose
+peers differ by more needs a coordinator, which bounds claims by measured throughput."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,12 +122,14 @@ def lower_median(values: Sequence[float]) -> float:
 
 def clip_scales(norms: Sequence[float], ratio: float | None = DEFAULT_CLIP_RATIO) -> list[float]:
     """Per contribution, the factor that brings its norm down to `ratio` times the round's lower median
-    norm (1.0 when it is already below, or when `ratio` is None)."""
-    if ratio is None or not norms:
+    of the non-zero norms (1.0 when it is already below, or when `ratio` is None). Empty contributions
+    do not lower the median: sent to pull it to 0, they would cancel every other one."""
+    positive = [norm for norm in norms if norm > 0]
+    if ratio is None or not positive:
         return [1.0] * len(norms)
     if not ratio >= 1:
         raise ValueError(f"clip ratio must be >= 1, got {ratio}")
-    bound = ratio * lower_median(norms)
+    bound = ratio * lower_median(positive)
     return [bound / norm if norm > bound else 1.0 for norm in norms]
 
 
@@ -132,6 +139,15 @@ def capped_weights(samples: Sequence[float], ratio: float | None = DEFAULT_SAMPL
         return [float(s) for s in samples]
     bound = ratio * lower_median(samples)
     return [float(min(s, bound)) for s in samples]
+
+
+def overclaims(samples: Sequence[float], ratio: float = BELIEVABLE_RATIO) -> list[bool]:
+    """Which sample claims exceed `ratio` times the round's lower-median claim (none with fewer than two
+    claims: nothing to compare with)."""
+    if len(samples) < 2:
+        return [False] * len(samples)
+    bound = ratio * max(lower_median(samples), 1.0)
+    return [s > bound for s in samples]
 
 
 def agreements(gram: Sequence[Sequence[float]]) -> list[float | None]:
@@ -208,11 +224,23 @@ class Screened:
         cosines: list[float | None],
         policy: Robustness,
         outliers: Sequence[bool] | None = None,
+        overclaimed: Sequence[bool] = (),
     ) -> "Screened":
         bound = policy.min_agreement
         reasons = [
-            "opposed" if bound is not None and c is not None and c < bound else "outlier" if out else None
-            for c, out in zip(cosines, outliers or [False] * len(cosines), strict=True)
+            "overclaim"
+            if over
+            else "opposed"
+            if bound is not None and c is not None and c < bound
+            else "outlier"
+            if out
+            else None
+            for c, out, over in zip(
+                cosines,
+                outliers or [False] * len(cosines),
+                overclaimed or [False] * len(cosines),
+                strict=True,
+            )
         ]
         kept = [reason is None for reason in reasons]
         return Screened(
@@ -224,28 +252,62 @@ class Screened:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """This participant's own update, the yardstick of a round too small to judge by the median of its
+    cosines (fewer than `min_screened` contributions: a bounded fan-in of 2, a swarm of 2). Every
+    honest participant has one, computed on the same model; a chosen contribution pointing away from
+    it is opposed (DiLoCo's per-round rule) and its cosine joins its sender's record (rule 4)."""
+
+    update: Sequence[torch.Tensor]
+    """The update, as the contributions are (dense tensors, or for DeMo its top-k selections)."""
+    own: int | None = None
+    """The index of this participant's own contribution in the round, if it counts (not judged)."""
+
+
+def reference_cosines(gram: list[list[float]], count: int, own: int | None) -> list[float | None]:
+    """Per contribution, its cosine with the reference, row `count` of `gram` (None for this
+    participant's own, and for a contribution or a reference with no direction)."""
+    ref = gram[count][count]
+    return [
+        gram[i][count] / math.sqrt(gram[i][i] * ref) if i != own and gram[i][i] > 0 and ref > 0 else None
+        for i in range(count)
+    ]
+
+
 def screen(
     contributions: Sequence[Sequence[torch.Tensor]],
     samples: Sequence[float],
     policy: Robustness,
     suspicion: "Suspicion | None" = None,
     senders: Sequence[bytes] = (),
+    reference: Reference | None = None,
 ) -> Screened:
     """Applies `policy` to dense contributions (each a list of tensors, same shapes in every one);
-    with `suspicion`, the persistent outliers among `senders` are left out too."""
+    with `suspicion`, the persistent outliers among `senders` are left out too; with a `reference`, a
+    round too small for the median rule is judged against it."""
     weights = capped_weights(samples, policy.sample_ratio)
     count = len(contributions)
-    if count < 2:
-        return Screened.of(weights, [1.0] * count, [None] * count, policy)
-    judges = policy.judges and count >= policy.min_screened
-    gram = torch.zeros(count, count, device=contributions[0][0].device if contributions[0] else "cpu")
-    for parts in zip(*contributions, strict=True):  # a tensor at a time: N copies of the largest at most
+    use_reference = judges_by_reference(policy, count, reference)
+    if count < 2 and not use_reference:
+        return Screened.of(weights, [1.0] * count, [None] * count, policy, overclaimed=overclaims(samples))
+    judges = policy.judges and (count >= policy.min_screened or use_reference)
+    rows = [*contributions, reference.update] if use_reference else list(contributions)
+    gram = torch.zeros(len(rows), len(rows), device=rows[0][0].device if rows[0] else "cpu")
+    for parts in zip(*rows, strict=True):  # a tensor at a time: N copies of the largest at most
         stacked = torch.stack([t.reshape(-1).float() for t in parts])  # (N, numel)
         if judges:
             gram += stacked @ stacked.T
         else:
             gram += torch.diag(stacked.square().sum(dim=1))
-    return judged(gram.tolist(), weights, policy, suspicion, senders)  # one host sync
+    own = reference.own if use_reference else None
+    return judged(gram.tolist(), weights, policy, suspicion, senders, samples, own, use_reference)
+
+
+def judges_by_reference(policy: Robustness, count: int, reference: "Reference | None") -> bool:
+    """Whether a round of `count` contributions is judged against `reference` rather than by the median
+    of its cosines."""
+    return reference is not None and policy.judges and 1 <= count < policy.min_screened
 
 
 def judged(
@@ -254,14 +316,27 @@ def judged(
     policy: Robustness,
     suspicion: "Suspicion | None" = None,
     senders: Sequence[bytes] = (),
+    samples: Sequence[float] = (),
+    own: int | None = None,
+    by_reference: bool = False,
 ) -> Screened:
     """The verdict from a round's Gram matrix (only its diagonal, the squared norms, when directions
-    are not judged) and capped weights; `suspicion` records the cosines of `senders`."""
-    count = len(gram)
-    scales = clip_scales([math.sqrt(gram[i][i]) for i in range(count)], policy.norm_ratio)
-    cosines = agreements(gram) if policy.judges and count >= policy.min_screened else [None] * count
+    are not judged) and capped weights; `suspicion` records the cosines of `senders`. With
+    `by_reference`, the Gram matrix has one more row, the reference's (`Reference`; `own` is this
+    participant's contribution, not judged). Contributions with no length (an empty update: nothing
+    to add) weigh nothing; `samples`, the raw claims, mark the ones beyond belief."""
+    count = len(weights)
+    norms = [math.sqrt(max(gram[i][i], 0.0)) for i in range(count)]
+    scales = clip_scales(norms, policy.norm_ratio)
+    weights = [w if norm > 0 else 0.0 for w, norm in zip(weights, norms, strict=True)]
+    if by_reference:
+        cosines = reference_cosines(gram, count, own)
+    elif policy.judges and count >= policy.min_screened:
+        cosines = agreements(gram)
+    else:
+        cosines = [None] * count
     outliers = suspicion.outliers(senders, cosines) if suspicion is not None else None
-    return Screened.of(weights, scales, cosines, policy, outliers)
+    return Screened.of(weights, scales, cosines, policy, outliers, overclaims(samples) if samples else ())
 
 
 def add_screened_mean(
@@ -270,12 +345,13 @@ def add_screened_mean(
     policy: Robustness,
     suspicion: "Suspicion | None" = None,
     senders: Sequence[bytes] = (),
+    reference: Reference | None = None,
 ) -> tuple[float, Screened]:
     """Adds to `into` the screened, sample-weighted mean of `contributions`, (tensors, samples) pairs
     in the round's order (the same sums on every participant). Returns (the weight behind it, the
     verdict)."""
     tensors, samples = [t for t, _ in contributions], [s for _, s in contributions]
-    verdict = screen(tensors, samples, policy, suspicion, senders)
+    verdict = screen(tensors, samples, policy, suspicion, senders, reference)
     total = sum(verdict.weights)
     if total > 0:
         for (tensors, _), factor in zip(contributions, verdict.factors, strict=True):

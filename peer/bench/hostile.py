@@ -9,7 +9,16 @@ like everyone else and changes only the bytes and the sample count it sends (`Po
 
 - sign_flip: its own update negated and scaled to `SCALE` times its norm;
 - sample_lie: sign_flip, and a claim of 2^40 samples (what DiLoCo's mean is weighted by);
-- random: random directions (DeMo: random indices, gaussian values) at `SCALE` times its norm.
+- random: random directions (DeMo: random indices, gaussian values) at `SCALE` times its norm;
+- alie, "a little is enough" (Baruch, Baruch and Goldberg, NeurIPS 2019): its own update plus its own
+  norm along one fixed direction, the same every round (DeMo: that direction read at the coefficients
+  it sends), which stays inside the honest spread of norms and cosines and pushes the same way every
+  round;
+- collude: every attacker sends the same payload, the first attacker's update negated at
+  `COLLUDE_SCALE` times its norm (colluders agree with each other perfectly, and their votes add up).
+
+`--gather G` runs the loopback with a bounded fan-in (shoal.peer.algorithms.fanin): at most G
+contributions count a round, in the rotation every peer computes alike, whatever the claims.
 
 `poison` also knows `topk` (DeMo): the honest coefficients and `TOPK_FACTOR` times as many per chunk,
 a claim of more say than the run's k gives (a `config_mismatch`; used by tests/integration/poisoner.py).
@@ -27,6 +36,7 @@ ban them (tests/integration/test_hostile.py).
 """
 
 import json
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -53,7 +63,7 @@ from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
 from shoal.peer.model import TinyGPT
 from shoal.protocol import CodecId, IndexCoding, Payload, ValueEncoding
 
-ATTACKS = ("none", "sign_flip", "sample_lie", "random")
+ATTACKS = ("none", "sign_flip", "sample_lie", "random", "alie", "collude")
 METHODS: dict[str, AlgorithmConfig] = {
     "demo_compact": DeMoConfig(lr=converge.QUICK.demo_lr, topk=4, value_bits=1),
     "diloco_eager": DiLoCoConfig(
@@ -76,6 +86,7 @@ METHODS: dict[str, AlgorithmConfig] = {
 """Each method's algorithm, on the `shoal bench converge --quick` setting (DeMo there: momentum decay
 0.99, weight decay 0.1; DiLoCo: converge's inner AdamW)."""
 SCALE = 3.9
+COLLUDE_SCALE = 2.5
 """The attacks' scale: just under the 4x-median clip that was shoal's bound before screening."""
 LIED_SAMPLES = 1 << 40
 TOPK_FACTOR = 4
@@ -85,12 +96,15 @@ def poison(payload: bytes, attack: str, generator: torch.Generator) -> bytes:
     """An honest payload rewritten by `attack`, in the payload's own codec and settings (read from
     each message), so that it is as well-formed as the honest one."""
     message = Payload.FromString(payload)
+    scale = COLLUDE_SCALE if attack == "collude" else SCALE
     return Payload(
-        tensors=[_poison_tensor(t, attack, generator) for t in message.tensors]
+        tensors=[_poison_tensor(t, attack, generator, scale) for t in message.tensors]
     ).SerializeToString()
 
 
-def _poison_tensor(message: EncodedTensor, attack: str, generator: torch.Generator) -> EncodedTensor:
+def _poison_tensor(
+    message: EncodedTensor, attack: str, generator: torch.Generator, scale: float = SCALE
+) -> EncodedTensor:
     limits = DecodeLimits(max_numel=1 << 30)
     bits = values.BITS[message.value_encoding]
     if message.codec in (CodecId.CODEC_ID_DCT_TOPK, CodecId.CODEC_ID_TOPK):
@@ -112,6 +126,11 @@ def _poison_tensor(message: EncodedTensor, attack: str, generator: torch.Generat
             return codec.pack(
                 replace(coeffs, indices=indices, values=wider.gather(1, position)), torch.float32
             )
+        if attack == "alie":
+            fixed = _fixed_direction((coeffs.indices.shape[0], coeffs.plan.chunk_numel))
+            along = fixed.gather(1, coeffs.indices.long())
+            sent = sent + sent.norm() * along / along.norm().clamp(min=1e-30)
+            return codec.pack(replace(coeffs, values=sent), torch.float32)
         if attack == "random":
             scores = torch.rand(coeffs.indices.shape[0], coeffs.plan.chunk_numel, generator=generator)
             coeffs = replace(coeffs, indices=scores.topk(coeffs.topk, dim=1).indices.sort(dim=1).values)
@@ -119,16 +138,25 @@ def _poison_tensor(message: EncodedTensor, attack: str, generator: torch.Generat
             sent = noise * (sent.norm() / noise.norm().clamp(min=1e-30))
         else:
             sent = -sent
-        return codec.pack(replace(coeffs, values=sent * SCALE), torch.float32)
+        return codec.pack(replace(coeffs, values=sent * scale), torch.float32)
     half = "fp16" if message.value_encoding == ValueEncoding.VALUE_ENCODING_FLOAT16 else "bf16"
     codec = DenseCodec(value_bits=bits, block=max(message.block_size, 1), half=half)
     tensor = decode_tensor(message, device="cpu", limits=limits).float()
+    if attack == "alie":
+        return codec.encode(tensor + tensor.norm() * _fixed_direction(tuple(tensor.shape)))
     if attack == "random":
         noise = torch.randn(tensor.shape, generator=generator)
         tensor = noise * (tensor.norm() / noise.norm().clamp(min=1e-30))
     else:
         tensor = -tensor
-    return codec.encode(tensor * SCALE)
+    return codec.encode(tensor * scale)
+
+
+def _fixed_direction(shape: tuple[int, ...]) -> torch.Tensor:
+    """A unit vector of `shape`, the same in every round and every attacker (seeded by the shape)."""
+    seed = int.from_bytes(repr(shape).encode()[-8:].ljust(8, b"\0"), "little") % (1 << 62)
+    direction = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return direction / direction.norm()
 
 
 class _Wrapped(Exchange):
@@ -148,21 +176,46 @@ class _Wrapped(Exchange):
     def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
         return self.inner.gather(payload, samples, state=state)
 
+    def own_counted(self) -> bool:
+        return self.inner.own_counted()
+
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         return self.inner.mean(tensor, weight)
+
+
+class Collusion:
+    """What colluding attackers share: each round, the first one's poisoned payload, sent by all."""
+
+    def __init__(self, members: int):
+        self._barrier = threading.Barrier(members, timeout=600)
+        self._payload = b""
+
+    def share(self, leader: bool, payload: bytes) -> bytes:
+        if leader:
+            self._payload = payload
+        self._barrier.wait()  # the leader's payload is in
+        shared = self._payload
+        self._barrier.wait()  # every member has read it before the next round overwrites it
+        return shared
 
 
 class Poisoned(_Wrapped):
     """An attacker's exchange: `inner`, with the payloads and sample counts it sends rewritten."""
 
-    def __init__(self, inner: Exchange, attack: str, seed: int):
+    def __init__(
+        self, inner: Exchange, attack: str, seed: int, collusion: Collusion | None = None, leader=False
+    ):
         super().__init__(inner)
         self.attack = attack
         self.generator = torch.Generator().manual_seed(seed)
+        self.collusion, self.leader = collusion, leader
 
     def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
         samples = LIED_SAMPLES if self.attack == "sample_lie" else samples
-        return self.inner.gather(poison(payload, self.attack, self.generator), samples, state=state)
+        payload = poison(payload, self.attack, self.generator)
+        if self.collusion is not None:
+            payload = self.collusion.share(self.leader, payload)
+        return self.inner.gather(payload, samples, state=state)
 
     def average(self, payload, samples, state, pieces) -> Averaged:
         return Averaged(contributions=self.gather(payload, samples, state))
@@ -181,6 +234,10 @@ class HostileResult:
     """Per reason, the honest workers' reports on attackers' contributions (summed over workers)."""
     reports_on_honest: dict[str, int]
     """The same for honest contributions: false reports."""
+    gather: int
+    fair_share: float
+    """The fewest rounds an honest worker counted in, over its fair share (G / N of the rounds; 1
+    without a bounded fan-in)."""
     rounds: int
     wall_s: float
 
@@ -193,13 +250,26 @@ class _Recorder(_Wrapped):
         self.attackers = attackers
         self.on_attackers: Counter[str] = Counter()
         self.on_honest: Counter[str] = Counter()
+        self.counted = 0
+        """Rounds in which this worker's own contribution was among those that count."""
+
+    def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
+        contributions = self.inner.gather(payload, samples, state=state)
+        self.counted += self.inner.own_counted()
+        return contributions
 
     def reject(self, contribution: Contribution, reason: str) -> None:
         (self.on_attackers if contribution.rank in self.attackers else self.on_honest)[reason] += 1
 
 
 def run(
-    method: str, attack: str, workers: int, attackers: int, streams: TokenStreams, clean: float | None
+    method: str,
+    attack: str,
+    workers: int,
+    attackers: int,
+    streams: TokenStreams,
+    clean: float | None,
+    gather: int = 0,
 ) -> HostileResult:
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
@@ -213,6 +283,7 @@ def run(
         seq_len=config.gpt.seq_len, batch_size=config.batch_size, workers=workers, seed=config.seed
     )
     hostile = set(range(workers - attackers, workers)) if attack != "none" else set()
+    collusion = Collusion(len(hostile)) if attack == "collude" else None
 
     def work(rank: int, loopback: Exchange):
         model = TinyGPT(config.gpt)
@@ -221,16 +292,18 @@ def run(
         recorder = _Recorder(loopback, hostile)
         optimizer = _optimizer(algorithm, model, config, recorder)
         if rank in hostile:
-            optimizer.exchange = Poisoned(loopback, attack, seed=rank)
+            leader = rank == min(hostile)
+            optimizer.exchange = Poisoned(loopback, attack, seed=rank, collusion=collusion, leader=leader)
         _train(optimizer, model, batches)
         return model, recorder
 
     start = time.perf_counter()
-    outcomes = run_loopback(workers, work)
+    outcomes = run_loopback(workers, work, gather_limit=gather)
     wall = time.perf_counter() - start
     loss = converge.validation_loss(outcomes[0][0], streams, config)
     honest = [recorder for rank, (_, recorder) in enumerate(outcomes) if rank not in hostile]
     rounds = config.steps // algorithm.inner_steps
+    share = rounds * (min(gather, workers) / workers if gather else 1.0)
     return HostileResult(
         method,
         attack,
@@ -240,6 +313,8 @@ def run(
         None if clean is None else loss / clean - 1,
         dict(sum((r.on_attackers for r in honest), Counter())),
         dict(sum((r.on_honest for r in honest), Counter())),
+        gather,
+        min(r.counted for r in honest) / share,
         rounds,
         wall,
     )
@@ -282,7 +357,13 @@ def _train(optimizer, model: TinyGPT, batches) -> None:
 
 
 def main(
-    *, as_json: bool, workers: int, attackers: int, methods: Sequence[str], attacks: Sequence[str]
+    *,
+    as_json: bool,
+    workers: int,
+    attackers: int,
+    methods: Sequence[str],
+    attacks: Sequence[str],
+    gather: int = 0,
 ) -> int:
     if not 0 < attackers < workers / 2:
         raise ValueError(f"--attackers must be at least 1 and fewer than half of --workers ({workers})")
@@ -291,7 +372,7 @@ def main(
     for method in methods:
         clean = None
         for attack in ("none", "honest_only", *[a for a in attacks if a != "none"]):
-            result = run(method, attack, workers, attackers, streams, clean)
+            result = run(method, attack, workers, attackers, streams, clean, gather)
             result.attack = attack
             clean = clean or result.final_val_loss
             results.append(result)
@@ -300,6 +381,7 @@ def main(
                 print(
                     f"{method:<14} {attack:<11} val loss {result.final_val_loss:.4f} {change:>8}  "
                     f"on attackers {result.reports_on_attackers}  on honest {result.reports_on_honest}  "
+                    f"fair share {result.fair_share:.0%}  "
                     f"{result.wall_s:5.0f} s",
                     flush=True,
                 )

@@ -47,7 +47,13 @@ def _hostile_arguments(benchmarks: argparse._SubParsersAction) -> None:
     hostile.add_argument(
         "--attacks",
         default="sign_flip,sample_lie,random",
-        help="comma-separated, of sign_flip,sample_lie,random (a clean run always comes first)",
+        help="comma-separated, of sign_flip,sample_lie,random,alie,collude (a clean run comes first)",
+    )
+    hostile.add_argument(
+        "--gather",
+        type=int,
+        default=0,
+        help="bounded fan-in: at most G contributions count a round (default 0: all), as join's --gather",
     )
 
 
@@ -285,8 +291,16 @@ def _hostile(args: argparse.Namespace) -> int:
     if not args.attackers < args.workers / 2:
         print("shoal bench hostile: error: --attackers must be fewer than half of --workers", file=sys.stderr)
         return 2
+    if args.gather < 0:
+        print(f"shoal bench hostile: error: --gather must be >= 0, got {args.gather}", file=sys.stderr)
+        return 2
     return hostile.main(
-        as_json=args.json, workers=args.workers, attackers=args.attackers, methods=methods, attacks=attacks
+        as_json=args.json,
+        workers=args.workers,
+        attackers=args.attackers,
+        methods=methods,
+        attacks=attacks,
+        gather=args.gather,
     )
 
 

@@ -373,6 +373,9 @@ class SwarmExchange(Exchange):
         number = contribution.round if contribution.round >= 0 else self.last_round
         self._loop.call_soon_threadsafe(self._count_and_strike, contribution.sender, reason, number)
 
+    def refuse(self, reason: str) -> None:
+        self._loop.call_soon_threadsafe(self.counts.rejected.update, (reason,))
+
     def _count_and_strike(self, owner: bytes, reason: str, round_number: int | None) -> None:
         self.counts.rejected[reason] += 1
         self._strike(owner, reason, round_number)
@@ -508,10 +511,9 @@ class SwarmExchange(Exchange):
         return await collect(self, round_number, mine, deadline)
 
     def _chosen(self, round_number: int, announced: dict[bytes, Announcement]) -> dict[bytes, Announcement]:
-        """The announcements whose payloads count in the round: at most `gather_limit` of them, chosen by
-        the samples they claim (shoal.peer.algorithms.fanin), the same on every peer that took the same."""
-        claims = {owner: a.samples for owner, a in announced.items()}
-        chosen = choose(self.run.encode(), round_number, claims, self.gather_limit)
+        """The announcements whose payloads count in the round: at most `gather_limit` of them, in the
+        rotation of shoal.peer.algorithms.fanin, the same on every peer that took the same."""
+        chosen = choose(self.run.encode(), round_number, announced.keys(), self.gather_limit)
         return {owner: a for owner, a in announced.items() if owner in chosen}
 
     async def _settle(

@@ -9,8 +9,9 @@ A fault is `KIND@ROUND`, given to a test peer (tests/integration/swarm_peer.py) 
   test's clean-up kills it.
 - `lie@r`: from round r on, every payload it sends has its values' signs flipped, well-formed
   (shoal.peer.bench.hostile.poison): a peer that poisons the run.
-- `vanish@r`: in round r it announces its payload, claiming many samples (so that a bounded fan-in,
-  `--gather`, chooses it), and kills itself (-9) before anyone can pull it: a chosen peer that vanishes.
+- `vanish@r`: in the first round from r in which a bounded fan-in (`--gather`) will choose it (it
+  predicts the rotation from the last round's candidates), it announces its payload and kills itself
+  (-9) before anyone can pull it: a chosen peer that vanishes.
 
     planned = inject(faults, exchange)   # SwarmPeer.rounds(planned=...) calls it before each round
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.peer.algorithms.fanin import choose
 from shoal.peer.bench import hostile
 from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.records import RoundPlan
@@ -58,22 +60,31 @@ class LyingExchange(SwarmExchange):
 
 
 class VanishingExchange(SwarmExchange):
-    """A SwarmExchange that dies right after announcing its payload of round `vanish_at`."""
+    """A SwarmExchange that dies right after announcing its payload of the first round from `vanish_at`
+    in which the fan-in's rotation chooses it (shoal.peer.algorithms.fanin), as predicted from the
+    candidates of the round before."""
 
     vanish_at: int | None = None
+    candidates: frozenset[bytes] = frozenset()
 
-    async def _hold(self, round_number, payload, samples, snapshot, **kwargs):
-        inflated = 1000 * samples if round_number == self.vanish_at else samples
-        return await super()._hold(round_number, payload, inflated, snapshot, **kwargs)
+    def _chosen(self, round_number, announced):
+        self.candidates = frozenset(announced)
+        return super()._chosen(round_number, announced)
+
+    def _vanishes(self, round_number: int) -> bool:
+        if self.vanish_at is None or round_number < self.vanish_at:
+            return False
+        return self.owner in choose(self.run.encode(), round_number, self.candidates, self.gather_limit)
 
     async def _announce(self, round_number, mine):
-        if round_number == self.vanish_at:
+        vanishing = self._vanishes(round_number)
+        if vanishing:
             # it serves nothing from here on: the DHT store returns once every replica acknowledged
             # it, so a quick peer that read the announcement from the first one could otherwise pull
             # the payload before the kill (the likely cause of a CI run whose round 5 counted 2)
             self.server.held.pop((round_number, mine.digest), None)
         await super()._announce(round_number, mine)
-        if round_number == self.vanish_at:
+        if vanishing:
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -36,10 +36,12 @@ def swarm(
     rounds: int,
     coordinated: bool = False,
     peers: int = 4,
+    attackers: int = 1,
 ) -> list[dict]:
-    """Runs `peers` peers until round `rounds`: the first starts the run, the last attacks (if
-    `attack`); `coordinated`: under a `shoal coordinator` whose first round waits for all of them.
-    Returns every peer's summary event, the attacker's last."""
+    """Runs `peers` peers until round `rounds`: the first starts the run, the last `attackers` attack
+    (if `attack`); `coordinated`: under a `shoal coordinator` whose first round waits for all of them.
+    Returns every peer's summary event, the attackers' last."""
+    startup_s = STARTUP_S + 6.0 * max(peers - 4, 0)  # each more peer adds its imports on two cores
     common = ["join", "--host", "127.0.0.1", "--run", name, "--log-format", "json", "--seed", "3"]
     common += ["--until-round", str(rounds), *args]
     if coordinated:
@@ -51,7 +53,7 @@ def swarm(
     coordinator: subprocess.Popen | None = None
 
     def start(i: int, extra: list[str]) -> None:
-        command = ATTACKER if attack and i == peers - 1 else HONEST
+        command = ATTACKER if attack and i >= peers - attackers else HONEST
         with logs[i].open("w") as out, (tmp_path / f"{name}-{i}.err").open("w") as err:
             processes.append(
                 subprocess.Popen(
@@ -75,7 +77,7 @@ def swarm(
                     stderr=log,
                     start_new_session=True,
                 )
-        start(0, ["--start-time", str(time.time() + STARTUP_S)])
+        start(0, ["--start-time", str(time.time() + startup_s)])
         deadline = time.time() + 60
         while not any(e.get("event") == "started" for e in events(logs[0])):
             assert time.time() < deadline and processes[0].poll() is None, (
@@ -86,7 +88,7 @@ def swarm(
         for i in range(1, peers):
             start(i, ["--initial-peers", address])
         for i, process in enumerate(processes):
-            code = process.wait(timeout=STARTUP_S + rounds * 4 + 90)
+            code = process.wait(timeout=startup_s + rounds * 4 + 90)
             assert code == 0, (tmp_path / f"{name}-{i}.err").read_text()[-3000:]
         return [next(e for e in events(log) if e.get("event") == "summary") for log in logs]
     finally:
@@ -144,7 +146,7 @@ def check(honest: list[dict], clean_run: list[dict], *reasons: str) -> None:
         (DEMO, "random", ["outlier"]),
         (DEMO, "topk", ["config_mismatch"]),
         (DEMO, "unserved_and_replay", ["unserved", "replayed"]),
-        (DILOCO, "sample_lie", ["opposed"]),
+        (DILOCO, "sample_lie", ["overclaim"]),
         (SPARSE, "sign_flip", ["outlier"]),
     ],
     ids=[
@@ -163,10 +165,50 @@ def test_one_attacker_in_four_is_banned_and_moves_nothing(
     check(attacked[:3], clean(tmp_path_factory, algorithm), *reasons)
 
 
+GATHER_2 = ["--gather", "2"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("algorithm", "reasons"),
+    [([*DILOCO, *GATHER_2], ["overclaim"]), ([*DEMO, *GATHER_2], ["overclaim"])],
+    ids=["diloco", "demo"],
+)
+def test_under_gather_2_the_largest_claim_buys_no_slot(tmp_path, tmp_path_factory, algorithm, reasons):
+    """Issue 47's back door: one attacker of four flips its update and claims 2^40 samples under
+    `--gather 2`. The old fan-in chose it every round (+52% loss for DiLoCo, +31% DeMo, 0 strikes);
+    now the rotation gives it its share of slots, and a claim beyond belief is left out and struck
+    (`overclaim`) until the strikes ban it. (The sign flip alone, judged against each peer's own
+    update in a round of two: tests/unit/test_robust.py, and `shoal bench hostile --gather 2`.)"""
+    attacked = swarm(tmp_path, "attacked", algorithm, "sample_lie", ROUNDS)
+    honest = attacked[:3]
+    check(honest, clean(tmp_path_factory, algorithm), *reasons)
+    for summary in honest:  # its fair share: G / N of the rounds, N = 4 until the ban, 3 after
+        counted = summary["rounds"] - summary["left_out_rounds"]
+        assert counted >= 0.8 * ROUNDS * 2 / 4, summary
+
+
+@pytest.mark.timeout(600)
+def test_two_of_six_stale_claimants_under_gather_2_kill_no_peer(tmp_path):
+    """Issue 47's crash: under eager DiLoCo and `--gather 2`, two of six peers claim 2^40 samples and
+    announce a random state digest. Every peer exited 1 by round 3 (the old fan-in chose the two every
+    round, neither's payload could count, and a division by a world size of 0 made the parameters
+    infinite). Now every honest peer trains the whole run, on one model; the two's payloads, computed
+    on no state the majority holds, are left out (`stale_state`)."""
+    summaries = swarm(
+        tmp_path, "stale", [*DILOCO, *GATHER_2], "claim_and_stale_digest", ROUNDS, peers=6, attackers=2
+    )
+    honest = summaries[:4]
+    assert len({s["param_hash"] for s in honest}) == 1, "honest peers ended on different models"
+    for summary in honest:
+        assert summary["rejected"].get("stale_state", 0) >= 1, summary["rejected"]
+        assert summary["validation_loss"] < summary["initial_loss"] - 0.3, summary
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("algorithm", "attack", "reason"),
-    [(DEMO, "sign_flip", "outlier"), (DILOCO, "sample_lie", "opposed")],
+    [(DEMO, "sign_flip", "outlier"), (DILOCO, "sample_lie", "overclaim")],
     ids=["demo-sign_flip", "diloco-sample_lie"],
 )
 def test_under_a_coordinator_the_attacker_is_left_out_every_round_and_moves_nothing(

@@ -11,8 +11,10 @@ from shoal.peer.algorithms import demo
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.exchange import Contribution, Exchange
 from shoal.peer.algorithms.robust import (
+    BELIEVABLE_RATIO,
     DILOCO,
     NONE,
+    Reference,
     Robustness,
     Suspicion,
     add_screened_mean,
@@ -50,7 +52,7 @@ def test_agreement_is_the_median_pairwise_cosine():
 @pytest.mark.parametrize(("honest", "attackers"), [(3, 1), (6, 2)])
 def test_attackers_that_negate_the_mean_are_dropped_and_honest_ones_kept(honest, attackers):
     good, bad, common = honest_and_attackers(honest, attackers)
-    samples = [16] * honest + [2**40] * attackers  # lying about samples buys nothing
+    samples = [16] * honest + [16 * BELIEVABLE_RATIO] * attackers  # the largest believable lie buys nothing
     mean = [torch.zeros(256)]
     _, verdict = add_screened_mean(mean, list(zip(good + bad, samples, strict=True)), DILOCO)
     assert verdict.reasons == [None] * honest + ["opposed"] * attackers
@@ -193,3 +195,59 @@ def test_a_replay_is_known_by_content_whatever_bytes_are_appended():
     unknown_field = b"\xf8\x07\x01"  # field 127, varint 1: not in payload.proto
     assert content_digest(payload + unknown_field) == content_digest(payload) is not None
     assert content_digest(b"\x00" * 8 + b"not a payload") is None  # a mean's part: nothing to compare
+
+
+def test_a_round_of_two_is_judged_against_the_own_update():
+    """With two contributions the median rule cannot judge (each opposes the other); every honest
+    participant has its own update, and a contribution pointing away from it is opposed."""
+    good, bad, common = honest_and_attackers(2, 1)
+    own = good[1]
+    pairs = [(good[0], 16), (bad[0], 16)]
+    mean = [torch.zeros(256)]
+    _, verdict = add_screened_mean(mean, pairs, DILOCO, reference=Reference(own))
+    assert verdict.reasons == [None, "opposed"]
+    assert torch.cosine_similarity(mean[0], common, dim=0) > 0.5
+    # its own contribution is not judged; the other one is
+    _, verdict = add_screened_mean(
+        [torch.zeros(256)], [(own, 16), (bad[0], 16)], DILOCO, reference=Reference(own, 0)
+    )
+    assert verdict.cosines[0] is None and verdict.reasons == [None, "opposed"]
+    # without a reference, as before: nothing judged
+    _, verdict = add_screened_mean([torch.zeros(256)], pairs, DILOCO)
+    assert verdict.reasons == [None, None]
+
+
+def test_suspicion_keeps_its_record_across_rounds_of_two():
+    """DeMo and sparse DiLoCo drop nothing per round; under `--gather 2` the cosine with the own update
+    still enters each sender's record, so a persistent opposer is an outlier from its third round."""
+    good, bad, _ = honest_and_attackers(4, 1)
+    suspicion = Suspicion(demo_policy := Robustness(min_agreement=None))
+    verdicts = []
+    for number in range(4):
+        pairs = [(good[number % 3], 16), (bad[0], 16)]
+        senders = [b"honest%d" % (number % 3), b"attacker"]
+        _, verdict = add_screened_mean(
+            [torch.zeros(256)], pairs, demo_policy, suspicion, senders, Reference(good[3])
+        )
+        verdicts.append(verdict.reasons)
+    assert verdicts[:2] == [[None, None]] * 2 and verdicts[2:] == [[None, "outlier"]] * 2
+
+
+def test_an_empty_contribution_weighs_nothing_and_does_not_lower_the_norm_bound():
+    good, _, _ = honest_and_attackers(2, 0)
+    zero = [torch.zeros(256)]
+    mean = [torch.zeros(256)]
+    total, verdict = add_screened_mean(mean, [(good[0], 16), (zero, 16)], DILOCO)
+    assert total == 16 and verdict.weights == [16, 0.0] and verdict.clipped == 0
+    torch.testing.assert_close(mean[0], good[0][0])
+
+
+def test_a_claim_beyond_belief_is_left_out_whatever_its_direction():
+    good, _, _ = honest_and_attackers(4, 0)
+    samples = [16, 16, 16 * BELIEVABLE_RATIO, 16 * BELIEVABLE_RATIO + 1]
+    _, verdict = add_screened_mean([torch.zeros(256)], list(zip(good, samples, strict=True)), DILOCO)
+    assert verdict.reasons == [None, None, None, "overclaim"]
+    assert verdict.weights == [16, 16, 32, 0.0]  # the believable one at the capped weight
+    # a round of two: the smaller claim is the median
+    _, verdict = add_screened_mean([torch.zeros(256)], [(good[0], 16), (good[1], 2**40)], DILOCO)
+    assert verdict.reasons == [None, "overclaim"]
