@@ -201,15 +201,7 @@ def _start_peer(
     # appending, the peer's stderr and the JSON lines copied by _read share the file without
     # overwriting each other
     log = (logs / f"peer{index}.log").open("a")
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        env=env,
-        start_new_session=True,
-        preexec_fn=_ends_with(os.getpid()),
-    )
+    process = _spawn(command, log, env)
     threading.Thread(target=_read, args=(index, process.stdout, events, log), daemon=True).start()
     return process
 
@@ -288,15 +280,7 @@ def _start_coordinator(
     command += ["--min-compute-s", repr(round_seconds / 2), "--max-compute-s", repr(round_seconds)]
     command += ["--eviction-s", repr(10 * round_seconds)] + (["--overlap"] if overlap else [])
     command += ["--gather", gather]
-    log = (logs / "coordinator.log").open("w")
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        start_new_session=True,
-        preexec_fn=_ends_with(os.getpid()),
-    )
+    process = _spawn(command, (logs / "coordinator.log").open("w"))
     started.append(process)
     line = process.stdout.readline()  # its first line says where it listens (no torch: quick)
     try:
@@ -418,6 +402,20 @@ def _row(number: int, peers: dict[int, dict]) -> dict:
 
 def _interrupt(_signum, _frame) -> None:
     raise KeyboardInterrupt
+
+
+def _spawn(command: list[str], log: IO[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A child of the demo: its stdout a pipe, its stderr `log`, in a session of its own (so that it
+    and what it starts can be stopped as a group), and ended with the demo (`_ends_with`)."""
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_ends_with(os.getpid()),
+    )
 
 
 def _ends_with(parent: int):
