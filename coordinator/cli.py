@@ -75,9 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="G",
-        help="bounded fan-in: each round's result lists at most G payloads to aggregate, chosen by the "
-        "samples they claim so that every peer counts in turn (peers run with the same --gather); "
-        "default 0: all of them",
+        help="bounded fan-in: each round's result lists at most G payloads to aggregate, in the peers' "
+        "rotation, so that every peer counts in turn whatever it claims (peers run with the same "
+        "--gather); default 0: all of them",
     )
     parser.add_argument(
         "--token-file", metavar="F", help="accepted tokens: '<token>' (swarm) or '<peer id> <token>' per line"

@@ -87,7 +87,7 @@ def _converge_arguments(benchmarks: argparse._SubParsersAction) -> None:
         "--gather",
         type=int,
         metavar="G",
-        help="at most G workers' payloads count in a round, rotating by samples (default: 0, all)",
+        help="at most G workers' payloads count in a round, in the fan-in's rotation (default: 0, all)",
     )
     converge.add_argument(
         "--carry",

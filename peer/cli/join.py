@@ -87,8 +87,8 @@ JOIN_FLAGS = {
     ),
     "gather": (
         "G",
-        "at most G payloads count in a round, the same G on every peer, rotating by samples; each peer "
-        "pulls only those, so its download stays G payloads a round at any swarm size (0: all)",
+        "at most G payloads count in a round, the same G on every peer, in a rotation no claim can buy; "
+        "each peer pulls only those, so its download stays G payloads a round at any swarm size (0: all)",
     ),
     "batch_size": ("B", "samples per micro-batch to start with (halved if the device runs out of memory)"),
     "max_micro_batches": ("N", "most micro-batches accumulated per step"),
