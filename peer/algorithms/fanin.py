@@ -5,8 +5,9 @@ G payloads a round whatever the swarm's size (docs/SCALE.md). The rule (`choose`
 no history, only the round's candidates:
 
 - the candidates are ordered by a draw from a hash of (run, cycle, key), new every cycle of
-  ceil(N / G) rounds, and round r of a cycle takes the r-th G of that order (wrapping around at its
-  end): a rotation in which every candidate counts at least once a cycle, and none more than twice;
+  L = N / gcd(N, G) rounds, and round r of a cycle takes the r-th G of that order, read round and
+  round (slots r G to r G + G - 1, modulo N): in a cycle every candidate counts exactly L G / N times,
+  its fair share, spaced about N / G rounds apart;
 - nothing a peer says about itself enters the choice. An earlier rule chose the largest sample claims
   (capped at 4x the median claim), and a peer that claimed 2^40 samples then won a slot every round:
   with `--gather 2` it carried two thirds of every round's weight (+52% loss for DiLoCo, +31% for
@@ -18,7 +19,7 @@ momentum stays in its momentum; DiLoCo's pseudo-gradient is dropped unless `carr
 with the next (`shoal bench converge --carry` measured re-sending it as worse for both: by the time it
 would count it is up to N / G - 1 rounds stale).
 
-Every peer counts about G / N of the rounds, whatever its device: a faster peer's contributions weigh
+Every peer counts G / N of the rounds, whatever its device: a faster peer's contributions weigh
 more in the rounds it counts in (their samples), not count more often. Peers that see the same
 candidates choose the same set; the exchange decides who the candidates are (the swarm: the
 announcements it took, stragglers and banned peers left out), and a candidate set that changes within
@@ -29,6 +30,7 @@ lists only the chosen, with a tally of every participant's state for the vote
 """
 
 import hashlib
+import math
 from collections.abc import Collection
 
 
@@ -49,7 +51,7 @@ def choose(seed: bytes, round_number: int, candidates: Collection[bytes], limit:
     keys = sorted(set(candidates))
     if limit == 0 or len(keys) <= limit:
         return frozenset(keys)
-    cycle, position = divmod(round_number, -(-len(keys) // limit))
+    cycle, position = divmod(round_number, len(keys) // math.gcd(len(keys), limit))
     order = sorted(keys, key=lambda key: (draw(seed, cycle, key), key))
     start = position * limit
     return frozenset(order[(start + i) % len(keys)] for i in range(limit))

@@ -2,6 +2,7 @@
 keeping the work that did not count."""
 
 import collections
+import math
 
 import pytest
 import torch
@@ -17,10 +18,10 @@ from shoal.protocol import Payload
 KEYS = [bytes([i]) * 4 for i in range(16)]
 
 
-def rotate(keys: list[bytes], limit: int, rounds: int) -> tuple[collections.Counter, int]:
-    """Runs the rule over `rounds` rounds: (times each key counted, longest wait in rounds)."""
+def rotate(keys: list[bytes], limit: int, rounds: int, start: int = 0) -> tuple[collections.Counter, int]:
+    """Runs the rule over `rounds` rounds from `start`: (times each key counted, longest wait in rounds)."""
     times, waits, longest = collections.Counter(), dict.fromkeys(keys, 0), 0
-    for number in range(rounds):
+    for number in range(start, start + rounds):
         chosen = choose(b"run", number, keys, limit)
         assert len(chosen) == limit
         for key in keys:
@@ -57,12 +58,15 @@ def test_every_candidate_counts_once_a_cycle():
 
 
 @pytest.mark.parametrize(("count", "limit"), [(5, 2), (6, 4), (7, 3), (3, 2)])
-def test_an_uneven_rotation_gives_everyone_at_least_most_of_its_share(count, limit):
+def test_an_uneven_rotation_gives_everyone_its_share_every_cycle(count, limit):
     keys = KEYS[:count]
-    rounds = 60 * -(-count // limit)
-    times, _ = rotate(keys, limit, rounds)
-    fair = rounds * limit / count
-    assert min(times.values()) >= 0.8 * fair and max(times.values()) <= 2 * fair
+    cycle = count // math.gcd(count, limit)
+    for start in range(0, 10 * cycle, cycle):
+        times, _ = rotate(keys, limit, cycle, start)
+        assert set(times.values()) == {cycle * limit // count}
+    times, longest = rotate(keys, limit, 7 * cycle + 1)  # and within a cycle, near it
+    assert min(times.values()) >= 0.8 * (7 * cycle + 1) * limit / count
+    assert longest <= 2 * -(-count // limit)
 
 
 def test_a_claim_buys_nothing():
