@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from shoal.compression import DCTTopKCodec
+from shoal.compression import DCTTopKCodec, DenseCodec, decode_tensor
 from shoal.peer.algorithms import demo
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.exchange import Contribution, Exchange
@@ -22,6 +22,7 @@ from shoal.peer.algorithms.robust import (
     capped_weights,
     screen,
 )
+from shoal.peer.bench.hostile import poison
 from shoal.peer.swarm.ledger import content_digest
 from shoal.protocol import Payload
 
@@ -251,3 +252,26 @@ def test_a_claim_beyond_belief_is_left_out_whatever_its_direction():
     # a round of two: the smaller claim is the median
     _, verdict = add_screened_mean([torch.zeros(256)], [(good[0], 16), (good[1], 2**40)], DILOCO)
     assert verdict.reasons == [None, "overclaim"]
+
+
+@pytest.mark.parametrize("codec", [DenseCodec(value_bits=32, zstd=False), DCTTopKCodec(chunk=16, topk=4)])
+def test_a_little_is_enough_adds_the_own_norm_along_one_fixed_direction(codec):
+    """`shoal bench hostile --attacks alie`: the poisoned update stays near cosine 1/sqrt(2) with the own
+    one, inside the honest spread, and its extra part points the same way in every round."""
+    generator = torch.Generator().manual_seed(4)
+    shifts = []
+    for _ in range(2):  # two rounds, two different own updates
+        own = torch.randn(32, 32, generator=generator)
+        if isinstance(codec, DCTTopKCodec):
+            payload = Payload(tensors=[codec.pack(codec.select(own), torch.float32)]).SerializeToString()
+        else:
+            payload = Payload(tensors=[codec.encode(own)]).SerializeToString()
+        sent, poisoned = (
+            decode_tensor(Payload.FromString(p).tensors[0]).reshape(-1)
+            for p in (payload, poison(payload, "alie", generator))
+        )
+        cosine = torch.cosine_similarity(sent, poisoned, dim=0).item()
+        assert 0.4 < cosine < 0.9, cosine  # 1/sqrt(2) for an orthogonal direction, unquantized
+        shifts.append(poisoned - sent)
+    if isinstance(codec, DenseCodec):  # top-k reads the direction at other coefficients each round
+        assert torch.cosine_similarity(shifts[0], shifts[1], dim=0) > 0.999
