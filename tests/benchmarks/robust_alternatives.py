@@ -1,18 +1,23 @@
-"""Coordinate-wise trimmed mean and median in place of shoal's screening, for DiLoCo, in the
-`shoal bench hostile` setting (8 loopback workers, the last 2 hostile, `converge --quick`).
+"""Coordinate-wise trimmed mean and median, and centered clipping, in place of shoal's screening, for
+DiLoCo, in the `shoal bench hostile` setting (8 loopback workers, the last 2 hostile, `converge
+--quick`).
 
-    python -m tests.benchmarks.robust_alternatives [--workers 8] [--attackers 2]
+    python -m tests.benchmarks.robust_alternatives [--workers 8] [--attackers 2] [--attacks ...]
 
 DiLoCo's aggregation (`robust.add_screened_mean`) is replaced for the run: per coordinate, the
 contributions' values are sorted and the `attackers` largest and smallest dropped (`trimmed`), or all
-but the middle one or two (`median`); every contribution counts alike (no sample weights: a sample
-lie buys nothing and needs no cap). Prints one JSON line per (aggregation, attack) with honest worker
-0's final validation loss and its change against the same aggregation's clean run; compare with
-`shoal bench hostile --methods diloco_eager` (BENCHMARKS.md, docs/ROBUSTNESS.md).
+but the middle one or two (`median`); or centered clipping (Karimireddy, He and Jaggi, ICML 2021):
+from the coordinate-wise median, `CLIP_ITERATIONS` times, move by the mean of each contribution's
+offset clipped to the lower-median offset's length (`centered`). Every contribution counts alike (no
+sample weights: a sample lie buys nothing and needs no cap). Prints one JSON line per (aggregation,
+attack) with honest worker 0's final validation loss, its change against the same aggregation's clean
+run, and the aggregation's mean milliseconds a round; compare with `shoal bench hostile --methods
+diloco_eager` (BENCHMARKS.md, docs/ROBUSTNESS.md).
 """
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -20,17 +25,23 @@ from shoal.peer.algorithms import diloco, robust
 from shoal.peer.bench import hostile
 from shoal.peer.data import stdlib_corpus
 
+CLIP_ITERATIONS = 3
+SECONDS: list[float] = []  # per round, the aggregation's time
 
-def coordinate_wise(trim: int | None):
-    """An `add_screened_mean` that adds the mean of each coordinate's values with `trim` dropped from
-    each end (None: the median's middle one or two)."""
 
-    def aggregate(into, contributions, policy, suspicion=None, senders=()):
+def _timed(combine):
+    """An `add_screened_mean` that adds `combine(list of flat contributions)` (one flat tensor) to
+    `into`, with every contribution weighing alike."""
+
+    def aggregate(into, contributions, policy, suspicion=None, senders=(), reference=None):
+        start = time.perf_counter()
         count = len(contributions)
-        cut = (count - 1) // 2 if trim is None else min(trim, (count - 1) // 2)
-        for k, mean in enumerate(into):
-            values = torch.stack([tensors[k].float() for tensors, _ in contributions]).sort(dim=0).values
-            mean.add_(values[cut : count - cut].mean(dim=0))
+        flat = torch.stack([torch.cat([t.float().reshape(-1) for t in parts]) for parts, _ in contributions])
+        combined, offset = combine(flat), 0
+        for mean in into:
+            mean.add_(combined[offset : offset + mean.numel()].view_as(mean))
+            offset += mean.numel()
+        SECONDS.append(time.perf_counter() - start)
         median = robust.lower_median([s for _, s in contributions])
         verdict = robust.Screened.of([1.0] * count, [1.0] * count, [None] * count, robust.NONE)
         return float(count * median), verdict  # the weight behind the mean, as if all were the median
@@ -38,20 +49,57 @@ def coordinate_wise(trim: int | None):
     return aggregate
 
 
+def coordinate_wise(trim: int | None):
+    """The mean of each coordinate's values with `trim` dropped from each end (None: the median's
+    middle one or two)."""
+
+    def combine(flat: torch.Tensor) -> torch.Tensor:  # (contributions, numel)
+        count = flat.shape[0]
+        cut = (count - 1) // 2 if trim is None else min(trim, (count - 1) // 2)
+        return flat.sort(dim=0).values[cut : count - cut].mean(dim=0)
+
+    return _timed(combine)
+
+
+def centered_clipping():
+    """Centered clipping from the coordinate-wise median, the radius the lower-median offset."""
+
+    def combine(flat: torch.Tensor) -> torch.Tensor:
+        center = flat.median(dim=0).values
+        for _ in range(CLIP_ITERATIONS):
+            offsets = flat - center
+            lengths = offsets.norm(dim=1)
+            radius = robust.lower_median(lengths.tolist())
+            scales = (radius / lengths.clamp(min=1e-30)).clamp(max=1.0)
+            center = center + (offsets * scales[:, None]).mean(dim=0)
+        return center
+
+    return _timed(combine)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--attackers", type=int, default=2)
+    parser.add_argument("--attacks", default="sign_flip,sample_lie,random,alie,collude")
+    parser.add_argument("--aggregations", default="trimmed,median,centered")
     args = parser.parse_args()
     streams = stdlib_corpus()
-    for name, trim in (("trimmed", args.attackers), ("median", None)):
-        diloco.add_screened_mean = coordinate_wise(trim)
+    aggregations = {
+        "trimmed": coordinate_wise(args.attackers),
+        "median": coordinate_wise(None),
+        "centered": centered_clipping(),
+    }
+    for name in args.aggregations.split(","):
+        diloco.add_screened_mean = aggregations[name]
         clean = None
-        for attack in ("none", "sign_flip", "sample_lie", "random"):
+        for attack in ("none", *args.attacks.split(",")):
+            SECONDS.clear()
             result = hostile.run("diloco_eager", attack, args.workers, args.attackers, streams, clean)
             clean = clean or result.final_val_loss
             row = {"aggregation": name, "attack": attack, "final_val_loss": round(result.final_val_loss, 4)}
             row["vs_clean"] = None if result.vs_clean is None else round(result.vs_clean, 4)
+            row["aggregate_ms"] = round(1000 * sum(SECONDS) / max(len(SECONDS), 1), 2)
             print(json.dumps(row), flush=True)
 
 
