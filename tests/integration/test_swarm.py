@@ -238,6 +238,30 @@ def test_a_bounded_fan_in_agrees_rotates_pulls_only_the_chosen_and_outlives_a_ch
     assert mean_loss(survivors, -1) < mean_loss(survivors, 0) - 0.3
 
 
+@pytest.mark.timeout(180)
+def test_a_round_that_counts_nothing_leaves_eager_diloco_as_it_was(tmp_path):
+    """`--gather 1` over 3 eager DiLoCo peers: peer 2 vanishes in the first round from 3 in which it is
+    chosen, so the other two count nothing that round (the one chosen payload is gone). Eager DiLoCo
+    divided by that round's world size, 0, its parameters became infinite and the peer's next encode
+    ended it (issue 47); now the round leaves the consensus as it was and both go on, on one model."""
+    rounds, peers = 9, 3
+    reports = run_swarm(
+        tmp_path,
+        peers=peers,
+        rounds=rounds,
+        round_seconds=2.0,
+        faults={2: "vanish@3"},
+        extra={i: ["--gather", "1", "--algorithm", "diloco-eager"] for i in range(peers)},
+    )
+    survivors = reports[:2]
+    assert len({r["param_hash"] for r in survivors}) == 1 and all(r["finite"] for r in survivors)
+    for report in survivors:
+        assert report["rounds"] == list(range(rounds)), report["rounds"]
+        # one round from 3 on counted nothing (in eager mode a round's count shows a round later)
+        assert 0 in report["participants"][3:], report["participants"]
+        assert report["losses"][-1] < report["losses"][0]
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("mode", "peers", "rounds"), [("standard", 3, 5), ("eager", 4, 20)])
 def test_peers_train_diloco_over_the_swarm_and_agree(tmp_path, mode, peers, rounds):
