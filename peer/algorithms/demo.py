@@ -63,8 +63,8 @@ from shoal.peer.algorithms.robust import (
     Screened,
     Suspicion,
     capped_weights,
+    directions_judged,
     judged,
-    judges_by_reference,
     overclaims,
     report,
     sender_keys,
@@ -90,8 +90,6 @@ class _Gathered:
     """The samples it announced with it."""
     counted: bool = True
     """Whether its payload counted (a bounded fan-in aggregates only some: shoal.peer.algorithms.fanin)."""
-    payload: bytes = b""
-    """What it sent (to know its own contribution among the round's)."""
 
 
 class DeMo(torch.optim.Optimizer):
@@ -328,7 +326,7 @@ class DeMo(torch.optim.Optimizer):
         counted = self.exchange.own_counted()
         seconds = time.perf_counter() - start
         self.exchange_s += seconds
-        return _Gathered(contributions, adopted, seconds, selections, samples, counted, data)
+        return _Gathered(contributions, adopted, seconds, selections, samples, counted)
 
     def _collect(self) -> _Gathered | None:
         """The round in flight, waited for (None without overlap or before the first step); its
@@ -442,10 +440,7 @@ class DeMo(torch.optim.Optimizer):
                 self.rejected[error.reason] += 1
                 self.exchange.reject(contribution, error.reason)
         samples = [float(c.samples) if self.weight_by_samples else 1.0 for c in senders]
-        reference = None
-        if gathered is not None and gathered.selections:
-            mine = next((i for i, c in enumerate(senders) if c.payload == gathered.payload), None)
-            reference = Reference(gathered.selections, own=mine)
+        reference = None if gathered is None or not gathered.selections else Reference(gathered.selections)
         verdict = self._screen(
             decoded,
             capped_weights(samples, self.robust.sample_ratio),
@@ -479,15 +474,16 @@ class DeMo(torch.optim.Optimizer):
         (the round's coefficients side by side), then zeroed where it was written. `claims`: the samples
         each one announced (for `overclaim`); `reference`: what this participant sent (`Reference`)."""
         count, policy = len(decoded), self.robust
-        by_reference = judges_by_reference(policy, count, reference)
-        if (count < 2 and not by_reference) or (policy.norm_ratio is None and not policy.judges):
+        judging = directions_judged(policy, count, reference)
+        if (count < 2 and not judging) or (policy.norm_ratio is None and not policy.judges):
             return Screened.of(weights, [1.0] * count, [None] * count, policy, overclaimed=overclaims(claims))
-        if not policy.judges or (count < policy.min_screened and not by_reference):
+        if not judging:
             squared = [
                 torch.stack([c.values.float().square().sum() for c in coeffs]).sum() for coeffs in decoded
             ]
             gram = torch.diag(torch.stack(squared)).tolist()
             return judged(gram, weights, policy, self.suspicion, senders, claims)
+        by_reference = reference is not None
         if by_reference:
             decoded = [*decoded, list(reference.update)]
         rows = len(decoded)
@@ -505,9 +501,8 @@ class DeMo(torch.optim.Optimizer):
                 products = dense.gather(1, indices).mul_(values)
                 gram[:, j] += products.view(plan.num_chunks, rows, -1).sum(dim=(0, 2))
                 dense.scatter_(1, other[index].indices, 0.0)  # back to zeros, at only what was written
-        own = reference.own if by_reference else None
         # one host sync
-        return judged(gram.tolist(), weights, policy, self.suspicion, senders, claims, own, by_reference)
+        return judged(gram.tolist(), weights, policy, self.suspicion, senders, claims, True, by_reference)
 
     def _decode(
         self, contribution: Contribution, slices: list[Slice], limits: DecodeLimits

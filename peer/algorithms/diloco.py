@@ -423,13 +423,11 @@ class DiLoCo:
             except MalformedPayloadError as error:
                 self.stats.rejected += 1
                 self.exchange.reject(contribution, error.reason)
-        mine = next((i for i, c in enumerate(senders) if c.payload == sent.payload), None)
-        reference = Reference(sent.decoded, own=mine)
         # rank order: the same sums everywhere
         total, verdict = add_screened_mean(
-            mean, accepted, self.robust, self.suspicion, sender_keys(senders), reference
+            mean, accepted, self.robust, self.suspicion, sender_keys(senders), Reference(sent.decoded)
         )
-        own = [verdict.factors[mine]] if mine is not None else []
+        own = [f for c, f in zip(senders, verdict.factors, strict=True) if c.payload == sent.payload]
         self.stats.clipped += verdict.clipped
         report(self.exchange, senders, verdict, self.stats.screened)
         end = time.perf_counter()

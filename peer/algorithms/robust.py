@@ -150,23 +150,6 @@ def overclaims(samples: Sequence[float], ratio: float = BELIEVABLE_RATIO) -> lis
     return [s > bound for s in samples]
 
 
-def agreements(gram: Sequence[Sequence[float]]) -> list[float | None]:
-    """Per contribution, the lower median of its cosines with each of the others, from the round's
-    Gram matrix (gram[i][j] = <c_i, c_j>). A median, not the cosine with the others' sum: attackers,
-    fewer than half of the others, cannot drag an honest contribution's figure below zero, however
-    large or many their votes. None for a contribution with no direction, or no other to judge by."""
-    count = len(gram)
-    cosines: list[float | None] = []
-    for i in range(count):
-        pairs = [
-            gram[i][j] / math.sqrt(gram[i][i] * gram[j][j])
-            for j in range(count)
-            if j != i and gram[i][i] > 0 and gram[j][j] > 0
-        ]
-        cosines.append(lower_median(pairs) if pairs else None)
-    return cosines
-
-
 class Suspicion:
     """Per sender, the cosines of its last `policy.suspect_window` rounds (see rule 4); local to a
     participant, like the swarm's strikes."""
@@ -254,25 +237,49 @@ class Screened:
 
 @dataclass(frozen=True, slots=True)
 class Reference:
-    """This participant's own update, the yardstick of a round too small to judge by the median of its
-    cosines (fewer than `min_screened` contributions: a bounded fan-in of 2, a swarm of 2). Every
-    honest participant has one, computed on the same model; a chosen contribution pointing away from
-    it is opposed (DiLoCo's per-round rule) and its cosine joins its sender's record (rule 4)."""
+    """This participant's own update of the round: one more vote on every contribution's direction.
+    Every honest participant has one, computed on the same model, whether or not its payload counts.
+
+    It lets a round too small for the median of the others (fewer than `min_screened` contributions:
+    a bounded fan-in of 2, a swarm of 2) be judged at all, and it breaks the tie of a round that is
+    half hostile (2 attackers chosen among 4 under `--gather 4`: every honest contribution then had a
+    lower median below 0, and honest peers struck each other as `opposed`). Each participant's
+    reference differs, so in a round large enough for the shared median it decides only the round's
+    `opposed` (`judged`): suspicion, built on cosines near 0 for DeMo, keeps the shared figures that
+    every participant computes alike."""
 
     update: Sequence[torch.Tensor]
     """The update, as the contributions are (dense tensors, or for DeMo its top-k selections)."""
-    own: int | None = None
-    """The index of this participant's own contribution in the round, if it counts (not judged)."""
 
 
-def reference_cosines(gram: list[list[float]], count: int, own: int | None) -> list[float | None]:
-    """Per contribution, its cosine with the reference, row `count` of `gram` (None for this
-    participant's own, and for a contribution or a reference with no direction)."""
-    ref = gram[count][count]
-    return [
-        gram[i][count] / math.sqrt(gram[i][i] * ref) if i != own and gram[i][i] > 0 and ref > 0 else None
-        for i in range(count)
-    ]
+def agreements(gram: Sequence[Sequence[float]], reference: bool = False) -> list[float | None]:
+    """Per contribution, the median of its cosines with each of the others, from the round's Gram
+    matrix (gram[i][j] = <c_i, c_j>). A median, not the cosine with the others' sum: attackers, fewer
+    than half of the others, cannot drag an honest contribution's figure below zero, however large or
+    many their votes; the lower median of an even count, so that a tie counts against.
+
+    With `reference`, the last row of `gram` is this participant's own update (`Reference`), one more
+    vote on every contribution (its own included: their cosine is about 1), and a tie counts for: the
+    upper median. An honest contribution then agrees while attackers are at most half of the round,
+    and an attacker, opposed by the honest ones and the reference, is below zero.
+
+    None for a contribution with no direction, or nothing to judge it by."""
+    count = len(gram) - reference
+    cosines: list[float | None] = []
+    for i in range(count):
+        pairs = sorted(
+            gram[i][j] / math.sqrt(gram[i][i] * gram[j][j])
+            for j in range(len(gram))
+            if j != i and gram[i][i] > 0 and gram[j][j] > 0
+        )
+        cosines.append(pairs[len(pairs) // 2 if reference else (len(pairs) - 1) // 2] if pairs else None)
+    return cosines
+
+
+def directions_judged(policy: Robustness, count: int, reference: "Reference | None") -> bool:
+    """Whether the directions of a round of `count` contributions are judged: with a reference, from
+    one contribution; without, from `policy.min_screened` (with two, each opposes the other)."""
+    return policy.judges and count >= (1 if reference is not None else policy.min_screened)
 
 
 def screen(
@@ -284,30 +291,23 @@ def screen(
     reference: Reference | None = None,
 ) -> Screened:
     """Applies `policy` to dense contributions (each a list of tensors, same shapes in every one);
-    with `suspicion`, the persistent outliers among `senders` are left out too; with a `reference`, a
-    round too small for the median rule is judged against it."""
+    with `suspicion`, the persistent outliers among `senders` are left out too; a `reference` votes on
+    every direction (`agreements`)."""
     weights = capped_weights(samples, policy.sample_ratio)
     count = len(contributions)
-    use_reference = judges_by_reference(policy, count, reference)
-    if count < 2 and not use_reference:
+    judging = directions_judged(policy, count, reference)
+    if count < 2 and not judging:
         return Screened.of(weights, [1.0] * count, [None] * count, policy, overclaimed=overclaims(samples))
-    judges = policy.judges and (count >= policy.min_screened or use_reference)
-    rows = [*contributions, reference.update] if use_reference else list(contributions)
+    by_reference = judging and reference is not None
+    rows = [*contributions, reference.update] if by_reference else list(contributions)
     gram = torch.zeros(len(rows), len(rows), device=rows[0][0].device if rows[0] else "cpu")
     for parts in zip(*rows, strict=True):  # a tensor at a time: N copies of the largest at most
         stacked = torch.stack([t.reshape(-1).float() for t in parts])  # (N, numel)
-        if judges:
+        if judging:
             gram += stacked @ stacked.T
         else:
             gram += torch.diag(stacked.square().sum(dim=1))
-    own = reference.own if use_reference else None
-    return judged(gram.tolist(), weights, policy, suspicion, senders, samples, own, use_reference)
-
-
-def judges_by_reference(policy: Robustness, count: int, reference: "Reference | None") -> bool:
-    """Whether a round of `count` contributions is judged against `reference` rather than by the median
-    of its cosines."""
-    return reference is not None and policy.judges and 1 <= count < policy.min_screened
+    return judged(gram.tolist(), weights, policy, suspicion, senders, samples, judging, by_reference)
 
 
 def judged(
@@ -317,26 +317,28 @@ def judged(
     suspicion: "Suspicion | None" = None,
     senders: Sequence[bytes] = (),
     samples: Sequence[float] = (),
-    own: int | None = None,
+    judging: bool = False,
     by_reference: bool = False,
 ) -> Screened:
-    """The verdict from a round's Gram matrix (only its diagonal, the squared norms, when directions
-    are not judged) and capped weights; `suspicion` records the cosines of `senders`. With
-    `by_reference`, the Gram matrix has one more row, the reference's (`Reference`; `own` is this
-    participant's contribution, not judged). Contributions with no length (an empty update: nothing
-    to add) weigh nothing; `samples`, the raw claims, mark the ones beyond belief."""
+    """The verdict from a round's Gram matrix (only its diagonal, the squared norms, unless `judging`
+    directions) and capped weights; `suspicion` records the cosines of `senders`. With `by_reference`,
+    the Gram matrix has one more row, the reference's (`agreements`). Contributions with no length (an
+    empty update: nothing to add) weigh nothing; `samples`, the raw claims, mark the ones beyond
+    belief."""
     count = len(weights)
     norms = [math.sqrt(max(gram[i][i], 0.0)) for i in range(count)]
     scales = clip_scales(norms, policy.norm_ratio)
     weights = [w if norm > 0 else 0.0 for w, norm in zip(weights, norms, strict=True)]
-    if by_reference:
-        cosines = reference_cosines(gram, count, own)
-    elif policy.judges and count >= policy.min_screened:
-        cosines = agreements(gram)
-    else:
-        cosines = [None] * count
-    outliers = suspicion.outliers(senders, cosines) if suspicion is not None else None
-    return Screened.of(weights, scales, cosines, policy, outliers, overclaims(samples) if samples else ())
+    # the median of the others is the same on every participant; the reference's vote is not (each
+    # has its own update), so it decides only this round's `opposed`, where honest directions are far
+    # from the border, and the record of suspicion only in a round too small for the shared median
+    shared = None
+    if judging and count >= policy.min_screened:
+        shared = agreements([row[:count] for row in gram[:count]])
+    voted = agreements(gram, reference=True) if judging and by_reference else None
+    opposing = voted or shared or [None] * count
+    outliers = suspicion.outliers(senders, shared or opposing) if suspicion is not None else None
+    return Screened.of(weights, scales, opposing, policy, outliers, overclaims(samples) if samples else ())
 
 
 def add_screened_mean(

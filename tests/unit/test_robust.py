@@ -187,7 +187,8 @@ def test_demo_screens_with_the_gram_matrix_of_the_dense_coefficients(monkeypatch
         dense.append(torch.cat(parts))
     expected = torch.stack(dense) @ torch.stack(dense).T
     assert len(seen["decoded"]) == 4 and seen["decoded"][0][0].plan.num_chunks == 13
-    assert torch.allclose(torch.tensor(seen["gram"]), expected, rtol=1e-5, atol=1e-6)
+    gram = torch.tensor(seen["gram"])  # one more row and column: the own update's (robust.Reference)
+    assert gram.shape == (5, 5) and torch.allclose(gram[:4, :4], expected, rtol=1e-5, atol=1e-6)
     assert (expected - torch.diag(expected.diag())).abs().sum() > 0  # the contributions do overlap
 
 
@@ -208,14 +209,26 @@ def test_a_round_of_two_is_judged_against_the_own_update():
     _, verdict = add_screened_mean(mean, pairs, DILOCO, reference=Reference(own))
     assert verdict.reasons == [None, "opposed"]
     assert torch.cosine_similarity(mean[0], common, dim=0) > 0.5
-    # its own contribution is not judged; the other one is
+    # its own contribution among them: the reference votes for it (their cosine is 1), the tie goes for
     _, verdict = add_screened_mean(
-        [torch.zeros(256)], [(own, 16), (bad[0], 16)], DILOCO, reference=Reference(own, 0)
+        [torch.zeros(256)], [(own, 16), (bad[0], 16)], DILOCO, reference=Reference(own)
     )
-    assert verdict.cosines[0] is None and verdict.reasons == [None, "opposed"]
+    assert math.isclose(verdict.cosines[0], 1.0, rel_tol=1e-5) and verdict.reasons == [None, "opposed"]
     # without a reference, as before: nothing judged
     _, verdict = add_screened_mean([torch.zeros(256)], pairs, DILOCO)
     assert verdict.reasons == [None, None]
+
+
+def test_the_own_update_breaks_the_tie_of_a_round_half_hostile():
+    """`--gather 4` with 2 attackers of 8 chooses both in some rounds: 2 of 4. By the median of the
+    others alone every honest contribution then has two negative cosines of three, and is opposed;
+    with the own update's vote (the upper median of four), only the attackers are."""
+    good, bad, _ = honest_and_attackers(3, 2)
+    pairs = [(good[0], 16), (good[1], 16), (bad[0], 16), (bad[1], 16)]
+    _, alone = add_screened_mean([torch.zeros(256)], pairs, DILOCO)
+    assert alone.reasons == ["opposed"] * 4  # what honest peers struck each other for
+    _, verdict = add_screened_mean([torch.zeros(256)], pairs, DILOCO, reference=Reference(good[2]))
+    assert verdict.reasons == [None, None, "opposed", "opposed"]
 
 
 def test_suspicion_keeps_its_record_across_rounds_of_two():
