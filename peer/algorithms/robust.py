@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 DEFAULT_CLIP_RATIO = 1.0
 DEFAULT_SAMPLE_RATIO = 2.0
 DEFAULT_MIN_AGREEMENT = 0.0
+SHARED_MEDIAN_FROM = 3
+"""Fewest contributions whose median of each other's cosines judges a round (with two, each opposes
+the other, or two attackers agree); below, only each participant's own update does (`Reference`)."""
 BELIEVABLE_RATIO = 64.0
 """A sample claim above this times the round's lower-median claim is beyond belief: the contribution is
 left out and its sender struck (`overclaim`; three strikes ban it anyway, so keeping it at a capped
@@ -261,15 +264,19 @@ def agreements(gram: Sequence[Sequence[float]], reference: bool = False) -> list
     With `reference`, the last row of `gram` is this participant's own update (`Reference`), one more
     vote on every contribution (its own included: their cosine is about 1), and a tie counts for: the
     upper median. An honest contribution then agrees while attackers are at most half of the round,
-    and an attacker, opposed by the honest ones and the reference, is below zero.
+    and an attacker, opposed by the honest ones and the reference, is below zero. In a round of fewer
+    than `SHARED_MEDIAN_FROM` contributions the reference's vote is the only one.
 
     None for a contribution with no direction, or nothing to judge it by."""
     count = len(gram) - reference
+    # a round of two may be all hostile (two attackers chosen together under `--gather 2`): there the
+    # reference alone judges, or the attackers would vote for each other and win the tie
+    voters = [count] if reference and count < SHARED_MEDIAN_FROM else range(len(gram))
     cosines: list[float | None] = []
     for i in range(count):
         pairs = sorted(
             gram[i][j] / math.sqrt(gram[i][i] * gram[j][j])
-            for j in range(len(gram))
+            for j in voters
             if j != i and gram[i][i] > 0 and gram[j][j] > 0
         )
         cosines.append(pairs[len(pairs) // 2 if reference else (len(pairs) - 1) // 2] if pairs else None)

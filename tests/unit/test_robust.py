@@ -214,6 +214,11 @@ def test_a_round_of_two_is_judged_against_the_own_update():
         [torch.zeros(256)], [(own, 16), (bad[0], 16)], DILOCO, reference=Reference(own)
     )
     assert math.isclose(verdict.cosines[0], 1.0, rel_tol=1e-5) and verdict.reasons == [None, "opposed"]
+    # two attackers chosen together agree with each other: the reference alone judges them
+    _, verdict = add_screened_mean(
+        [torch.zeros(256)], [(bad[0], 16), ([bad[0][0] * 2], 16)], DILOCO, reference=Reference(own)
+    )
+    assert verdict.reasons == ["opposed", "opposed"]
     # without a reference, as before: nothing judged
     _, verdict = add_screened_mean([torch.zeros(256)], pairs, DILOCO)
     assert verdict.reasons == [None, None]
