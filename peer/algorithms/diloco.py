@@ -425,7 +425,12 @@ class DiLoCo:
                 self.exchange.reject(contribution, error.reason)
         # rank order: the same sums everywhere
         total, verdict = add_screened_mean(
-            mean, accepted, self.robust, self.suspicion, sender_keys(senders), Reference(sent.decoded)
+            mean,
+            accepted,
+            self.robust,
+            self.suspicion,
+            sender_keys(senders),
+            Reference(sent.decoded, records=self.exchange.gather_limit > 0),
         )
         own = [f for c, f in zip(senders, verdict.factors, strict=True) if c.payload == sent.payload]
         self.stats.clipped += verdict.clipped

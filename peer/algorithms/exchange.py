@@ -76,6 +76,10 @@ class Averaged:
 class Exchange(ABC):
     """What an optimizer needs from the network."""
 
+    gather_limit: int = 0
+    """At most this many contributions count in a round (a bounded fan-in: shoal.peer.algorithms.fanin);
+    0: all of them."""
+
     @property
     @abstractmethod
     def rank(self) -> int:

@@ -253,6 +253,11 @@ class Reference:
 
     update: Sequence[torch.Tensor]
     """The update, as the contributions are (dense tensors, or for DeMo its top-k selections)."""
+    records: bool = False
+    """Whether suspicion records the cosines with it in a round too small for the shared median: only
+    where a bounded fan-in made the round small (an attacker would otherwise be judged by nothing in
+    the rounds it is chosen). A swarm of two has no majority to protect, and two honest DeMo peers,
+    whose cosines are near 0, could suspect each other differently and part."""
 
 
 def agreements(gram: Sequence[Sequence[float]], reference: bool = False) -> list[float | None]:
@@ -314,7 +319,8 @@ def screen(
             gram += stacked @ stacked.T
         else:
             gram += torch.diag(stacked.square().sum(dim=1))
-    return judged(gram.tolist(), weights, policy, suspicion, senders, samples, judging, by_reference)
+    records = by_reference and reference.records
+    return judged(gram.tolist(), weights, policy, suspicion, senders, samples, judging, by_reference, records)
 
 
 def judged(
@@ -326,6 +332,7 @@ def judged(
     samples: Sequence[float] = (),
     judging: bool = False,
     by_reference: bool = False,
+    records: bool = False,
 ) -> Screened:
     """The verdict from a round's Gram matrix (only its diagonal, the squared norms, unless `judging`
     directions) and capped weights; `suspicion` records the cosines of `senders`. With `by_reference`,
@@ -344,7 +351,8 @@ def judged(
         shared = agreements([row[:count] for row in gram[:count]])
     voted = agreements(gram, reference=True) if judging and by_reference else None
     opposing = voted or shared or [None] * count
-    outliers = suspicion.outliers(senders, shared or opposing) if suspicion is not None else None
+    recorded = shared or (opposing if records else [None] * count)
+    outliers = suspicion.outliers(senders, recorded) if suspicion is not None else None
     return Screened.of(weights, scales, opposing, policy, outliers, overclaims(samples) if samples else ())
 
 

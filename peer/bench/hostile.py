@@ -179,6 +179,10 @@ class _Wrapped(Exchange):
     def own_counted(self) -> bool:
         return self.inner.own_counted()
 
+    @property
+    def gather_limit(self) -> int:
+        return self.inner.gather_limit
+
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         return self.inner.mean(tensor, weight)
 

@@ -238,7 +238,8 @@ def test_the_own_update_breaks_the_tie_of_a_round_half_hostile():
 
 def test_suspicion_keeps_its_record_across_rounds_of_two():
     """DeMo and sparse DiLoCo drop nothing per round; under `--gather 2` the cosine with the own update
-    still enters each sender's record, so a persistent opposer is an outlier from its third round."""
+    still enters each sender's record (`records`: a fan-in made the round small), so a persistent
+    opposer is an outlier from its third round. A swarm of two records nothing."""
     good, bad, _ = honest_and_attackers(4, 1)
     suspicion = Suspicion(demo_policy := Robustness(min_agreement=None))
     verdicts = []
@@ -246,10 +247,19 @@ def test_suspicion_keeps_its_record_across_rounds_of_two():
         pairs = [(good[number % 3], 16), (bad[0], 16)]
         senders = [b"honest%d" % (number % 3), b"attacker"]
         _, verdict = add_screened_mean(
-            [torch.zeros(256)], pairs, demo_policy, suspicion, senders, Reference(good[3])
+            [torch.zeros(256)], pairs, demo_policy, suspicion, senders, Reference(good[3], records=True)
         )
         verdicts.append(verdict.reasons)
     assert verdicts[:2] == [[None, None]] * 2 and verdicts[2:] == [[None, "outlier"]] * 2
+    # a round of two without a fan-in (a swarm of two) records nothing: no one is suspected
+    suspicion = Suspicion(demo_policy)
+    for number in range(4):
+        pairs = [(good[number % 3], 16), (bad[0], 16)]
+        senders = [b"honest%d" % (number % 3), b"attacker"]
+        _, verdict = add_screened_mean(
+            [torch.zeros(256)], pairs, demo_policy, suspicion, senders, Reference(good[3])
+        )
+        assert verdict.reasons == [None, None]
 
 
 def test_an_empty_contribution_weighs_nothing_and_does_not_lower_the_norm_bound():
