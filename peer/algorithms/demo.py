@@ -440,9 +440,9 @@ class DeMo(torch.optim.Optimizer):
                 self.rejected[error.reason] += 1
                 self.exchange.reject(contribution, error.reason)
         samples = [float(c.samples) if self.weight_by_samples else 1.0 for c in senders]
-        reference = None
-        if gathered is not None and gathered.selections:
-            reference = Reference(gathered.selections, records=self.exchange.gather_limit > 0)
+        reference = None  # under a bounded fan-in only: robust.Reference
+        if gathered is not None and gathered.selections and self.exchange.gather_limit > 0:
+            reference = Reference(gathered.selections)
         verdict = self._screen(
             decoded,
             capped_weights(samples, self.robust.sample_ratio),
@@ -503,11 +503,8 @@ class DeMo(torch.optim.Optimizer):
                 products = dense.gather(1, indices).mul_(values)
                 gram[:, j] += products.view(plan.num_chunks, rows, -1).sum(dim=(0, 2))
                 dense.scatter_(1, other[index].indices, 0.0)  # back to zeros, at only what was written
-        records = by_reference and reference.records
         # one host sync
-        return judged(
-            gram.tolist(), weights, policy, self.suspicion, senders, claims, True, by_reference, records
-        )
+        return judged(gram.tolist(), weights, policy, self.suspicion, senders, claims, True, by_reference)
 
     def _decode(
         self, contribution: Contribution, slices: list[Slice], limits: DecodeLimits

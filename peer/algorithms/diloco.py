@@ -430,7 +430,7 @@ class DiLoCo:
             self.robust,
             self.suspicion,
             sender_keys(senders),
-            Reference(sent.decoded, records=self.exchange.gather_limit > 0),
+            Reference(sent.decoded) if self.exchange.gather_limit > 0 else None,  # robust.Reference
         )
         own = [f for c, f in zip(senders, verdict.factors, strict=True) if c.payload == sent.payload]
         self.stats.clipped += verdict.clipped

@@ -249,15 +249,14 @@ class Reference:
     lower median below 0, and honest peers struck each other as `opposed`). Each participant's
     reference differs, so in a round large enough for the shared median it decides only the round's
     `opposed` (`judged`): suspicion, built on cosines near 0 for DeMo, keeps the shared figures that
-    every participant computes alike."""
+    every participant computes alike. The optimizers pass one only under a bounded fan-in, where a
+    round is small by the fan-in's choice and an attacker would otherwise be judged by nothing in the
+    rounds it is chosen: a swarm of two has no majority to protect, and there two honest peers judged
+    each other by their own updates and parted (two DeMo peers, whose cosines are near 0, by suspicion;
+    two DiLoCo peers behind NAT by an `opposed` round)."""
 
     update: Sequence[torch.Tensor]
     """The update, as the contributions are (dense tensors, or for DeMo its top-k selections)."""
-    records: bool = False
-    """Whether suspicion records the cosines with it in a round too small for the shared median: only
-    where a bounded fan-in made the round small (an attacker would otherwise be judged by nothing in
-    the rounds it is chosen). A swarm of two has no majority to protect, and two honest DeMo peers,
-    whose cosines are near 0, could suspect each other differently and part."""
 
 
 def agreements(gram: Sequence[Sequence[float]], reference: bool = False) -> list[float | None]:
@@ -319,8 +318,7 @@ def screen(
             gram += stacked @ stacked.T
         else:
             gram += torch.diag(stacked.square().sum(dim=1))
-    records = by_reference and reference.records
-    return judged(gram.tolist(), weights, policy, suspicion, senders, samples, judging, by_reference, records)
+    return judged(gram.tolist(), weights, policy, suspicion, senders, samples, judging, by_reference)
 
 
 def judged(
@@ -332,7 +330,6 @@ def judged(
     samples: Sequence[float] = (),
     judging: bool = False,
     by_reference: bool = False,
-    records: bool = False,
 ) -> Screened:
     """The verdict from a round's Gram matrix (only its diagonal, the squared norms, unless `judging`
     directions) and capped weights; `suspicion` records the cosines of `senders`. With `by_reference`,
@@ -351,8 +348,7 @@ def judged(
         shared = agreements([row[:count] for row in gram[:count]])
     voted = agreements(gram, reference=True) if judging and by_reference else None
     opposing = voted or shared or [None] * count
-    recorded = shared or (opposing if records else [None] * count)
-    outliers = suspicion.outliers(senders, recorded) if suspicion is not None else None
+    outliers = suspicion.outliers(senders, shared or opposing) if suspicion is not None else None
     return Screened.of(weights, scales, opposing, policy, outliers, overclaims(samples) if samples else ())
 
 
