@@ -251,9 +251,8 @@ class Reference:
     `opposed` (`judged`): suspicion, built on cosines near 0 for DeMo, keeps the shared figures that
     every participant computes alike. The optimizers pass one only under a bounded fan-in, where a
     round is small by the fan-in's choice and an attacker would otherwise be judged by nothing in the
-    rounds it is chosen: a swarm of two has no majority to protect, and there two honest peers judged
-    each other by their own updates and parted (two DeMo peers, whose cosines are near 0, by suspicion;
-    two DiLoCo peers behind NAT by an `opposed` round)."""
+    rounds it is chosen: a swarm of two has no majority to protect, and there two honest DeMo peers,
+    whose cosines are near 0, judged each other by their own updates and parted by suspicion."""
 
     update: Sequence[torch.Tensor]
     """The update, as the contributions are (dense tensors, or for DeMo its top-k selections)."""
