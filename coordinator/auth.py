@@ -13,7 +13,7 @@ import hmac
 from pathlib import Path
 
 from shoal.coordinator.actions import Refused
-from shoal.coordinator.validation import PEER_ID
+from shoal.protocol.rules import is_peer_id
 
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 512
@@ -41,7 +41,7 @@ class Tokens:
             parts = line.split("#", 1)[0].split()
             if not parts:
                 continue
-            if len(parts) > 2 or (len(parts) == 2 and not PEER_ID.fullmatch(parts[0])):
+            if len(parts) > 2 or (len(parts) == 2 and not is_peer_id(parts[0])):
                 raise TokenFileError(f"{path}:{number}: expected '<token>' or '<peer id> <token>'")
             token = parts[-1]
             if not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS or not token.isprintable():

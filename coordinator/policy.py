@@ -52,7 +52,7 @@ class Policy:
     """Announce round r + 1 as soon as a member reports round r, not once r's exchange is over."""
     gather: int = 0
     """Bounded fan-in: a decided round's result lists at most this many participants, chosen by
-    shoal.peer.algorithms.fanin, and tallies every participant's state (0: lists them all)."""
+    shoal.protocol.rules, and tallies every participant's state (0: lists them all)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.quantile <= 1:

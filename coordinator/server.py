@@ -42,9 +42,9 @@ from shoal.coordinator.rounds import initial_state, resume, round_result, transi
 from shoal.coordinator.state import Round, SwarmState
 from shoal.coordinator.store import StateStore
 from shoal.coordinator.validation import check_peer_id
-from shoal.peer.algorithms.fanin import choose
-from shoal.protocol import TALLY_HOLDERS, coordinator_pb2_grpc
 from shoal.protocol import coordinator_pb2 as pb
+from shoal.protocol import coordinator_pb2_grpc
+from shoal.protocol.rules import TALLY_HOLDERS, choose
 
 logger = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ def announcement(announced: Round, now: float) -> pb.RoundAnnouncement:
 
 def result_reply(decided: Round, now: float, gather: int = 0) -> pb.RoundResultReply:
     """A decided round's result. With a bounded fan-in (`gather` > 0, fewer participants than that):
-    only the `gather` participants chosen by the peers' own rule (shoal.peer.algorithms.fanin, seeded
+    only the `gather` participants chosen by the peers' own rule (shoal.protocol.rules, seeded
     with the round's data seed), and a tally of every participant's state for the state vote, so that
     the reply grows with G, not with the swarm."""
     participants = decided.participants

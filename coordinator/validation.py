@@ -1,23 +1,22 @@
 """The checks of untrusted request fields: each returns the `Refused` that answers a malformed
 request, or None. The round state machine (shoal.coordinator.rounds) runs them before an event changes
-anything; shoal.coordinator.auth checks peer ids with `PEER_ID`.
+anything. A peer id's shape is the rule peers apply too (shoal.protocol.rules.is_peer_id).
 """
 
 import math
-import re
 
 from shoal.coordinator.actions import Refused
 from shoal.coordinator.events import Report
 from shoal.coordinator.state import SwarmState
+from shoal.protocol.rules import is_peer_id
 
-PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{16,128}")  # base58 libp2p peer ids
 DIGEST_BYTES = 32
 MAX_SAMPLES = 1 << 40
 MAX_PAYLOAD_BYTES = 1 << 40
 
 
 def check_peer_id(peer_id: str) -> Refused | None:
-    if not PEER_ID.fullmatch(peer_id):
+    if not is_peer_id(peer_id):
         return Refused("INVALID_ARGUMENT", f"peer_id {peer_id[:64]!r} is not a base58 libp2p peer id")
     return None
 

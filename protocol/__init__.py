@@ -8,11 +8,8 @@ package imports neither torch nor anything else of shoal, so the coordinator can
 from shoal.protocol.errors import MalformedPayloadError
 from shoal.protocol.parse import parse_message
 from shoal.protocol.payload_pb2 import Payload
+from shoal.protocol.rules import TALLY_HOLDERS
 from shoal.protocol.tensor_pb2 import CodecId, DType, EncodedTensor, IndexCoding, ValueEncoding
-
-TALLY_HOLDERS = 4
-"""Holders a coordinator names per state in a round's tally (`RoundResultReply.votes`, with
-`--gather`), and the most a peer takes from one: more is another peer's text to dial."""
 
 __all__ = [
     "TALLY_HOLDERS",

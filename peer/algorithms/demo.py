@@ -89,7 +89,7 @@ class _Gathered:
     samples: int = 0
     """The samples it announced with it."""
     counted: bool = True
-    """Whether its payload counted (a bounded fan-in aggregates only some: shoal.peer.algorithms.fanin)."""
+    """Whether its payload counted (a bounded fan-in aggregates only some: shoal.protocol.rules)."""
 
 
 class DeMo(torch.optim.Optimizer):
@@ -116,7 +116,7 @@ class DeMo(torch.optim.Optimizer):
         lookahead: with overlap, compute each gradient at the parameters shifted by this
             participant's own sign-of-momentum guess of the update in flight (one more
             parameter-sized buffer and one more inverse transform per step).
-        carry: when a bounded fan-in (shoal.peer.algorithms.fanin) leaves this participant's payload out
+        carry: when a bounded fan-in (shoal.protocol.rules) leaves this participant's payload out
             of a round, also put what it sent back into the momentum (`_carry`). Off by default: the
             re-sent coefficients are stale by then, and it cost loss in every setting measured
             (BENCHMARKS.md). Either way the unsent rest stays in the momentum (error feedback). With

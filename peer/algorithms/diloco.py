@@ -147,7 +147,7 @@ class _RoundResult:
     exchange averaged it), so samples / total_samples."""
     counted: bool = True
     """Whether this participant's payload was among the round's contributions (a bounded fan-in
-    aggregates only some: shoal.peer.algorithms.fanin)."""
+    aggregates only some: shoal.protocol.rules)."""
 
 
 class DiLoCo:
@@ -175,7 +175,7 @@ class DiLoCo:
             (shoal.peer.algorithms.butterfly: the swarm under a coordinator); the codec must be dense and
             block-aligned (int8, int4, 16 or 32 bits). Each piece's parts are clipped against the
             median of that piece's.
-        carry: when a bounded fan-in (shoal.peer.algorithms.fanin) leaves this participant's payload out
+        carry: when a bounded fan-in (shoal.protocol.rules) leaves this participant's payload out
             of a round, also send its pseudo-gradient again, averaged with the next one (`_carry`). Off
             by default: the carried phases are stale by then, and it cost loss in every setting
             measured (BENCHMARKS.md). With `carry` the samples of the carried phases are claimed again
@@ -350,7 +350,7 @@ class DiLoCo:
         ]
 
     def _carry(self, result: _RoundResult | None, sent: _Sent | None) -> None:
-        """Bounded fan-in (shoal.peer.algorithms.fanin) with `carry`: a pseudo-gradient left out of its
+        """Bounded fan-in (shoal.protocol.rules) with `carry`: a pseudo-gradient left out of its
         round's aggregate is sent again with the next one, and its samples claimed again. A
         pseudo-gradient is a displacement per inner phase, so the next payload is then the mean over
         the phases it carries, weighing all their samples: summed instead, a peer that waited k rounds

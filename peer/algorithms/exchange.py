@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from shoal.compression import DecodeLimits, DenseCodec, decode_tensor
-from shoal.peer.algorithms.fanin import choose
 from shoal.protocol import EncodedTensor, MalformedPayloadError, parse_message
+from shoal.protocol.rules import choose
 
 if TYPE_CHECKING:
     from shoal.peer.algorithms.butterfly import Pieces
@@ -77,7 +77,7 @@ class Exchange(ABC):
     """What an optimizer needs from the network."""
 
     gather_limit: int = 0
-    """At most this many contributions count in a round (a bounded fan-in: shoal.peer.algorithms.fanin);
+    """At most this many contributions count in a round (a bounded fan-in: shoal.protocol.rules);
     0: all of them."""
 
     @property
@@ -124,7 +124,7 @@ class Exchange(ABC):
 
     def own_counted(self) -> bool:
         """After `gather` (same thread): whether this participant's payload was among the round's
-        contributions. Only a bounded fan-in (shoal.peer.algorithms.fanin) leaves it out, and the
+        contributions. Only a bounded fan-in (shoal.protocol.rules) leaves it out, and the
         optimizer then keeps its work for its next contribution."""
         return True
 
@@ -145,7 +145,7 @@ class LoopbackExchange(Exchange):
         self._hub = hub
         self._rank = rank
         self.gather_limit = gather_limit
-        """At most this many contributions count in a `gather` (shoal.peer.algorithms.fanin); 0: all."""
+        """At most this many contributions count in a `gather` (shoal.protocol.rules); 0: all."""
         self._round = 0
         self._counted = True
 
@@ -159,7 +159,7 @@ class LoopbackExchange(Exchange):
     ) -> list["LoopbackExchange"]:
         """`world_size` exchanges meeting in this process. `latency` is added to every collective, to
         simulate a slow link; `gather_limit` bounds the contributions that count in a round, as the
-        swarm's `--gather` does (shoal.peer.algorithms.fanin)."""
+        swarm's `--gather` does (shoal.protocol.rules)."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if gather_limit < 0:

@@ -73,7 +73,7 @@ class ConvergeConfig:
     eval_batches: int = 8
     seed: int = 0
     gather: int = 0
-    """At most this many workers' payloads count in a round (shoal.peer.algorithms.fanin); 0: all."""
+    """At most this many workers' payloads count in a round (shoal.protocol.rules); 0: all."""
     carry: bool = False
     """Whether a worker left out of a round also sends its work again with its next contribution (the
     optimizers' `carry`)."""

@@ -17,7 +17,7 @@ like everyone else and changes only the bytes and the sample count it sends (`Po
 - collude: every attacker sends the same payload, the first attacker's update negated at
   `COLLUDE_SCALE` times its norm (colluders agree with each other perfectly, and their votes add up).
 
-`--gather G` runs the loopback with a bounded fan-in (shoal.peer.algorithms.fanin): at most G
+`--gather G` runs the loopback with a bounded fan-in (shoal.protocol.rules): at most G
 contributions count a round, in the rotation every peer computes alike, whatever the claims.
 
 `poison` also knows `topk` (DeMo): the honest coefficients and `TOPK_FACTOR` times as many per chunk,

@@ -8,7 +8,7 @@ last round's deadline (a round skipped because a computation overran moves it on
 include libp2p framing and encryption, TCP/IP headers, DHT traffic (records, announcements, polling)
 and retries. The prediction from the codec alone is that every payload that counts is pulled once by
 each of the N - 1 other peers: `payload bytes * (N - 1)` per peer per round, and with a bounded
-fan-in (`--gather G`, shoal.peer.algorithms.fanin) `payload bytes * G * (N - 1) / N`, whatever N's
+fan-in (`--gather G`, shoal.protocol.rules) `payload bytes * G * (N - 1) / N`, whatever N's
 size. Overhead = measured / predicted - 1. Nothing else may use loopback meanwhile (the numbers would
 include it).
 

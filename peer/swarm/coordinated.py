@@ -42,8 +42,9 @@ from shoal.peer.swarm.pull import Puller, abandon
 from shoal.peer.swarm.records import DIGEST_BYTES, Announcement, RoundPlan, RoundSchedule, is_peer_id
 from shoal.peer.swarm.server import PayloadServer
 from shoal.peer.swarm.state import StateSnapshot, Tally
-from shoal.protocol import TALLY_HOLDERS, MalformedPayloadError
+from shoal.protocol import MalformedPayloadError
 from shoal.protocol.coordinator_pb2 import ReportReply, ReportRequest, RoundResultReply
+from shoal.protocol.rules import TALLY_HOLDERS
 from shoal.protocol.swarm_pb2 import PayloadRequest
 
 logger = get_logger(__name__)

@@ -61,7 +61,6 @@ from hivemind.utils.logging import get_logger
 
 from shoal.peer.algorithms.butterfly import Pieces
 from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, mean_by_gather
-from shoal.peer.algorithms.fanin import choose
 from shoal.peer.swarm.channels import Channels
 from shoal.peer.swarm.collect import collect
 from shoal.peer.swarm.coordinated import CoordinatedRounds
@@ -82,6 +81,7 @@ from shoal.peer.swarm.state import (
     decide,
     majority,
 )
+from shoal.protocol.rules import choose
 
 logger = get_logger(__name__)
 
@@ -111,7 +111,7 @@ class SwarmExchange(Exchange):
         rejoin: the initial peers, dialled again when this peer is alone in its run (directory).
         reachability: whether it can be dialed, and its relays (shoal.peer.swarm.relay).
         gather_limit: at most this many payloads count in a round, the same on every peer (`--gather`,
-            shoal.peer.algorithms.fanin): only those are pulled; 0: every one.
+            shoal.protocol.rules): only those are pulled; 0: every one.
     """
 
     server_type: type[PayloadServer] = PayloadServer
@@ -512,7 +512,7 @@ class SwarmExchange(Exchange):
 
     def _chosen(self, round_number: int, announced: dict[bytes, Announcement]) -> dict[bytes, Announcement]:
         """The announcements whose payloads count in the round: at most `gather_limit` of them, in the
-        rotation of shoal.peer.algorithms.fanin, the same on every peer that took the same."""
+        rotation of shoal.protocol.rules, the same on every peer that took the same."""
         chosen = choose(self.run.encode(), round_number, announced.keys(), self.gather_limit)
         return {owner: a for owner, a in announced.items() if owner in chosen}
 

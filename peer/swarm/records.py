@@ -20,13 +20,16 @@ from pydantic.v1 import ValidationError
 
 from shoal.peer.swarm.membership import PeerRecord, winning_clock
 from shoal.peer.swarm.names import peers_key
-from shoal.protocol import MalformedPayloadError
+from shoal.protocol import MalformedPayloadError, rules
 
 DIGEST_BYTES = 32
 
 
 def is_peer_id(text: object) -> bool:
-    """Whether untrusted `text` is a libp2p peer id in base58."""
+    """Whether untrusted `text` is a libp2p peer id in base58: the shape the coordinator checks too
+    (shoal.protocol.rules), and a multihash that decodes."""
+    if not rules.is_peer_id(text):
+        return False
     try:
         PeerID.from_base58(text)
     except (TypeError, ValueError):

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.peer.algorithms.fanin import choose
 from shoal.peer.bench import hostile
 from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.records import RoundPlan
+from shoal.protocol.rules import choose
 
 KINDS = ("exit", "hang", "lie", "vanish")
 
@@ -61,7 +61,7 @@ class LyingExchange(SwarmExchange):
 
 class VanishingExchange(SwarmExchange):
     """A SwarmExchange that dies right after announcing its payload of the first round from `vanish_at`
-    in which the fan-in's rotation chooses it (shoal.peer.algorithms.fanin), as predicted from the
+    in which the fan-in's rotation chooses it (shoal.protocol.rules), as predicted from the
     candidates of the round before."""
 
     vanish_at: int | None = None

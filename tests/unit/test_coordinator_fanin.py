@@ -6,10 +6,10 @@ from collections import Counter
 
 from shoal.coordinator.server import result_reply
 from shoal.coordinator.state import PayloadReport, Round
-from shoal.peer.algorithms.fanin import choose
 from shoal.peer.swarm.coordinated import tally_of
 from shoal.protocol import TALLY_HOLDERS
 from shoal.protocol import coordinator_pb2 as pb
+from shoal.protocol.rules import choose
 
 S1, S2 = b"\x01" * 32, b"\x02" * 32
 BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"

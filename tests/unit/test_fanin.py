@@ -1,4 +1,4 @@
-"""Bounded fan-in (`--gather G`, shoal.peer.algorithms.fanin): the choice rule, and the optimizers
+"""Bounded fan-in (`--gather G`, shoal.protocol.rules): the choice rule, and the optimizers
 keeping the work that did not count."""
 
 import collections
@@ -11,9 +11,9 @@ from shoal.compression import decode_tensor
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Contribution, Exchange, LoopbackExchange, run_loopback
-from shoal.peer.algorithms.fanin import choose
 from shoal.peer.algorithms.robust import NONE
 from shoal.protocol import Payload
+from shoal.protocol.rules import choose
 
 KEYS = [bytes([i]) * 4 for i in range(16)]
 

@@ -13,7 +13,7 @@ def record(
 ):
     config = config or CONFIG
     return PeerRecord(
-        peer_id="12D3KooW",
+        peer_id="12D3KooWAWh5yFSnH2mTeaEXarpiTHz6NtC5BLTA3wBDS8pD1tn7",
         version=version,
         config=dict(config),
         device="cpu",

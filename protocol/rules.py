@@ -1,4 +1,10 @@
-"""Bounded fan-in (`--gather G`): at most G contributions count in a round, the same G on every peer.
+"""The rules a coordinator and its peers must apply alike, in one torch-free place both import: the
+bounded fan-in's choice (`choose`), how many holders a round's tally names (`TALLY_HOLDERS`), and the
+shape of a libp2p peer id (`is_peer_id`).
+
+## Bounded fan-in
+
+Bounded fan-in (`--gather G`): at most G contributions count in a round, the same G on every peer.
 
 Each peer still computes every round, but only G payloads are aggregated, so a peer downloads at most
 G payloads a round whatever the swarm's size (docs/SCALE.md). The rule (`choose`) needs no message and
@@ -31,7 +37,20 @@ lists only the chosen, with a tally of every participant's state for the vote
 
 import hashlib
 import math
+import re
 from collections.abc import Collection
+
+TALLY_HOLDERS = 4
+"""Holders a coordinator names per state in a round's tally (`RoundResultReply.votes`, with
+`--gather`), and the most a peer takes from one: more is another peer's text to dial."""
+
+PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{16,128}")
+"""A libp2p peer id as text: base58, of the lengths real ids have (an Ed25519 or RSA key's hash)."""
+
+
+def is_peer_id(text: object) -> bool:
+    """Whether untrusted `text` has the shape of a base58 libp2p peer id."""
+    return isinstance(text, str) and PEER_ID.fullmatch(text) is not None
 
 
 def draw(seed: bytes, round_number: int, key: bytes) -> int:
