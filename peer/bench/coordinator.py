@@ -378,9 +378,14 @@ def run(
     with tempfile.TemporaryDirectory(prefix="shoal-bench-coordinator-") as tmp:
         process, port, metrics_port = _start_coordinator(Path(tmp), peers - hostile, compute_s, gather)
         try:
-            observed, marks, abusers = asyncio.run(
-                _drive(port, peers, hostile, rounds, compute_s, process.pid, seed)
-            )
+            # a bound on the whole run, so that it ends even when a client task died (a test's timeout
+            # raised inside a task is kept by asyncio, and the run waited for it for ever)
+            deadline_s = 60 + rounds * (compute_s + 30)
+            driven = _drive(port, peers, hostile, rounds, compute_s, process.pid, seed)
+            try:
+                observed, marks, abusers = asyncio.run(asyncio.wait_for(driven, deadline_s))
+            except TimeoutError:
+                raise RuntimeError(f"the load run did not end within {deadline_s:g} s") from None
             counted = _abuse_counted(metrics_port)
         finally:
             os.killpg(process.pid, signal.SIGTERM)
