@@ -97,3 +97,13 @@ def no_leftover_processes(request):
             os.waitpid(pid, os.WNOHANG)
     if leftovers:
         warnings.warn(f"killed processes the test left running: {sorted(leftovers.values())}", stacklevel=1)
+
+
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under tests/integration is a `swarm` test: `pytest -m "not swarm"` leaves them out."""
+    for item in items:
+        if INTEGRATION in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.swarm)
