@@ -25,7 +25,7 @@ from shoal.peer.algorithms.configs import (
     VALUE_BITS,
     AlgorithmConfig,
     DeMoConfig,
-    DiLoCoConfig,
+    run_config,
 )
 from shoal.peer.swarm.names import check_run_name
 
@@ -124,36 +124,12 @@ class JoinSettings:
         )
 
     def run_config(self) -> dict[str, str]:
-        """What every peer of a run must share (hashed into its records; shoal.peer.swarm.membership)."""
-        algorithm = self.algorithm_config()
-        config = {"model": self.model, "algorithm": self.algorithm, "lr": repr(algorithm.lr)}
-        config["seed"] = str(self.seed)
-        if self.gather:  # (unset: the runs from before the setting keep their hash)
-            config["gather"] = str(self.gather)
-        # codec settings only where they are not the defaults, so that older runs keep their hash
-        if isinstance(algorithm, DeMoConfig):
-            config["compression_topk"] = str(algorithm.topk)
-            return config | _changed(algorithm, DeMoConfig(), ("value_bits", "chunk"))
-        config |= _changed(algorithm, DiLoCoConfig(), ("compression", "topk", "value_bits", "chunk"))
-        config |= {
-            "inner_steps": str(algorithm.inner_steps),
-            "outer_lr": repr(algorithm.outer_lr),
-            "outer_momentum": repr(algorithm.outer_momentum),
-        }
-        # only where it is not the default, so that the runs from before the setting keep their hash
-        if algorithm.averaging != "gather":
-            config["averaging"] = algorithm.averaging
-        return config
+        """What every peer of a run must share (shoal.peer.algorithms.configs.run_config)."""
+        return run_config(self.model, self.algorithm_config(), seed=self.seed, gather=self.gather)
 
 
 def _first(value: Any, default: Any) -> Any:
     return default if value is None else value
-
-
-def _changed(config: AlgorithmConfig, default: AlgorithmConfig, names: tuple[str, ...]) -> dict[str, str]:
-    return {
-        name: str(getattr(config, name)) for name in names if getattr(config, name) != getattr(default, name)
-    }
 
 
 def _text(value: Any) -> str:

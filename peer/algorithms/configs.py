@@ -171,6 +171,35 @@ class DiLoCoConfig:
 AlgorithmConfig = DeMoConfig | DiLoCoConfig
 """The algorithm a peer runs, with its hyperparameters."""
 
+
+def run_config(model: str, algorithm: AlgorithmConfig, *, seed: int = 0, gather: int = 0) -> dict[str, str]:
+    """What every peer of a run must share, as text (hashed into its records,
+    shoal.peer.swarm.membership): the only place a run configuration is written, so that a test peer,
+    a benchmark's peer and a `shoal join` peer with equal settings hold equal ones. Settings at their
+    defaults are left out where they came after the first runs, so that those runs keep their hash."""
+    config = {"model": model, "algorithm": algorithm.name, "lr": repr(algorithm.lr), "seed": str(seed)}
+    if gather:
+        config["gather"] = str(gather)
+    if isinstance(algorithm, DeMoConfig):
+        config["compression_topk"] = str(algorithm.topk)
+        return config | _changed(algorithm, DeMoConfig(), ("value_bits", "chunk"))
+    config |= _changed(algorithm, DiLoCoConfig(), ("compression", "topk", "value_bits", "chunk"))
+    config |= {
+        "inner_steps": str(algorithm.inner_steps),
+        "outer_lr": repr(algorithm.outer_lr),
+        "outer_momentum": repr(algorithm.outer_momentum),
+    }
+    if algorithm.averaging != "gather":
+        config["averaging"] = algorithm.averaging
+    return config
+
+
+def _changed(config: AlgorithmConfig, default: AlgorithmConfig, names: tuple[str, ...]) -> dict[str, str]:
+    return {
+        name: str(getattr(config, name)) for name in names if getattr(config, name) != getattr(default, name)
+    }
+
+
 DEFAULTS: dict[str, AlgorithmConfig] = {
     config.name: config
     for config in (DeMoConfig(), DeMoConfig(overlapped=True), *(DiLoCoConfig(mode=mode) for mode in MODES))

@@ -50,16 +50,14 @@ def loopback_tx_bytes() -> int:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from shoal.peer.algorithms.configs import DeMoConfig
+    from shoal.peer.algorithms.configs import DeMoConfig, run_config
     from shoal.peer.data import BatchPlan, stdlib_corpus
     from shoal.peer.model import GPTConfig, TinyGPT
     from shoal.peer.runtime import SwarmPeer
     from shoal.peer.swarm.records import RoundSchedule
 
     torch.set_num_threads(1)
-    config = {"model": args.model, "algorithm": "demo"}
-    if args.gather:
-        config["gather"] = str(args.gather)
+    config = run_config(args.model, DeMoConfig(), gather=args.gather)
     with SwarmPeer.start("bench", [args.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as peer:
         model_config = GPTConfig.preset("small" if args.model == "10m" else "tiny", **MODELS[args.model])
         torch.manual_seed(0)

@@ -24,7 +24,7 @@ import torch
 import zstandard
 
 from shoal.compression import DenseCodec
-from shoal.peer.algorithms.configs import DEFAULTS, DeMoConfig
+from shoal.peer.algorithms.configs import DEFAULTS, DeMoConfig, run_config
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data import BatchPlan, stdlib_corpus
 from shoal.peer.model import GPTConfig, TinyGPT
@@ -153,15 +153,14 @@ def main() -> None:
             schedule = RoundSchedule.discover(peer.dht, "test")
         else:
             schedule = RoundSchedule(start_time=args.start, round_seconds=args.round_seconds)
-        config = {
-            "model": "tiny",
-            "algorithm": args.algorithm,
-            "lr": "2e-3",
-            "compression_topk": str(args.topk),
-        } | ({"gather": str(args.gather)} if args.gather else {})
+        named = DEFAULTS[args.algorithm]  # at the lr and inner steps these tests were written for
+        if isinstance(named, DeMoConfig):
+            algorithm = replace(named, lr=2e-3, topk=args.topk)
+        else:
+            algorithm = replace(named, lr=2e-3, inner_steps=5)
         exchange = peer.connect(
             schedule,
-            config,
+            run_config("tiny", algorithm, gather=args.gather),
             exchange_type=HostileExchange if args.hostile else faults.exchange_type(args.fault),
             fetch_timeout=timedelta(seconds=5),
             max_payload_bytes=MAX_PAYLOAD_BYTES,
@@ -173,11 +172,6 @@ def main() -> None:
         model = TinyGPT(config_model)
         streams = stdlib_corpus(max_bytes=2 << 20)
         plan = BatchPlan(seq_len=config_model.seq_len, batch_size=8, workers=args.peers)
-        named = DEFAULTS[args.algorithm]  # at the lr and inner steps these tests were written for
-        if isinstance(named, DeMoConfig):
-            algorithm = replace(named, lr=2e-3, topk=args.topk)
-        else:
-            algorithm = replace(named, lr=2e-3, inner_steps=5)
         trainer = peer.train(
             model,
             algorithm,

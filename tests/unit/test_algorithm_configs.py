@@ -13,6 +13,7 @@ from shoal.peer.algorithms.configs import (
     SPARSE_OUTER,
     DeMoConfig,
     DiLoCoConfig,
+    run_config,
 )
 from shoal.peer.settings import ALGORITHMS, JoinSettings, SettingsError, resolve
 from shoal.peer.swarm.membership import run_hash
@@ -117,6 +118,15 @@ def test_settings_built_with_an_unknown_algorithm_raise_naming_it():
 def test_the_run_hash_is_the_one_from_before_the_typed_configs(algorithm, expected):
     """Peers of an older shoal at the same settings must stay compatible: the hashes are pinned."""
     assert run_hash(JoinSettings(algorithm=algorithm).run_config()) == expected
+
+
+def test_a_peer_built_in_code_and_a_shoal_join_peer_at_equal_settings_share_a_run():
+    """The integration tests' peers once wrote their own run configuration ("lr": "2e-3", no seed), and
+    a `shoal join` peer at the same settings ("lr": "0.002", "seed": "0") would have refused them."""
+    settings = resolve({"lr": "2e-3", "topk": "8", "gather": "2"}, {})
+    in_code = run_config("tiny", dataclasses.replace(DEFAULTS["demo"], lr=2e-3, topk=8), gather=2)
+    assert run_hash(in_code) == run_hash(settings.run_config())
+    assert run_hash(run_config("tiny", DEFAULTS["demo"])) != run_hash(in_code)
 
 
 def test_compression_presets_and_overrides():
