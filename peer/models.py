@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.runtime import LossFn, model_loss
+from shoal.peer.trainer import LossFn, model_loss
 
 PRESETS = ("tiny", "small", "base")
 FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

@@ -39,7 +39,7 @@ from shoal.peer.hardware import DeviceError, autocast_for, choose_device, memory
 from shoal.peer.metrics import PeerMetrics, build_info
 from shoal.peer.models import LoadedModel, ModelError, load_model
 from shoal.peer.progress import Progress
-from shoal.peer.runtime import OutOfMemory, SwarmPeer
+from shoal.peer.runtime import SwarmPeer
 from shoal.peer.settings import PARSERS, JoinSettings, SettingsError
 from shoal.peer.stopping import stop_on_signals
 from shoal.peer.swarm.bootstrap import BootstrapError, best_address, check_multiaddrs, private_only
@@ -51,6 +51,7 @@ from shoal.peer.swarm.isolation import ISOLATED_AFTER
 from shoal.peer.swarm.membership import SHOAL_VERSION
 from shoal.peer.swarm.relay import Reachability
 from shoal.peer.swarm.server import ask_runs
+from shoal.peer.trainer import OutOfMemory
 
 # the run configuration's flags, in the order the join command names them
 RUN_FLAGS = (

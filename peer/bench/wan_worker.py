@@ -34,7 +34,7 @@ from shoal.peer.algorithms.configs import SPARSE_OUTER, AlgorithmConfig, DeMoCon
 from shoal.peer.data import BatchPlan, stdlib_corpus, validation_loss
 from shoal.peer.files import replace_text
 from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.runtime import model_loss
+from shoal.peer.trainer import model_loss
 
 MODELS = {
     "tiny": GPTConfig.preset("tiny"),

@@ -78,3 +78,13 @@ def test_the_coordinator_imports_nothing_of_the_peer_and_loads_no_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_the_trainer_and_what_it_trains_load_no_network():
+    """`Trainer` runs over any exchange: it, the models, the data and the checkpoints load neither
+    hivemind nor grpc, so that a benchmark or a torch.distributed job can use them without the swarm."""
+    code = "import sys, shoal.peer.trainer, shoal.peer.models, shoal.peer.data, shoal.peer.checkpoint\n"
+    code += "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('hivemind', 'grpc'))}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

@@ -11,7 +11,7 @@ from shoal.peer.algorithms.configs import DeMoConfig, DiLoCoConfig
 from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.data import RoundSlices
 from shoal.peer.models import ModelError, load_model
-from shoal.peer.runtime import PHASES, OutOfMemory, Trainer
+from shoal.peer.trainer import PHASES, OutOfMemory, Trainer
 
 STREAM = torch.arange(100_000)  # window i starts with token 10 * i (seq_len 9)
 

@@ -1,0 +1,374 @@
+"""The round loop of one peer (`Trainer`), with checkpoints and a clean stop. No network here: the
+trainer runs over any `Exchange` (loopback threads, torch.distributed, or the swarm's, driven by
+shoal.peer.runtime.SwarmPeer).
+
+Each round: compute (forward and backward on this peer's micro-batches, gradients accumulated),
+then the optimizer's step, which encodes, exchanges, decodes and applies (DeMo: one step per round;
+DiLoCo: `inner_steps` inner steps, the last one ending in the outer step). Each phase is timed into
+a `RoundReport`.
+
+Heterogeneous hardware: the micro-batch size starts at `batch_size` and is halved when the device
+runs out of memory (the round's accumulation is restarted, never crashed; below 1 it is a clear
+`OutOfMemory`), and with a `compute_window` as many micro-batches are accumulated per step as fit
+in it, measured on the previous rounds, so a fast GPU contributes more samples per round than a
+laptop CPU. `autocast` wraps the forward passes (bf16 on GPUs that support it, shoal.peer.hardware).
+
+Checkpoints (shoal.peer.checkpoint) are written every `checkpoint_every` rounds and when a stop is
+asked for (`stop_on_signals`: SIGTERM or SIGINT set a flag that the loop checks after each round,
+so the peer leaves at a round boundary, with a checkpoint, within one round). `resume()` loads the
+newest one; the exchange then re-syncs the peer if the swarm moved on meanwhile.
+"""
+
+import contextlib
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shoal.compression import Codec
+from shoal.peer.algorithms.configs import AlgorithmConfig, DeMoConfig
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.algorithms.exchange import Exchange
+from shoal.peer.checkpoint import CheckpointStore
+from shoal.peer.stopping import StopRequest
+
+PHASES = ("compute", "encode", "exchange", "decode", "apply")
+
+Batches = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
+"""batches(step, micro, batch_size) -> (inputs, targets): the `micro`-th micro-batch of this peer's
+`step`-th optimizer step, `batch_size` samples."""
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+"""loss_fn(model, inputs, targets) -> scalar loss."""
+
+
+def model_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The default loss: models whose `forward(inputs, targets=...)` returns it (TinyGPT)."""
+    return model(inputs, targets=targets)
+
+
+class OutOfMemory(RuntimeError):
+    """Even one sample per micro-batch does not fit on the device."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, and the RuntimeErrors MPS and CPU allocators raise."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+@dataclass(frozen=True, slots=True)
+class RoundReport:
+    """What one round did on this peer."""
+
+    round: int
+    """The swarm's round number (the exchange's), or the local count for exchanges without one."""
+    loss: float
+    """Mean training loss of the round's micro-batches."""
+    participants: int
+    """Contributions aggregated in the round (the exchange's world size after it)."""
+    samples: int
+    finished_at: float
+    """Unix time the round ended on this peer (compare with the schedule's deadline)."""
+    phases: dict[str, float]
+    """Seconds per phase (PHASES): compute, then the optimizer's encode, exchange, decode, apply."""
+    tokens: int = 0
+    """Target tokens trained on."""
+    micro_batches: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    batch_size: int = 0
+    """Samples per micro-batch."""
+
+    @property
+    def compute_s(self) -> float:
+        """Forward and backward passes (and DiLoCo's inner optimizer steps)."""
+        return self.phases["compute"]
+
+    @property
+    def exchange_s(self) -> float:
+        """The optimizer step that communicates: encode, exchange, decode, apply."""
+        return sum(self.phases[k] for k in PHASES[1:])
+
+
+class Trainer:
+    """One peer's training: the model, its optimizer over `exchange`, and the loop.
+
+    Args:
+        model: the model; with the default `loss_fn` its `forward(inputs, targets=...)` returns the loss.
+        exchange: how this peer meets the others.
+        algorithm: the algorithm and its hyperparameters (shoal.peer.algorithms.configs); DiLoCo's
+            butterfly averaging goes piece by piece where the exchange can (shoal.peer.algorithms.butterfly),
+            and needs a dense, block-aligned codec.
+        batches: this peer's micro-batches (see `Batches`).
+        codec: how DiLoCo's pseudo-gradients travel (None: exactly).
+        checkpoints: where to keep checkpoints (None: nowhere).
+        checkpoint_every: rounds between checkpoints (0: only on stop).
+        loss_fn: how to compute the loss of a micro-batch.
+        batch_size: samples per micro-batch to start with (halved on out-of-memory).
+        compute_window: seconds of computation per round to fill with micro-batches (None: one
+            micro-batch per optimizer step).
+        max_micro_batches: at most this many micro-batches per optimizer step.
+        autocast: a context manager factory wrapping each forward pass.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        exchange: Exchange,
+        *,
+        algorithm: AlgorithmConfig,
+        batches: Batches,
+        codec: Codec | None = None,
+        checkpoints: CheckpointStore | None = None,
+        checkpoint_every: int = 0,
+        loss_fn: LossFn = model_loss,
+        batch_size: int = 8,
+        compute_window: float | None = None,
+        max_micro_batches: int = 64,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
+        if checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        if batch_size < 1 or max_micro_batches < 1:
+            raise ValueError(f"batch_size ({batch_size}) and max_micro_batches must be >= 1")
+        if compute_window is not None and not compute_window > 0:
+            raise ValueError(f"compute_window must be > 0 seconds, got {compute_window}")
+        self.model, self.exchange, self.algorithm, self.batches = model, exchange, algorithm, batches
+        self.checkpoints, self.checkpoint_every = checkpoints, checkpoint_every
+        self.loss_fn, self.autocast = loss_fn, autocast
+        self.batch_size, self.compute_window, self.max_micro_batches = (
+            batch_size,
+            compute_window,
+            max_micro_batches,
+        )
+        self.micro_batches = 1
+        """Micro-batches accumulated per optimizer step, fitted to the compute window."""
+        self.out_of_memory = 0
+        """Times the micro-batch was halved after the device ran out of memory."""
+        self.cut_short = 0
+        """Steps whose accumulation stopped early, past their share of the compute window."""
+        self._micro_seconds: float | None = None  # moving average of one micro-batch's compute time
+        self.steps = 0
+        """Optimizer steps taken; every round takes `inner_steps` of them."""
+        self.inner_steps = algorithm.inner_steps
+        if isinstance(algorithm, DeMoConfig):
+            self.optimizer = DeMo(
+                model.parameters(),
+                lr=algorithm.lr,
+                exchange=exchange,
+                compression_topk=algorithm.topk,
+                value_bits=algorithm.value_bits,
+                compression_chunk=algorithm.chunk,
+                overlap=algorithm.overlapped,
+                lookahead=algorithm.overlapped,  # Psyche's: see shoal.peer.algorithms.demo
+            )
+            self.diloco = None
+        else:
+            self.optimizer = torch.optim.AdamW(
+                model.parameters(), lr=algorithm.lr, betas=(0.9, 0.95), weight_decay=0.1
+            )
+            self.diloco = DiLoCo(
+                model,
+                self.optimizer,
+                exchange=exchange,
+                inner_steps=algorithm.inner_steps,
+                mode=algorithm.mode,
+                outer_lr=algorithm.outer_lr,
+                outer_momentum=algorithm.outer_momentum,
+                codec=codec,
+                error_decay=algorithm.error_decay,
+                butterfly=algorithm.averaging == "butterfly",
+            )
+
+    @property
+    def rounds_done(self) -> int:
+        return self.steps // self.inner_steps
+
+    def run(self, rounds: int, stop: StopRequest | None = None) -> list[RoundReport]:
+        """Trains `rounds` rounds, or until `stop` is set (then checkpoints and returns early)."""
+        reports = []
+        for _ in range(rounds):
+            reports.append(self.round())
+            stopping = stop is not None and stop.is_set()
+            if self.checkpoints is not None and (
+                stopping or (self.checkpoint_every and self.rounds_done % self.checkpoint_every == 0)
+            ):
+                self.save()
+            if stopping:
+                break
+        return reports
+
+    def round(self) -> RoundReport:
+        phases: Counter[str] = Counter()
+        before = Counter(self._optimizer_phases())
+        samples = tokens = 0
+        loss_sum = 0.0
+        micro_batches, done = self.micro_batches, 0
+        # a step stops accumulating once past its share of the window (the device slowed down: another
+        # process, thermal throttling), so that the payload still makes the round's deadline
+        budget = None if self.compute_window is None else self.compute_window / self.inner_steps
+        for _ in range(self.inner_steps):
+            start = time.perf_counter()
+            loss, step_samples, step_tokens, step_micro = self._accumulate(micro_batches, budget)
+            done += step_micro
+            middle = time.perf_counter()
+            if self.diloco is None:
+                self.optimizer.step(samples=step_samples)
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
+                self.diloco.step(samples=step_samples)
+            end = time.perf_counter()
+            phases["compute"] += middle - start
+            # DiLoCo's inner optimizer steps count as computation; its last one also exchanges
+            if self.diloco is not None and (self.steps + 1) % self.inner_steps != 0:
+                phases["compute"] += end - middle
+            self.steps += 1
+            samples += step_samples
+            tokens += step_tokens
+            loss_sum += loss
+        self._fit_window(phases["compute"] / done)
+        phases.update({k: v - before[k] for k, v in self._optimizer_phases().items()})
+        last_round = getattr(self.exchange, "last_round", None)
+        return RoundReport(
+            round=self.rounds_done - 1 if last_round is None else last_round,
+            loss=loss_sum / self.inner_steps,
+            participants=self.exchange.world_size,
+            samples=samples,
+            finished_at=time.time(),
+            tokens=tokens,
+            micro_batches=micro_batches,
+            batch_size=self.batch_size,
+            phases={k: phases[k] for k in PHASES},
+        )
+
+    def _accumulate(self, micro_batches: int, budget: float | None = None) -> tuple[float, int, int, int]:
+        """Forward and backward over the step's micro-batches, or those done when `budget` seconds have
+        passed (at least one; the gradient is then scaled to their mean, counted in `cut_short`); on
+        out-of-memory, halves the micro-batch and starts the step's accumulation over. Returns (mean
+        loss, samples, tokens, micro-batches done); the loss is read from the device once per step."""
+        while True:
+            try:
+                total = None
+                samples = tokens = 0
+                started = time.perf_counter()
+                for micro in range(micro_batches):
+                    inputs, targets = self.batches(self.steps, micro, self.batch_size)
+                    with self.autocast():
+                        loss = self.loss_fn(self.model, inputs, targets)
+                    (loss / micro_batches).backward()
+                    total = loss.detach() if total is None else total + loss.detach()
+                    samples += inputs.shape[0]
+                    tokens += targets.numel()
+                    done = micro + 1
+                    if budget is not None and done < micro_batches and time.perf_counter() - started > budget:
+                        for p in self.model.parameters():
+                            if p.grad is not None:
+                                p.grad.mul_(micro_batches / done)
+                        self.cut_short += 1
+                        break
+                return total.item() / done, samples, tokens, done
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                self._recover_from_oom(error)
+
+    def _recover_from_oom(self, error: BaseException) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if self.batch_size == 1:
+            raise OutOfMemory(
+                "the model does not fit in the device's memory even with one sample per micro-batch: "
+                f"choose a smaller --model or another --device ({error})"
+            ) from None
+        self.batch_size //= 2
+        self.out_of_memory += 1
+
+    def set_compute_window(self, seconds: float) -> None:
+        """Fills the next rounds' computation to `seconds` (a coordinator's deadline, scaled)."""
+        self.compute_window = max(seconds, 1e-3)
+        self._refit()
+
+    def _fit_window(self, micro_seconds: float) -> None:
+        """Sets the micro-batches per step so that a round's computation fills the compute window."""
+        if self.compute_window is None or micro_seconds <= 0:
+            return
+        average = self._micro_seconds
+        self._micro_seconds = micro_seconds if average is None else 0.5 * (average + micro_seconds)
+        self._refit()
+
+    def _refit(self) -> None:
+        if self.compute_window is not None and self._micro_seconds is not None:
+            fits = math.floor(self.compute_window / (self.inner_steps * self._micro_seconds))
+            self.micro_batches = max(1, min(self.max_micro_batches, fits))
+
+    def _optimizer_phases(self) -> Counter[str]:
+        return Counter(
+            self.optimizer.phase_seconds if self.diloco is None else self.diloco.stats.phase_seconds
+        )
+
+    @property
+    def _synchronizer(self) -> DeMo | DiLoCo:
+        """The optimizer that talks to the swarm: DeMo itself, or DiLoCo around the inner optimizer."""
+        return self.optimizer if self.diloco is None else self.diloco
+
+    def finish(self) -> None:
+        """Ends training: an overlapped algorithm applies the round still in flight; every peer lands
+        on the shared state."""
+        self._synchronizer.finish()
+
+    def close(self) -> None:
+        self._synchronizer.close()
+
+    def shared_state(self) -> list[torch.Tensor]:
+        """What every peer of the swarm holds alike (DeMo: the parameters; DiLoCo: the consensus
+        parameters and their outer momentum)."""
+        return self._synchronizer.shared_state()
+
+    def load_shared_state(self, tensors: list[torch.Tensor]) -> None:
+        """Takes the swarm's shared state (same order and shapes as `shared_state`)."""
+        self._synchronizer.load_shared_state(tensors)
+
+    def state_dict(self) -> dict:
+        """Tensors and plain values only (loadable with weights_only=True)."""
+        state = {"steps": self.steps, "algorithm": self.algorithm.name}
+        if self.diloco is None:
+            self.optimizer.unshift()  # the shared parameters, not the lookahead's guess
+        state["model"] = self.model.state_dict()
+        state["optimizer"] = self.optimizer.state_dict()
+        if self.diloco is not None:
+            state["shared"] = [t.detach().clone() for t in self.diloco.shared_state()]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("algorithm") != self.algorithm.name:
+            raise ValueError(
+                f"checkpoint of {state.get('algorithm')!r}, this peer runs {self.algorithm.name!r}"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.diloco is not None:
+            self.diloco.load_shared_state(state["shared"])
+        self.steps = int(state["steps"])
+
+    def save(self) -> None:
+        if self.checkpoints is not None:
+            round_number = getattr(self.exchange, "last_round", None)
+            self.checkpoints.save(
+                self.rounds_done if round_number is None else round_number, self.state_dict()
+            )
+
+    def resume(self) -> bool:
+        """Loads the newest checkpoint, if there is one."""
+        state = self.checkpoints.load_latest() if self.checkpoints is not None else None
+        if state is None:
+            return False
+        self.load_state_dict(state)
+        return True
