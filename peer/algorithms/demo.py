@@ -321,12 +321,10 @@ class DeMo(torch.optim.Optimizer):
     ) -> _Gathered:
         """Step 6: the exchange, on the training thread or the background one."""
         start = time.perf_counter()
-        contributions = self.exchange.gather(data, samples, state=params)
-        adopted = self.exchange.adopted_state()  # read on the thread that gathered
-        counted = self.exchange.own_counted()
+        result = self.exchange.gather(data, samples, state=params)
         seconds = time.perf_counter() - start
         self.exchange_s += seconds
-        return _Gathered(contributions, adopted, seconds, selections, samples, counted)
+        return _Gathered(list(result), result.adopted, seconds, selections, samples, result.counted)
 
     def _collect(self) -> _Gathered | None:
         """The round in flight, waited for (None without overlap or before the first step); its

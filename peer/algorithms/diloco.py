@@ -63,7 +63,7 @@ from shoal.compression import (
 )
 from shoal.peer.algorithms.butterfly import Pieces
 from shoal.peer.algorithms.configs import MODES, OUTER_MOMENTUM, DiLoCoConfig
-from shoal.peer.algorithms.exchange import Contribution, Exchange
+from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange
 from shoal.peer.algorithms.robust import (
     DILOCO,
     DILOCO_SPARSE,
@@ -399,12 +399,10 @@ class DiLoCo:
         """Gathers every participant's payload and returns the weighted mean (rank order), screened."""
         start = time.perf_counter()
         if self.pieces is None:
-            contributions = self.exchange.gather(sent.payload, sent.samples, state=state)
+            averaged = Averaged.gathered(self.exchange.gather(sent.payload, sent.samples, state=state))
         else:
             averaged = self.exchange.average(sent.payload, sent.samples, state, self.pieces)
-            contributions = averaged.contributions
-        adopted = self.exchange.adopted_state()
-        counted = self.exchange.own_counted()  # read on the thread that gathered
+        contributions, adopted, counted = averaged.contributions, averaged.adopted, averaged.counted
         gathered = time.perf_counter()
         self.stats.phase_seconds["exchange"] += gathered - start
         if contributions is None:  # averaged by the exchange, piece by piece

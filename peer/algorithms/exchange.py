@@ -9,11 +9,13 @@ order):
 - `average(payload, samples, state, pieces)`: `gather` for dense payloads, which an exchange may
   average piece by piece instead (the swarm under a coordinator: shoal.peer.algorithms.butterfly).
 
-Two optional duties, which only the swarm needs (its members are not trusted to agree): `state` is
-this participant's shared state at the start of the round (parameters, outer momentum); an exchange
-that compares states returns from `adopted_state()` the round's majority state when this one's
-differed, for the caller to load before it applies the round. `reject(contribution, reason)` tells
-the exchange the caller dropped a contribution, so that it can strike its sender.
+A round's result is a value, `Gathered`: the contributions in rank order, and what else the round
+decided for this participant. Two parts of it only the swarm fills (its members are not trusted to
+agree): `state` is this participant's shared state at the start of the round (parameters, outer
+momentum), and an exchange that compares states returns in `adopted` the round's majority state when
+this one's differed, for the caller to load before it applies the round; a bounded fan-in says in
+`counted` whether this participant's payload was among those that count. `reject(contribution,
+reason)` tells the exchange the caller dropped a contribution, so that it can strike its sender.
 
 Implementations: `LoopbackExchange` (N workers as threads of one process: tests and simulations),
 `TorchDistributedExchange` (torch.distributed: gloo on CPU, nccl on GPU, for torchrun users), and the
@@ -28,7 +30,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
@@ -59,18 +61,56 @@ class Contribution:
 
 
 @dataclass(frozen=True, slots=True)
+class Gathered(Sequence[Contribution]):
+    """What a round's `gather` returns: its contributions, in rank order (it is a sequence of them),
+    and what else the round decided for this participant."""
+
+    contributions: tuple[Contribution, ...] = ()
+    adopted: list[torch.Tensor] | None = None
+    """The majority's shared state, when this participant's differed: the caller loads it before it
+    applies the round. None when it agreed or nothing was compared."""
+    counted: bool = True
+    """Whether this participant's payload was among the round's contributions. Only a bounded fan-in
+    (shoal.protocol.rules) leaves it out, and the optimizer then keeps its work for its next one."""
+    round: int = -1
+    """The round's number, for exchanges that number rounds (the swarm); -1: unnumbered."""
+
+    def __len__(self) -> int:
+        return len(self.contributions)
+
+    def __getitem__(self, index):
+        return self.contributions[index]
+
+    def __iter__(self):
+        return iter(self.contributions)
+
+    def only(self, contributions) -> "Gathered":
+        """The same round with other contributions (a wrapper that leaves some out, or adds some)."""
+        return replace(self, contributions=tuple(contributions))
+
+
+@dataclass(frozen=True, slots=True)
 class Averaged:
     """What `Exchange.average` returns: either the round's contributions, for the caller to average as
     after `gather`, or the mean itself, averaged by the exchange piece by piece
     (shoal.peer.algorithms.butterfly)."""
 
-    contributions: list[Contribution] | None = None
+    contributions: Gathered | None = None
     pieces: list[list[torch.Tensor]] | None = None
     """Per piece, in order, its decoded slice of every tensor (`Pieces.assemble` joins them)."""
     samples: int = 0
     """With `pieces`: the samples of the participants averaged."""
     clipped: int = 0
     """With `pieces`: parts scaled down by their owners (this peer's own piece, and any it averaged)."""
+    adopted: list[torch.Tensor] | None = None
+    """As `Gathered.adopted`."""
+    counted: bool = True
+    """As `Gathered.counted`."""
+
+    @staticmethod
+    def gathered(result: Gathered) -> "Averaged":
+        """A round that was gathered, not averaged piece by piece."""
+        return Averaged(contributions=result, adopted=result.adopted, counted=result.counted)
 
 
 class Exchange(ABC):
@@ -91,10 +131,9 @@ class Exchange(ABC):
         """How many participants take part in each collective."""
 
     @abstractmethod
-    def gather(
-        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None
-    ) -> list[Contribution]:
-        """Every participant's payload (this one's included), ordered by rank.
+    def gather(self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None) -> Gathered:
+        """Every participant's payload (this one's included), ordered by rank, and what else the round
+        decided for this participant (`Gathered`).
 
         `state`: this participant's shared state at the start of the round (see the module docstring);
         exchanges that do not compare states ignore it."""
@@ -105,13 +144,7 @@ class Exchange(ABC):
         """Like `gather`, for a dense payload that `pieces` (shoal.peer.algorithms.butterfly) can cut: an
         exchange that can average it piece by piece returns the mean; others (this default) the
         contributions."""
-        return Averaged(contributions=self.gather(payload, samples, state))
-
-    def adopted_state(self) -> list[torch.Tensor] | None:
-        """After `gather` or `average` (same thread): the majority's shared state, when this
-        participant's differed; the caller loads it before applying the round. None when it agreed or
-        nothing was compared."""
-        return None
+        return Averaged.gathered(self.gather(payload, samples, state))
 
     def reject(self, contribution: Contribution, reason: str) -> None:
         """The caller dropped `contribution` of the last gather (malformed, or an outlier)."""
@@ -121,12 +154,6 @@ class Exchange(ABC):
         """The caller refused something of its own, not a contribution (this participant's update, or a
         round's aggregate, with non-finite values): counted under `reason`, nobody struck."""
         return None
-
-    def own_counted(self) -> bool:
-        """After `gather` (same thread): whether this participant's payload was among the round's
-        contributions. Only a bounded fan-in (shoal.protocol.rules) leaves it out, and the
-        optimizer then keeps its work for its next contribution."""
-        return True
 
     @abstractmethod
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
@@ -147,7 +174,6 @@ class LoopbackExchange(Exchange):
         self.gather_limit = gather_limit
         """At most this many contributions count in a `gather` (shoal.protocol.rules); 0: all."""
         self._round = 0
-        self._counted = True
 
     @staticmethod
     def group(
@@ -175,19 +201,17 @@ class LoopbackExchange(Exchange):
     def world_size(self) -> int:
         return self._hub.world_size
 
-    def gather(
-        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None
-    ) -> list[Contribution]:
+    def gather(self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None) -> Gathered:
         everyone = self._hub.all_gather(self._rank, Contribution(self._rank, bytes(payload), samples))
         self._round += 1
         chosen = choose(
             b"loopback", self._round, [c.rank.to_bytes(4, "little") for c in everyone], self.gather_limit
         )
-        self._counted = self._rank.to_bytes(4, "little") in chosen
-        return [c for c in everyone if c.rank.to_bytes(4, "little") in chosen]
-
-    def own_counted(self) -> bool:
-        return self._counted
+        return Gathered(
+            tuple(c for c in everyone if c.rank.to_bytes(4, "little") in chosen),
+            counted=self._rank.to_bytes(4, "little") in chosen,
+            round=self._round - 1,
+        )
 
     def abort(self) -> None:
         """Breaks the group's barrier: every worker waiting in a collective raises at once."""
@@ -330,9 +354,7 @@ class TorchDistributedExchange(Exchange):
     def world_size(self) -> int:
         return dist.get_world_size(self._group)
 
-    def gather(
-        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None
-    ) -> list[Contribution]:
+    def gather(self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None) -> Gathered:
         header = torch.tensor([len(payload), samples], dtype=torch.int64, device=self._device)
         headers = [torch.empty_like(header) for _ in range(self.world_size)]
         dist.all_gather(headers, header, group=self._group)
@@ -350,10 +372,12 @@ class TorchDistributedExchange(Exchange):
             torch.empty(longest, dtype=torch.uint8, device=self._device) for _ in range(self.world_size)
         ]
         dist.all_gather(buffers, mine, group=self._group)
-        return [
-            Contribution(rank, buffer[:size].cpu().numpy().tobytes(), samples)
-            for rank, (buffer, (size, samples)) in enumerate(zip(buffers, sizes, strict=True))
-        ]
+        return Gathered(
+            tuple(
+                Contribution(rank, buffer[:size].cpu().numpy().tobytes(), samples)
+                for rank, (buffer, (size, samples)) in enumerate(zip(buffers, sizes, strict=True))
+            )
+        )
 
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         weighted = tensor.detach().to(self._device) * weight

@@ -57,7 +57,7 @@ from shoal.compression.dct_topk import unpack
 from shoal.peer.algorithms.configs import SPARSE_OUTER, AlgorithmConfig, DeMoConfig, DiLoCoConfig
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo, codec_for
-from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, run_loopback
+from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, Gathered, run_loopback
 from shoal.peer.bench import converge
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
 from shoal.peer.model import TinyGPT
@@ -173,11 +173,8 @@ class _Wrapped(Exchange):
     def world_size(self) -> int:
         return self.inner.world_size
 
-    def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
+    def gather(self, payload: bytes, samples: int, state=None) -> Gathered:
         return self.inner.gather(payload, samples, state=state)
-
-    def own_counted(self) -> bool:
-        return self.inner.own_counted()
 
     @property
     def gather_limit(self) -> int:
@@ -214,7 +211,7 @@ class Poisoned(_Wrapped):
         self.generator = torch.Generator().manual_seed(seed)
         self.collusion, self.leader = collusion, leader
 
-    def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
+    def gather(self, payload: bytes, samples: int, state=None) -> Gathered:
         samples = LIED_SAMPLES if self.attack == "sample_lie" else samples
         payload = poison(payload, self.attack, self.generator)
         if self.collusion is not None:
@@ -222,7 +219,7 @@ class Poisoned(_Wrapped):
         return self.inner.gather(payload, samples, state=state)
 
     def average(self, payload, samples, state, pieces) -> Averaged:
-        return Averaged(contributions=self.gather(payload, samples, state))
+        return Averaged.gathered(self.gather(payload, samples, state))
 
 
 @dataclass(slots=True)
@@ -257,10 +254,10 @@ class _Recorder(_Wrapped):
         self.counted = 0
         """Rounds in which this worker's own contribution was among those that count."""
 
-    def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
-        contributions = self.inner.gather(payload, samples, state=state)
-        self.counted += self.inner.own_counted()
-        return contributions
+    def gather(self, payload: bytes, samples: int, state=None) -> Gathered:
+        result = self.inner.gather(payload, samples, state=state)
+        self.counted += result.counted
+        return result
 
     def reject(self, contribution: Contribution, reason: str) -> None:
         (self.on_attackers if contribution.rank in self.attackers else self.on_honest)[reason] += 1

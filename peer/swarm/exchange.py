@@ -22,7 +22,7 @@ the round (shoal.peer.swarm.state: parameters, DiLoCo's outer momentum) and whet
 round. At the deadline the majority state is chosen (`state.majority`); contributions computed on
 another state are left out (`stale_state`), and a participant whose own state differs downloads the
 majority's from the peers that hold it (several at once, 1 MiB pieces checked against a manifest,
-another source taking over a lost one's pieces) and hands it to its optimizer (`adopted_state`), which
+another source taking over a lost one's pieces) and hands it to its optimizer (`Gathered.adopted`), which
 loads it before applying the round. A new peer joins the same way: its first round re-syncs it.
 
 Hostile peers: announcements are validated and size-capped before any download; replays, copies,
@@ -47,6 +47,7 @@ runs one event loop on a thread of its own for the handlers and downloads; `clos
 """
 
 import asyncio
+import dataclasses
 import functools
 import threading
 import time
@@ -60,7 +61,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import get_logger
 
 from shoal.peer.algorithms.butterfly import Pieces
-from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, mean_by_gather
+from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, Gathered, mean_by_gather
 from shoal.peer.swarm.channels import Channels
 from shoal.peer.swarm.collect import collect
 from shoal.peer.swarm.coordinated import CoordinatedRounds
@@ -268,9 +269,7 @@ class SwarmExchange(Exchange):
             if last_round is not None and self.schedule.round_at(time.time()) > last_round + 1:
                 return None
 
-    def gather(
-        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None
-    ) -> list[Contribution]:
+    def gather(self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None) -> Gathered:
         return self._gather(payload, samples, state, None)
 
     def average(
@@ -279,7 +278,7 @@ class SwarmExchange(Exchange):
         """A coordinated round of at least `butterfly.MIN_PARTICIPANTS` is averaged piece by piece
         (shoal.peer.algorithms.butterfly); any other round is gathered."""
         result = self._gather(payload, samples, state, pieces)
-        return result if isinstance(result, Averaged) else Averaged(contributions=result)
+        return result if isinstance(result, Averaged) else Averaged.gathered(result)
 
     def _gather(
         self,
@@ -287,7 +286,7 @@ class SwarmExchange(Exchange):
         samples: int,
         state: Sequence[torch.Tensor] | None,
         pieces: Pieces | None,
-    ) -> list[Contribution] | Averaged:
+    ) -> Gathered | Averaged:
         plan = self._plans.popleft() if self._plans else None
         coordinated = plan is not None and plan.coordinated
         round_number = self._take_round(None if plan is None else plan.round, coordinated=coordinated)
@@ -296,11 +295,17 @@ class SwarmExchange(Exchange):
         self._adopted = None
         snapshot = None if state is None else (StateSnapshot.capture(state, round_number), list(state))
         if coordinated:
-            return self._call(self.rounds.round(plan, bytes(payload), samples, snapshot, pieces))
-        contributions = self._call(self._round(round_number, bytes(payload), samples, snapshot))
-        if self.coordinator is not None:  # once it is back, the coordinator continues after this round
-            self.coordinator.progress.round = max(self.coordinator.progress.round, round_number)
-        return contributions
+            result = self._call(self.rounds.round(plan, bytes(payload), samples, snapshot, pieces))
+        else:
+            result = self._call(self._round(round_number, bytes(payload), samples, snapshot))
+            if self.coordinator is not None:  # once it is back, the coordinator continues after this round
+                self.coordinator.progress.round = max(self.coordinator.progress.round, round_number)
+        # what the round's coroutines decided besides its contributions, handed over as one value
+        adopted, self._adopted = self._adopted, None
+        counted, self._own_counted = self._own_counted, True
+        if isinstance(result, Averaged):
+            return dataclasses.replace(result, adopted=adopted, counted=counted)
+        return Gathered(tuple(result), adopted=adopted, counted=counted, round=round_number)
 
     def compatible_peers(self, *, fully: bool = False) -> set[bytes]:
         """Public-key subkeys of the peers whose record is compatible with this one's (itself included);
@@ -358,14 +363,6 @@ class SwarmExchange(Exchange):
         sources = [a.peer for owner, a in announced.items() if a.state == agreed and owner != self.owner]
         logger.warning(f"ended the run on another state than {len(sources)} peer(s): re-syncing to theirs")
         return await self._resync(agreed, sources, like)
-
-    def adopted_state(self) -> list[torch.Tensor] | None:
-        adopted, self._adopted = self._adopted, None
-        return adopted
-
-    def own_counted(self) -> bool:
-        counted, self._own_counted = self._own_counted, True
-        return counted
 
     def reject(self, contribution: Contribution, reason: str) -> None:
         """Counts and strikes what the optimizer left out: malformed, `config_mismatch`, or screened

@@ -86,7 +86,7 @@ class HostileExchange(SwarmExchange):
         contributions = super().gather(payload, samples, state)
         if self.attacks == 1:  # its honest first payload counts everywhere
             return contributions
-        return [c for c in contributions if c.sender != self.owner]
+        return contributions.only(c for c in contributions if c.sender != self.owner)
 
 
 def parse_args() -> argparse.Namespace:

@@ -10,7 +10,7 @@ import torch
 
 from shoal.compression import DCTTopKCodec
 from shoal.peer.algorithms.demo import DeMo
-from shoal.peer.algorithms.exchange import Contribution, Exchange, LoopbackExchange
+from shoal.peer.algorithms.exchange import Contribution, Exchange, Gathered, LoopbackExchange
 from shoal.peer.algorithms.exchange import run_loopback as run_workers
 from shoal.peer.algorithms.robust import NONE, Robustness
 from shoal.protocol import Payload
@@ -138,15 +138,12 @@ class _FixedExchange(Exchange):
     rank = property(lambda self: 0)
     world_size = property(lambda self: 1 + len(self.others))
 
-    def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
+    def gather(self, payload: bytes, samples: int, state=None) -> Gathered:
         self.sent.append(payload)
-        return [Contribution(0, payload, samples), *self.others]
+        return Gathered((Contribution(0, payload, samples), *self.others), adopted=self.adopt)
 
     def mean(self, tensor, weight=1.0):
         raise NotImplementedError
-
-    def adopted_state(self):
-        return self.adopt
 
     def reject(self, contribution, reason):
         self.rejected.append((contribution.rank, reason))
@@ -334,20 +331,17 @@ class _OneRoundLate(Exchange):
 
     def __init__(self, inner: Exchange):
         self.inner = inner
-        self.held: list[Contribution] = []
+        self.held = Gathered()
 
     rank = property(lambda self: self.inner.rank)
     world_size = property(lambda self: self.inner.world_size)
 
-    def gather(self, payload: bytes, samples: int, state=None) -> list[Contribution]:
+    def gather(self, payload: bytes, samples: int, state=None) -> Gathered:
         previous, self.held = self.held, self.inner.gather(payload, samples, state=state)
         return previous
 
     def mean(self, tensor, weight=1.0):
         raise NotImplementedError
-
-    def adopted_state(self):
-        return None
 
     def reject(self, contribution, reason):
         self.inner.reject(contribution, reason)

@@ -10,7 +10,7 @@ import torch
 from shoal.compression import decode_tensor
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
-from shoal.peer.algorithms.exchange import Contribution, Exchange, LoopbackExchange, run_loopback
+from shoal.peer.algorithms.exchange import Exchange, Gathered, LoopbackExchange, run_loopback
 from shoal.peer.algorithms.robust import NONE
 from shoal.protocol import Payload
 from shoal.protocol.rules import choose
@@ -89,16 +89,13 @@ class _Nobody(Exchange):
         self.claims: list[int] = []
         self.payloads: list[bytes] = []
 
-    def gather(self, payload, samples, state=None) -> list[Contribution]:
+    def gather(self, payload, samples, state=None) -> Gathered:
         self.claims.append(samples)
         self.payloads.append(payload)
-        return []
+        return Gathered(counted=False)
 
     def mean(self, tensor, weight=1.0):
         raise NotImplementedError
-
-    def own_counted(self) -> bool:
-        return False
 
 
 def test_demo_with_carry_takes_an_uncounted_payload_back_into_its_momentum_exactly():

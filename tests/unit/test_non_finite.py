@@ -10,7 +10,7 @@ import torch
 
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
-from shoal.peer.algorithms.exchange import Contribution, Exchange, LoopbackExchange, run_loopback
+from shoal.peer.algorithms.exchange import Exchange, Gathered, LoopbackExchange, run_loopback
 
 
 class _NothingCounts(Exchange):
@@ -23,8 +23,8 @@ class _NothingCounts(Exchange):
     def __init__(self):
         self.refused: list[str] = []
 
-    def gather(self, payload, samples, state=None) -> list[Contribution]:
-        return []
+    def gather(self, payload, samples, state=None) -> Gathered:
+        return Gathered()
 
     def refuse(self, reason: str) -> None:
         self.refused.append(reason)

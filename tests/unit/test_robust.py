@@ -9,7 +9,7 @@ import torch
 from shoal.compression import DCTTopKCodec, DenseCodec, decode_tensor
 from shoal.peer.algorithms import demo
 from shoal.peer.algorithms.demo import DeMo
-from shoal.peer.algorithms.exchange import Contribution, Exchange
+from shoal.peer.algorithms.exchange import Contribution, Exchange, Gathered
 from shoal.peer.algorithms.robust import (
     BELIEVABLE_RATIO,
     DILOCO,
@@ -121,7 +121,7 @@ class _Fixed(Exchange):
     world_size = property(lambda self: 1 + len(self.others))
 
     def gather(self, payload, samples, state=None):
-        return [Contribution(0, payload, samples, b"me"), *self.others]
+        return Gathered((Contribution(0, payload, samples, b"me"), *self.others))
 
     def mean(self, tensor, weight=1.0):
         raise NotImplementedError
