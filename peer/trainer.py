@@ -30,10 +30,9 @@ import torch
 from torch import nn
 
 from shoal.compression import Codec
-from shoal.peer.algorithms.configs import AlgorithmConfig, DeMoConfig
-from shoal.peer.algorithms.demo import DeMo
-from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.algorithms.configs import AlgorithmConfig
 from shoal.peer.algorithms.exchange import Exchange
+from shoal.peer.algorithms.synchronizer import synchronizer
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.stopping import StopRequest
 
@@ -157,34 +156,8 @@ class Trainer:
         self.steps = 0
         """Optimizer steps taken; every round takes `inner_steps` of them."""
         self.inner_steps = algorithm.inner_steps
-        if isinstance(algorithm, DeMoConfig):
-            self.optimizer = DeMo(
-                model.parameters(),
-                lr=algorithm.lr,
-                exchange=exchange,
-                compression_topk=algorithm.topk,
-                value_bits=algorithm.value_bits,
-                compression_chunk=algorithm.chunk,
-                overlap=algorithm.overlapped,
-                lookahead=algorithm.overlapped,  # Psyche's: see shoal.peer.algorithms.demo
-            )
-            self.diloco = None
-        else:
-            self.optimizer = torch.optim.AdamW(
-                model.parameters(), lr=algorithm.lr, betas=(0.9, 0.95), weight_decay=0.1
-            )
-            self.diloco = DiLoCo(
-                model,
-                self.optimizer,
-                exchange=exchange,
-                inner_steps=algorithm.inner_steps,
-                mode=algorithm.mode,
-                outer_lr=algorithm.outer_lr,
-                outer_momentum=algorithm.outer_momentum,
-                codec=codec,
-                error_decay=algorithm.error_decay,
-                butterfly=algorithm.averaging == "butterfly",
-            )
+        self.sync = synchronizer(model, exchange, algorithm, codec)
+        """The algorithm over the exchange (shoal.peer.algorithms.synchronizer)."""
 
     @property
     def rounds_done(self) -> int:
@@ -206,7 +179,7 @@ class Trainer:
 
     def round(self) -> RoundReport:
         phases: Counter[str] = Counter()
-        before = Counter(self._optimizer_phases())
+        before = Counter(self.sync.phase_seconds)
         samples = tokens = 0
         loss_sum = 0.0
         micro_batches, done = self.micro_batches, 0
@@ -218,22 +191,18 @@ class Trainer:
             loss, step_samples, step_tokens, step_micro = self._accumulate(micro_batches, budget)
             done += step_micro
             middle = time.perf_counter()
-            if self.diloco is None:
-                self.optimizer.step(samples=step_samples)
-                self.optimizer.zero_grad(set_to_none=True)
-            else:
-                self.diloco.step(samples=step_samples)
+            self.sync.step(samples=step_samples)
             end = time.perf_counter()
             phases["compute"] += middle - start
             # DiLoCo's inner optimizer steps count as computation; its last one also exchanges
-            if self.diloco is not None and (self.steps + 1) % self.inner_steps != 0:
+            if (self.steps + 1) % self.inner_steps != 0:
                 phases["compute"] += end - middle
             self.steps += 1
             samples += step_samples
             tokens += step_tokens
             loss_sum += loss
         self._fit_window(phases["compute"] / done)
-        phases.update({k: v - before[k] for k, v in self._optimizer_phases().items()})
+        phases.update({k: v - before[k] for k, v in self.sync.phase_seconds.items()})
         last_round = getattr(self.exchange, "last_round", None)
         return RoundReport(
             round=self.rounds_done - 1 if last_round is None else last_round,
@@ -309,43 +278,27 @@ class Trainer:
             fits = math.floor(self.compute_window / (self.inner_steps * self._micro_seconds))
             self.micro_batches = max(1, min(self.max_micro_batches, fits))
 
-    def _optimizer_phases(self) -> Counter[str]:
-        return Counter(
-            self.optimizer.phase_seconds if self.diloco is None else self.diloco.stats.phase_seconds
-        )
-
-    @property
-    def _synchronizer(self) -> DeMo | DiLoCo:
-        """The optimizer that talks to the swarm: DeMo itself, or DiLoCo around the inner optimizer."""
-        return self.optimizer if self.diloco is None else self.diloco
-
     def finish(self) -> None:
         """Ends training: an overlapped algorithm applies the round still in flight; every peer lands
         on the shared state."""
-        self._synchronizer.finish()
+        self.sync.finish()
 
     def close(self) -> None:
-        self._synchronizer.close()
+        self.sync.close()
 
     def shared_state(self) -> list[torch.Tensor]:
-        """What every peer of the swarm holds alike (DeMo: the parameters; DiLoCo: the consensus
-        parameters and their outer momentum)."""
-        return self._synchronizer.shared_state()
+        """What every peer of the swarm holds alike (Synchronizer.shared_state)."""
+        return self.sync.shared_state()
 
     def load_shared_state(self, tensors: list[torch.Tensor]) -> None:
         """Takes the swarm's shared state (same order and shapes as `shared_state`)."""
-        self._synchronizer.load_shared_state(tensors)
+        self.sync.load_shared_state(tensors)
 
     def state_dict(self) -> dict:
         """Tensors and plain values only (loadable with weights_only=True)."""
-        state = {"steps": self.steps, "algorithm": self.algorithm.name}
-        if self.diloco is None:
-            self.optimizer.unshift()  # the shared parameters, not the lookahead's guess
-        state["model"] = self.model.state_dict()
-        state["optimizer"] = self.optimizer.state_dict()
-        if self.diloco is not None:
-            state["shared"] = [t.detach().clone() for t in self.diloco.shared_state()]
-        return state
+        synchronizing = self.sync.state_dict()  # first: it undoes DeMo's lookahead shift of the model
+        model = self.model.state_dict()
+        return {"steps": self.steps, "algorithm": self.algorithm.name, "model": model, **synchronizing}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("algorithm") != self.algorithm.name:
@@ -353,9 +306,7 @@ class Trainer:
                 f"checkpoint of {state.get('algorithm')!r}, this peer runs {self.algorithm.name!r}"
             )
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.diloco is not None:
-            self.diloco.load_shared_state(state["shared"])
+        self.sync.load_state_dict(state)
         self.steps = int(state["steps"])
 
     def save(self) -> None:

@@ -85,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
         reports = [done.report for done in peer.rounds(max_rounds=args.rounds)]
         result = {
             "params": sum(p.numel() for p in model.parameters()),
-            "payload_bytes": trainer.optimizer.bytes_sent / len(reports),
+            "payload_bytes": trainer.sync.bytes_sent / len(reports),
             "participants": [r.participants for r in reports],
             "round_numbers": [r.round for r in reports],
             "received": exchange.counts.bytes_received,

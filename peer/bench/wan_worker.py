@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from shoal.peer.algorithms.configs import SPARSE_OUTER, AlgorithmConfig, DeMoConfig, DiLoCoConfig
+from shoal.peer.algorithms.synchronizer import DiLoCoSynchronizer
 from shoal.peer.data import BatchPlan, stdlib_corpus, validation_loss
 from shoal.peer.files import replace_text
 from shoal.peer.model import GPTConfig, TinyGPT
@@ -228,11 +229,11 @@ def _swarm_time(
     round (`plan`), the optimizer's exchange on the training thread (DeMo: `exchanging`, the rounds'
     exchange phases; DiLoCo: encoding and waiting for the background exchange, whose own phases overlap
     the computation), the final `finish`, and the rest (bookkeeping)."""
-    if trainer.diloco is None:
+    if not isinstance(trainer.sync, DiLoCoSynchronizer):
         blocking = exchanging
         background = {}
     else:
-        stats = trainer.diloco.stats
+        stats = trainer.sync.diloco.stats
         blocking = stats.waited_s + stats.phase_seconds["apply"] - finishing
         background = {"exchange_s": stats.exchange_s, "hidden_s": stats.hidden_s}
     spent = {"compute": compute, "plan": planning, "exchange": blocking, "finish": finishing}

@@ -115,11 +115,6 @@ def parse_args() -> argparse.Namespace:
 def report_of(model, trainer, exchange, schedule, reports, *, resumed: bool, stopped: bool) -> dict:
     """What the test reads of this peer: its parameters' hash, rounds, losses, counters."""
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-    optimizer_rejected = (
-        dict(trainer.optimizer.rejected)
-        if trainer.diloco is None
-        else ({"diloco": trainer.diloco.stats.rejected} if trainer.diloco.stats.rejected else {})
-    )
     report = {
         "param_hash": digest,
         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
@@ -127,7 +122,7 @@ def report_of(model, trainer, exchange, schedule, reports, *, resumed: bool, sto
         "losses": [r.loss for r in reports],
         "participants": [r.participants for r in reports],
         "lateness": [r.finished_at - schedule.deadline(r.round) for r in reports],
-        "rejected": dict(exchange.counts.rejected) | optimizer_rejected,
+        "rejected": dict(exchange.counts.rejected) | trainer.sync.rejected,
         "received": exchange.counts.bytes_received,
         "refused": exchange.refused,
         "resyncs": exchange.counts.resyncs,
@@ -137,7 +132,7 @@ def report_of(model, trainer, exchange, schedule, reports, *, resumed: bool, sto
         "via_relay": dict(exchange.counts.via_relay),
         "left_out": exchange.counts.left_out,
         "payload_bytes": exchange.last_payload_bytes,
-        "uncounted": (trainer.diloco.stats if trainer.diloco else trainer.optimizer).uncounted,
+        "uncounted": trainer.sync.uncounted,
     }
     return report
 

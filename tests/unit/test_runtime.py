@@ -115,7 +115,7 @@ def test_accumulated_micro_batches_give_the_mean_gradient():
     peer = trainer(batch_size=4)
     peer.micro_batches = 2
     grads = []
-    peer.optimizer.step = lambda samples: grads.append([p.grad.clone() for p in peer.model.parameters()])
+    peer.sync.optimizer.step = lambda samples: grads.append([p.grad.clone() for p in peer.model.parameters()])
     peer.round()
     model = Linear()
     model.load_state_dict(peer.model.state_dict())
@@ -141,7 +141,7 @@ def test_a_step_whose_micro_batches_slow_down_stops_at_its_window_with_the_mean_
     assert peer.micro_batches >= 4 and peer.cut_short == 0
     planned, delay[0] = peer.micro_batches, 0.05
     grads = []
-    peer.optimizer.step = lambda samples: grads.append([p.grad.clone() for p in peer.model.parameters()])
+    peer.sync.optimizer.step = lambda samples: grads.append([p.grad.clone() for p in peer.model.parameters()])
     started = time.perf_counter()
     report = peer.round()
     assert time.perf_counter() - started < 0.1 + 3 * 0.05
@@ -181,7 +181,7 @@ def test_demo_overlap_checkpoints_the_shared_parameters_and_finish_applies_the_l
         Linear(), LoopbackExchange.group(1)[0], algorithm=DeMoConfig(overlapped=True), batches=batches
     )
     peer.run(3)
-    shared = [t.clone() for t in peer.optimizer.shared_state()]
+    shared = [t.clone() for t in peer.sync.shared_state()]
     live = [p.detach().clone() for p in peer.model.parameters()]
     assert any(not torch.equal(a, b) for a, b in zip(live, shared, strict=True))  # the lookahead's guess
     state = peer.state_dict()
@@ -197,10 +197,10 @@ def test_demo_overlap_checkpoints_the_shared_parameters_and_finish_applies_the_l
 def test_a_diloco_config_builds_its_outer_loop_and_its_name_goes_into_checkpoints():
     algorithm = DiLoCoConfig(mode="eager", lr=1e-2, inner_steps=3, outer_lr=0.5)
     peer = Trainer(Linear(), LoopbackExchange.group(1)[0], algorithm=algorithm, batches=batches)
-    assert (peer.inner_steps, peer.diloco.mode, peer.diloco.inner_steps) == (3, "eager", 3)
-    assert peer.optimizer.param_groups[0]["lr"] == 1e-2
-    assert peer.diloco.outer_optimizer.param_groups[0]["momentum"] == 0.0  # eager's (OUTER_MOMENTUM)
-    assert peer.diloco.outer_optimizer.param_groups[0]["lr"] == 0.5
+    assert (peer.inner_steps, peer.sync.diloco.mode, peer.sync.diloco.inner_steps) == (3, "eager", 3)
+    assert peer.sync.inner.param_groups[0]["lr"] == 1e-2
+    assert peer.sync.diloco.outer_optimizer.param_groups[0]["momentum"] == 0.0  # eager's (OUTER_MOMENTUM)
+    assert peer.sync.diloco.outer_optimizer.param_groups[0]["lr"] == 0.5
     peer.run(2)
     assert peer.rounds_done == 2 and peer.state_dict()["algorithm"] == "diloco-eager"
     with pytest.raises(ValueError, match="checkpoint of 'diloco-eager', this peer runs 'demo'"):
