@@ -40,7 +40,7 @@ from shoal.peer.metrics import PeerMetrics, build_info
 from shoal.peer.models import LoadedModel, ModelError, load_model
 from shoal.peer.progress import Progress
 from shoal.peer.runtime import SwarmPeer
-from shoal.peer.settings import PARSERS, JoinSettings, SettingsError
+from shoal.peer.settings import PARSERS, PeerSpec, SettingsError
 from shoal.peer.stopping import stop_on_signals
 from shoal.peer.swarm.bootstrap import BootstrapError, best_address, check_multiaddrs, private_only
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
@@ -95,89 +95,98 @@ class Credentials:
     tls: bool
 
 
-def join(settings: JoinSettings, *, stream: IO[str] | None = None) -> dict:
+def join(settings: PeerSpec, *, stream: IO[str] | None = None) -> dict:
     """Runs the peer until it is stopped or its rounds are done; returns the summary it printed.
     `settings` have passed shoal.peer.preflight.check (the CLI runs it before importing torch); raises
     SettingsError for a setting checked here, JoinError for any other failure the volunteer can fix."""
-    progress = Progress(settings.log_format, stream or sys.stdout, title=f"shoal · run {settings.run}")
+    progress = Progress(
+        settings.logging.format, stream or sys.stdout, title=f"shoal · run {settings.run.name}"
+    )
     try:
         return _join(settings, progress)
     finally:
         progress.close()
 
 
-def _join(settings: JoinSettings, progress: Progress) -> dict:
+def _join(settings: PeerSpec, progress: Progress) -> dict:
     try:
-        check_multiaddrs("--initial-peers", settings.initial_peers, dialable=True)
-        check_multiaddrs("--announce-maddrs", settings.announce_maddrs, dialable=False)
+        check_multiaddrs("--initial-peers", settings.network.initial_peers, dialable=True)
+        check_multiaddrs("--announce-maddrs", settings.network.announce_maddrs, dialable=False)
     except ValueError as error:
         raise SettingsError(str(error)) from None
     workload = _workload(settings)
     credentials = _check_coordinator(settings)
-    identity = _identity(settings.identity, progress)
+    identity = _identity(settings.network.identity, progress)
     try:
         peer = SwarmPeer.start(
-            settings.run,
-            settings.initial_peers,
-            host_maddrs=[f"/ip4/{settings.host}/tcp/{settings.port}"],
+            settings.run.name,
+            settings.network.initial_peers,
+            host_maddrs=[f"/ip4/{settings.network.host}/tcp/{settings.network.port}"],
             identity=identity,
-            identity_path=settings.identity,
-            relay=settings.relay == "on",
-            **({"announce_maddrs": list(settings.announce_maddrs)} if settings.announce_maddrs else {}),
+            identity_path=settings.network.identity,
+            relay=settings.network.relay == "on",
+            **(
+                {"announce_maddrs": list(settings.network.announce_maddrs)}
+                if settings.network.announce_maddrs
+                else {}
+            ),
         )
     except BootstrapError as error:
         raise JoinError(str(error)) from None
     # the others may still be pulling this peer's last payload when it leaves: it serves it for up to a
     # round more
-    peer.drain = timedelta(seconds=min(DRAIN_MAX_S, settings.round_seconds))
+    peer.drain = timedelta(seconds=min(DRAIN_MAX_S, settings.run.round_seconds))
     with peer:
         dht = peer.dht
         addresses = [str(a) for a in dht.get_visible_maddrs()]
         address = best_address(addresses)
-        if settings.address_file:
-            _write_address(settings.address_file, address)
+        if settings.network.address_file:
+            _write_address(settings.network.address_file, address)
         _announce_address(settings, progress, address, addresses, dht.peer_id.to_base58(), peer.reachability)
-        schedule = _discover(settings, progress, dht) if settings.initial_peers else None
+        schedule = _discover(settings, progress, dht) if settings.network.initial_peers else None
         return _train(settings, progress, peer, schedule, workload, credentials)
 
 
-def _discover(settings: JoinSettings, progress: Progress, dht) -> RoundSchedule | None:
+def _discover(settings: PeerSpec, progress: Progress, dht) -> RoundSchedule | None:
     """The round clock of the run's live peers; None if none showed up within --discover-seconds: this
     peer then starts the run (its clock starts once the model is loaded, `_train`). Peers that start
     it at the same moment end on one clock (shoal.peer.swarm.membership.winning_clock)."""
-    wait = timedelta(seconds=settings.discover_seconds)
+    wait = timedelta(seconds=settings.run.discover_seconds)
     try:
-        return RoundSchedule.discover(dht, settings.run, wait)
+        return RoundSchedule.discover(dht, settings.run.name, wait)
     except TimeoutError:
         _check_other_runs(settings, progress, dht)
         progress.message(
-            f"no peer of run {settings.run!r} found within {wait.total_seconds():g} s: starting the run. "
+            f"no peer of run {settings.run.name!r} found within {wait.total_seconds():g} s: starting the "
+            "run. "
             "To join a running swarm instead, use the --run its join command names"
         )
         return None
 
 
-def _check_other_runs(settings: JoinSettings, progress: Progress, dht) -> None:
+def _check_other_runs(settings: PeerSpec, progress: Progress, dht) -> None:
     """An initial peer that trains another run, when none of this one showed up, most likely means a
     mistyped --run or address: JoinError, unless the run is started at once (--discover-seconds 0), then
     a warning. The peers asked count the question (`other_run`)."""
-    answers = ask_runs(dht, settings.initial_peers, settings.run)
-    others = {peer: run for peer, run in answers.items() if run != settings.run}
+    answers = ask_runs(dht, settings.network.initial_peers, settings.run.name)
+    others = {peer: run for peer, run in answers.items() if run != settings.run.name}
     if not others:
         return
     named = ", ".join(f"peer ...{peer[-8:]} trains run {run!r}" for peer, run in others.items())
     text = (
-        f"no peer of run {settings.run!r} showed up, and the initial peers you joined through train another "
-        f"run ({named}). Check --run (to join that run: --run {next(iter(others.values()))})"
+        f"no peer of run {settings.run.name!r} showed up, and the initial peers you joined through train "
+        f"another run ({named}). Check --run (to join that run: --run {next(iter(others.values()))})"
     )
     progress.event("other_run", runs=others)
-    if settings.discover_seconds > 0:
-        raise JoinError(f"{text}; to start run {settings.run!r} through them anyway: --discover-seconds 0")
+    if settings.run.discover_seconds > 0:
+        raise JoinError(
+            f"{text}; to start run {settings.run.name!r} through them anyway: --discover-seconds 0"
+        )
     progress.message(f"warning: {text}")
 
 
 def _announce_address(
-    settings: JoinSettings,
+    settings: PeerSpec,
     progress: Progress,
     address: str,
     addresses: list[str],
@@ -190,9 +199,9 @@ def _announce_address(
     joined through instead of its own address, which nobody outside its network can dial."""
     through = address
     if reach.reachable is False and reach.relays:
-        through = next(p for p in settings.initial_peers if p.endswith(f"/p2p/{reach.relays[0]}"))
+        through = next(p for p in settings.network.initial_peers if p.endswith(f"/p2p/{reach.relays[0]}"))
     command = join_command(settings, through)
-    if settings.initial_peers:
+    if settings.network.initial_peers:
         via = "its relay" if through != address else "this peer"
         progress.message(
             f"Joined the swarm as {address}. Others can join through {via} with:\n  {command}\n"
@@ -218,19 +227,19 @@ def _announce_address(
     )
 
 
-def _workload(settings: JoinSettings) -> Workload:
+def _workload(settings: PeerSpec) -> Workload:
     """The device, model and data the settings name; SettingsError naming the flag if one is unusable.
     The model is built on the CPU here, and moved to the device once the DHT's process is forked."""
     try:
-        device = choose_device(settings.device)
-        loaded = load_model(settings.model, seed=settings.seed)
-        streams = load_data(settings.data)
+        device = choose_device(settings.model.device)
+        loaded = load_model(settings.model.name, seed=settings.run.seed)
+        streams = load_data(settings.data.source)
     except (DeviceError, ModelError, ValueError) as error:
         raise SettingsError(str(error)) from None
     if loaded.vocab_size is not None and streams.vocab_size > loaded.vocab_size:
         raise SettingsError(
-            f"--data {settings.data} has token ids up to {streams.vocab_size - 1}, but --model "
-            f"{settings.model} reads only {loaded.vocab_size} distinct tokens"
+            f"--data {settings.data.source} has token ids up to {streams.vocab_size - 1}, but --model "
+            f"{settings.model.name} reads only {loaded.vocab_size} distinct tokens"
         )
     return Workload(device, loaded, streams)
 
@@ -241,7 +250,7 @@ def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, cr
     numel = loaded.parameters
     if schedule is None:
         schedule = _saved_clock(settings, progress) or RoundSchedule(
-            start_time=settings.start_time or time.time() + 0.5, round_seconds=settings.round_seconds
+            start_time=settings.run.start_time or time.time() + 0.5, round_seconds=settings.run.round_seconds
         )
     _save_clock(settings, schedule)
     exchange = peer.connect(
@@ -250,24 +259,24 @@ def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, cr
         coordinator=_coordinator_link(settings, credentials, peer.dht.peer_id.to_base58()),
         device=str(device),
         max_payload_bytes=max(1 << 20, 8 * numel),
-        rejoin=settings.initial_peers,
-        gather_limit=settings.gather,
+        rejoin=settings.network.initial_peers,
+        gather_limit=settings.run.gather,
     )
-    if settings.initial_peers:
+    if settings.network.initial_peers:
         _check_compatible(exchange)
-    slices = RoundSlices(seq_len=loaded.seq_len, stride=settings.batch_size, seed=settings.seed)
+    slices = RoundSlices(seq_len=loaded.seq_len, stride=settings.model.batch_size, seed=settings.run.seed)
 
     def batches(step: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         place, places = peer.plan.slot
         inner = step % trainer.inner_steps
-        if settings.compute_delay and inner == 0 and micro == 0:
-            time.sleep(settings.compute_delay)  # --compute-delay: a slow peer, on purpose
+        if settings.run.compute_delay and inner == 0 and micro == 0:
+            time.sleep(settings.run.compute_delay)  # --compute-delay: a slow peer, on purpose
         inputs, targets = slices.batch(
             streams.train,
             round_number=peer.plan.round,
             slot=place,
             slots=places,
-            micro=inner * settings.max_micro_batches + micro,
+            micro=inner * settings.model.max_micro_batches + micro,
             batch_size=size,
             seed=peer.plan.data_seed,
         )
@@ -280,11 +289,11 @@ def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, cr
         batches,
         codec=codec_for(algorithm) if isinstance(algorithm, DiLoCoConfig) else None,
         checkpoints=_checkpoint_store(settings, progress),
-        checkpoint_every=settings.checkpoint_every,
+        checkpoint_every=settings.checkpoint.every,
         loss_fn=loaded.loss_fn,
-        batch_size=settings.batch_size,
-        compute_window=settings.round_seconds * settings.compute_fraction,
-        max_micro_batches=settings.max_micro_batches,
+        batch_size=settings.model.batch_size,
+        compute_window=settings.run.round_seconds * settings.run.compute_fraction,
+        max_micro_batches=settings.model.max_micro_batches,
         autocast=autocast_for(device),
     )
     metrics = _serve_metrics(settings, progress, exchange, trainer, device, numel)
@@ -292,7 +301,8 @@ def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, cr
         if trainer.resume():
             progress.message(f"resumed from the checkpoint of round {trainer.checkpoints.loaded_round}")
         progress.message(
-            f"training {settings.model} ({numel:,} parameters) with {settings.algorithm} on {device}, "
+            f"training {settings.model.name} ({numel:,} parameters) with {settings.algorithm.name} on "
+            f"{device}, "
             f"data {streams.name}; rounds of {schedule.round_seconds:g} s"
         )
         return _loop(settings, progress, peer, workload, metrics)
@@ -305,12 +315,12 @@ def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, cr
             metrics.close()
 
 
-def _checkpoint_store(settings: JoinSettings, progress: Progress) -> CheckpointStore | None:
+def _checkpoint_store(settings: PeerSpec, progress: Progress) -> CheckpointStore | None:
     """--checkpoint-dir's store, if set. A checkpoint that cannot be written is a warning, and training
     goes on (shoal.peer.checkpoint)."""
-    if not settings.checkpoint_dir:
+    if not settings.checkpoint.dir:
         return None
-    return CheckpointStore(settings.checkpoint_dir, warn=lambda text: progress.message(f"warning: {text}"))
+    return CheckpointStore(settings.checkpoint.dir, warn=lambda text: progress.message(f"warning: {text}"))
 
 
 CLOCK_FILE = "clock.json"
@@ -318,12 +328,12 @@ CLOCK_FILE = "clock.json"
 swarm's first peer, its container restarted) keeps, so that the others still take it for one of theirs."""
 
 
-def _saved_clock(settings: JoinSettings, progress: Progress) -> RoundSchedule | None:
+def _saved_clock(settings: PeerSpec, progress: Progress) -> RoundSchedule | None:
     """The clock saved in the checkpoint folder, if it is this run's, with these rounds, and no
     --start-time says otherwise."""
-    if not settings.checkpoint_dir or settings.start_time:
+    if not settings.checkpoint.dir or settings.run.start_time:
         return None
-    path = Path(settings.checkpoint_dir) / CLOCK_FILE
+    path = Path(settings.checkpoint.dir) / CLOCK_FILE
     try:
         saved = json.loads(path.read_text())
         start_time, round_seconds = float(saved["start_time"]), float(saved["round_seconds"])
@@ -332,7 +342,7 @@ def _saved_clock(settings: JoinSettings, progress: Progress) -> RoundSchedule | 
     except (OSError, ValueError, KeyError, TypeError) as error:
         progress.message(f"ignoring {path} ({error}): starting a new round clock")
         return None
-    if saved.get("run") != settings.run or round_seconds != settings.round_seconds:
+    if saved.get("run") != settings.run.name or round_seconds != settings.run.round_seconds:
         return None  # another swarm, or other rounds on purpose: a new clock
     if not (math.isfinite(start_time) and 0 < start_time <= time.time() + 86400):
         progress.message(f"ignoring {path}: its start time {start_time} is not a time")
@@ -341,16 +351,16 @@ def _saved_clock(settings: JoinSettings, progress: Progress) -> RoundSchedule | 
     return RoundSchedule(start_time=start_time, round_seconds=round_seconds)
 
 
-def _save_clock(settings: JoinSettings, schedule: RoundSchedule) -> None:
+def _save_clock(settings: PeerSpec, schedule: RoundSchedule) -> None:
     """Keeps the round clock in the checkpoint folder; JoinError if it cannot be written there (it was
     writable when the peer started: it cannot be now, before any round is lost)."""
-    if settings.checkpoint_dir:
+    if settings.checkpoint.dir:
         clock = {
-            "run": settings.run,
+            "run": settings.run.name,
             "start_time": schedule.start_time,
             "round_seconds": schedule.round_seconds,
         }
-        path = Path(settings.checkpoint_dir) / CLOCK_FILE
+        path = Path(settings.checkpoint.dir) / CLOCK_FILE
         try:
             replace_text(path, json.dumps(clock), durable=True)
         except OSError as error:
@@ -366,7 +376,9 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
     isolated = alone = False
     crowd = 1  # the most participants of a round so far
     stop = stop_on_signals()
-    for done in peer.rounds(until_round=settings.until_round, max_rounds=settings.max_rounds, stop=stop):
+    for done in peer.rounds(
+        until_round=settings.run.until_round, max_rounds=settings.run.max_rounds, stop=stop
+    ):
         report = done.report
         reports.append(report)
         crowd = max(crowd, report.participants)
@@ -403,8 +415,8 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
             adopted = exchange.counts.clocks_adopted
             _save_clock(settings, exchange.schedule)
     # the swarm's run ends together (not this peer alone: a stop, or its own --max-rounds)
-    alone = bool(settings.max_rounds and len(reports) >= settings.max_rounds)
-    final_resync = peer.finish(until_round=settings.until_round, left_alone=alone)
+    alone = bool(settings.run.max_rounds and len(reports) >= settings.run.max_rounds)
+    final_resync = peer.finish(until_round=settings.run.until_round, left_alone=alone)
     loaded, batch_size = workload.model, peer.trainer.batch_size
     held_out = (loaded.module, loaded.loss_fn, workload.streams.validation, loaded.seq_len)
     validation = validation_loss(*held_out, batch_size=batch_size) if reports else None
@@ -442,15 +454,15 @@ def _tell_isolation(progress: Progress, isolated: bool, round_number: int, reach
 
 def _serve_metrics(settings, progress, exchange, trainer, device, numel) -> PeerMetrics | None:
     """With --metrics-port: Prometheus metrics on --host:port/metrics (shoal.peer.metrics)."""
-    if settings.metrics_port is None:
+    if settings.logging.metrics_port is None:
         return None
     info = build_info(
         version=SHOAL_VERSION,
         torch_version=torch.__version__,
         device=str(device),
-        algorithm=settings.algorithm,
-        model=settings.model,
-        run=settings.run,
+        algorithm=settings.algorithm.name,
+        model=settings.model.name,
+        run=settings.run.name,
         peer_id=exchange.peer_id,
     )
     metrics = PeerMetrics(info=info, dense_bytes=4 * numel)
@@ -459,13 +471,14 @@ def _serve_metrics(settings, progress, exchange, trainer, device, numel) -> Peer
     if trainer.checkpoints is not None:
         metrics.track_checkpoints(trainer.checkpoints.last_saved, lambda: trainer.checkpoints.write_failures)
     try:
-        port = metrics.serve(settings.host, settings.metrics_port)
+        port = metrics.serve(settings.network.host, settings.logging.metrics_port)
     except OSError as error:
         raise JoinError(
-            f"cannot serve metrics on {settings.host}:{settings.metrics_port} ({error.strerror}): choose "
+            f"cannot serve metrics on {settings.network.host}:{settings.logging.metrics_port} "
+            f"({error.strerror}): choose "
             "another --metrics-port, or 0 for any free one"
         ) from None
-    shown = "127.0.0.1" if settings.host == "0.0.0.0" else settings.host
+    shown = "127.0.0.1" if settings.network.host == "0.0.0.0" else settings.network.host
     progress.event("metrics", address=f"{shown}:{port}", port=port)
     progress.message(f"Prometheus metrics on http://{shown}:{port}/metrics")
     return metrics
@@ -512,7 +525,7 @@ def _summary(settings, progress, peer: SwarmPeer, model, reports, final_resync, 
         "checkpoint": str(store.directory) if stopped and store and not store.last_write_failed else None,
     }
     progress.event("summary", **summary)
-    if settings.log_format == "human":
+    if settings.logging.format == "human":
         ending = "stopped" + (", checkpoint saved" if summary["checkpoint"] else "") if stopped else "done"
         progress.message(
             f"{ending}: {len(reports)} rounds, "
@@ -524,17 +537,17 @@ def _summary(settings, progress, peer: SwarmPeer, model, reports, final_resync, 
     return summary
 
 
-def _check_coordinator(settings: JoinSettings) -> Credentials | None:
+def _check_coordinator(settings: PeerSpec) -> Credentials | None:
     """With --coordinator: its credentials, and that it accepts this peer's token (if it can be reached
     now: else the peer trains uncoordinated until it can); SettingsError naming the flag to fix."""
-    if settings.coordinator is None:
+    if settings.coordinator.address is None:
         return None
     try:
         credentials = Credentials(
-            *CoordinatorLink.credentials(settings.coordinator_token_file, settings.coordinator_ca)
+            *CoordinatorLink.credentials(settings.coordinator.token_file, settings.coordinator.ca)
         )
         check_access(
-            settings.coordinator,
+            settings.coordinator.address,
             token=credentials.token,
             tls_roots=credentials.tls_roots,
             tls=credentials.tls,
@@ -545,12 +558,12 @@ def _check_coordinator(settings: JoinSettings) -> Credentials | None:
 
 
 def _coordinator_link(
-    settings: JoinSettings, credentials: Credentials | None, peer_id: str
+    settings: PeerSpec, credentials: Credentials | None, peer_id: str
 ) -> CoordinatorLink | None:
     if credentials is None:  # no --coordinator
         return None
     return CoordinatorLink(
-        settings.coordinator,
+        settings.coordinator.address,
         peer_id,
         token=credentials.token,
         tls_roots=credentials.tls_roots,
@@ -558,13 +571,13 @@ def _coordinator_link(
     )
 
 
-def join_command(settings: JoinSettings, address: str) -> str:
+def join_command(settings: PeerSpec, address: str) -> str:
     """The command that joins another peer to this one's run, with the settings that must match."""
-    defaults = JoinSettings()
+    defaults = PeerSpec()
     parts = ["shoal", "join", "--initial-peers", address]
     for name in RUN_FLAGS:
-        value = getattr(settings, name)
-        if name in ("run", "model", "algorithm") or value != getattr(defaults, name):
+        value = settings.flag(name)
+        if name in ("run", "model", "algorithm") or value != defaults.flag(name):
             parts += ["--" + name.replace("_", "-"), str(value)]
     return " ".join(parts)
 

@@ -4,7 +4,7 @@ folder and the folder of the address file. Each failure is a `SettingsError` nam
 (the CLI exits 2 with it). The checks that need torch (device, model, data) follow in shoal.peer.node,
 still before the DHT starts.
 
-    python -c "from shoal.peer import preflight, settings; preflight.check(settings.JoinSettings())"
+    python -c "from shoal.peer import preflight, spec; preflight.check(spec.PeerSpec())"
 """
 
 import errno
@@ -12,18 +12,18 @@ import socket
 import tempfile
 from pathlib import Path
 
-from shoal.peer.settings import JoinSettings, SettingsError
+from shoal.peer.settings import PeerSpec, SettingsError
 
 
-def check(settings: JoinSettings) -> None:
+def check(settings: PeerSpec) -> None:
     """Raises SettingsError for the first setting this machine cannot use."""
-    check_port(settings.host, settings.port, "--port")
-    if settings.metrics_port:
-        check_port(settings.host, settings.metrics_port, "--metrics-port")
-    if settings.checkpoint_dir:
-        check_writable_folder(Path(settings.checkpoint_dir), "--checkpoint-dir")
-    if settings.address_file:
-        check_writable_folder(Path(settings.address_file).parent, "--address-file")
+    check_port(settings.network.host, settings.network.port, "--port")
+    if settings.logging.metrics_port:
+        check_port(settings.network.host, settings.logging.metrics_port, "--metrics-port")
+    if settings.checkpoint.dir:
+        check_writable_folder(Path(settings.checkpoint.dir), "--checkpoint-dir")
+    if settings.network.address_file:
+        check_writable_folder(Path(settings.network.address_file).parent, "--address-file")
 
 
 def check_port(host: str, port: int, flag: str) -> None:

@@ -1,6 +1,6 @@
 """The algorithms as typed configs: `DeMoConfig` and `DiLoCoConfig`, one frozen record per algorithm
 with the hyperparameters a run chooses for it. A run's `--algorithm` string is parsed into one of them
-once (shoal.peer.settings: `JoinSettings.algorithm_config`); the code that depends on the algorithm
+once (shoal.peer.spec: `PeerSpec.algorithm_config`); the code that depends on the algorithm
 reads the record (`isinstance(config, DeMoConfig)`, `config.overlapped`) instead of the string.
 
     DEFAULTS["diloco-eager"]                    # DiLoCoConfig(mode="eager", ...), at its defaults

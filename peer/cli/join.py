@@ -13,7 +13,7 @@ DESCRIPTION = (
     "Join a swarm and train until stopped (Ctrl-C: checkpoint and leave at the round's end). "
     "Without --initial-peers, start a new swarm and print the command others run to join it. "
     "Each setting comes from its flag, else the SHOAL_<NAME> environment variable (SHOAL_MODEL, ...), "
-    'else the TOML file of --config (model = "small"), else its default.'
+    'else the TOML file of --config (one section per component: [model] name = "small"), else its default.'
 )
 
 JOIN_FLAGS = {
@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file of settings (also SHOAL_CONFIG)")
     for name, (metavar, text) in JOIN_FLAGS.items():
         flag = "--" + name.replace("_", "-")
-        default = getattr(settings_module.JoinSettings(), name)
+        default = settings_module.PeerSpec().flag(name)
         shown = "" if default in (None, "", ()) else f" (default: {default})"
         nargs = "+" if name in ("initial_peers", "announce_maddrs") else None
         parser.add_argument(flag, dest=name, metavar=metavar, nargs=nargs, help=text + shown)

@@ -15,7 +15,7 @@ from shoal.peer.algorithms.configs import (
     DiLoCoConfig,
     run_config,
 )
-from shoal.peer.settings import ALGORITHMS, JoinSettings, SettingsError, resolve
+from shoal.peer.settings import ALGORITHMS, PeerSpec, SettingsError, resolve
 from shoal.peer.swarm.membership import run_hash
 
 
@@ -62,7 +62,7 @@ def test_the_settings_fill_in_the_hyperparameters_and_lr_0_is_the_algorithms_def
         mode="standard", lr=1e-3, inner_steps=20, outer_lr=0.7, outer_momentum=0.9, averaging="butterfly"
     )
     assert diloco.compression == "int8" and diloco.value_bits == 8 and diloco.error_decay == 1.0
-    chosen = JoinSettings(algorithm="diloco-eager", lr=0.01, outer_momentum=0.5).algorithm_config()
+    chosen = PeerSpec.of(algorithm="diloco-eager", lr=0.01, outer_momentum=0.5).algorithm_config()
     assert (chosen.lr, chosen.outer_momentum) == (0.01, 0.5)
 
 
@@ -100,9 +100,17 @@ def test_configs_are_frozen():
         DiLoCoConfig().mode = "eager"
 
 
-def test_settings_built_with_an_unknown_algorithm_raise_naming_it():
-    with pytest.raises(ValueError, match=r"algorithm must be one of .*'adam'"):
-        JoinSettings(algorithm="adam").algorithm_config()
+def test_a_spec_built_in_code_checks_its_values_naming_the_flag():
+    """Values set in code pass the checks a flag's text does, named by the flag."""
+    with pytest.raises(ValueError, match=r"--algorithm: expected one of demo, .*'adam'"):
+        PeerSpec.of(algorithm="adam")
+    with pytest.raises(ValueError, match=r"--checkpoint-every: expected an integer in \[0, "):
+        PeerSpec.of(checkpoint_every=-1)
+    with pytest.raises(ValueError, match=r"--topk: topk does not apply to compression int8"):
+        PeerSpec.of(algorithm="diloco", topk=8)  # each value fine, together not
+    with pytest.raises(ValueError, match=r"unknown setting 'modle'"):
+        PeerSpec.of(modle="tiny")
+    assert PeerSpec.of(algorithm="diloco").algorithm.name == "diloco-eager"  # the alias, resolved
 
 
 @pytest.mark.parametrize(
@@ -117,7 +125,7 @@ def test_settings_built_with_an_unknown_algorithm_raise_naming_it():
 )
 def test_the_run_hash_is_the_one_from_before_the_typed_configs(algorithm, expected):
     """Peers of an older shoal at the same settings must stay compatible: the hashes are pinned."""
-    assert run_hash(JoinSettings(algorithm=algorithm).run_config()) == expected
+    assert run_hash(PeerSpec.of(algorithm=algorithm).run_config()) == expected
 
 
 def test_a_peer_built_in_code_and_a_shoal_join_peer_at_equal_settings_share_a_run():

@@ -9,15 +9,15 @@ import pytest
 
 from shoal.peer.node import CLOCK_FILE, _save_clock, _saved_clock
 from shoal.peer.progress import Progress
-from shoal.peer.settings import JoinSettings
+from shoal.peer.settings import PeerSpec
 from shoal.peer.swarm.exchange import RoundSchedule
 
 
-def settings(tmp_path, **changes) -> JoinSettings:
-    return JoinSettings(**({"checkpoint_dir": str(tmp_path), "run": "r", "round_seconds": 2.0} | changes))
+def settings(tmp_path, **changes) -> PeerSpec:
+    return PeerSpec.of(**({"checkpoint_dir": str(tmp_path), "run": "r", "round_seconds": 2.0} | changes))
 
 
-def read_back(chosen: JoinSettings) -> tuple[RoundSchedule | None, str]:
+def read_back(chosen: PeerSpec) -> tuple[RoundSchedule | None, str]:
     stream = io.StringIO()
     found = _saved_clock(chosen, Progress("json", stream))
     return found, stream.getvalue()
@@ -59,4 +59,4 @@ def test_a_damaged_clock_file_is_ignored_with_a_message(tmp_path, content):
 
 def test_no_file_no_folder_no_clock(tmp_path):
     assert read_back(settings(tmp_path))[0] is None
-    assert read_back(JoinSettings(run="r"))[0] is None
+    assert read_back(PeerSpec.of(run="r"))[0] is None

@@ -6,26 +6,29 @@ import socket
 import pytest
 
 from shoal.peer import cli
-from shoal.peer.settings import JoinSettings, SettingsError, resolve
+from shoal.peer.settings import PeerSpec, SettingsError, resolve
 from shoal.peer.swarm.identity import IdentityError, load_identity, peer_id_of
 
 
 def test_flags_then_environment_then_file_then_defaults(tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text('model = "small"\ntopk = 8\nlr = 0.01\ninitial_peers = ["/ip4/10.0.0.1/tcp/1/p2p/A"]\n')
+    config.write_text(
+        '[model]\nname = "small"\n[algorithm]\ntopk = 8\nlr = 0.01\n'
+        '[network]\ninitial_peers = ["/ip4/10.0.0.1/tcp/1/p2p/A"]\n[checkpoint]\nevery = 3\n'
+    )
     environ = {"SHOAL_TOPK": "16", "SHOAL_LR": "0.02"}
     chosen = resolve({"lr": "0.03", "model": None}, environ, str(config))
-    assert chosen.lr == 0.03  # flag
-    assert chosen.topk == 16  # environment
-    assert chosen.model == "small"  # file
-    assert chosen.initial_peers == ("/ip4/10.0.0.1/tcp/1/p2p/A",)
-    assert chosen.algorithm == "demo" and chosen.port == 0  # defaults
+    assert chosen.algorithm.lr == 0.03  # flag
+    assert chosen.algorithm.topk == 16  # environment
+    assert chosen.model.name == "small" and chosen.checkpoint.every == 3  # file
+    assert chosen.network.initial_peers == ("/ip4/10.0.0.1/tcp/1/p2p/A",)
+    assert chosen.algorithm.name == "demo" and chosen.network.port == 0  # defaults
 
 
 def test_config_file_from_the_environment(tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text('algorithm = "diloco"\n')
-    assert resolve({}, {"SHOAL_CONFIG": str(config)}).algorithm == "diloco-eager"
+    config.write_text('[algorithm]\nname = "diloco"\n')
+    assert resolve({}, {"SHOAL_CONFIG": str(config)}).algorithm.name == "diloco-eager"
 
 
 @pytest.mark.parametrize(
@@ -38,10 +41,13 @@ def test_config_file_from_the_environment(tmp_path):
         ({"round_seconds": "nan"}, {}, "", "--round-seconds"),
         ({}, {"SHOAL_TOPK": "many"}, "", "SHOAL_TOPK"),
         ({}, {"SHOAL_BATCH_SIZE": "0"}, "", "SHOAL_BATCH_SIZE"),
-        ({}, {}, "topk = true\n", "topk in"),
-        ({}, {}, "inner_steps = 1.5\n", "inner_steps in"),
-        ({}, {}, "modle = 'tiny'\n", "unknown setting 'modle'"),
-        ({}, {}, "model = \n", "not valid TOML"),
+        ({}, {}, "[algorithm]\ntopk = true\n", r"topk in \[algorithm\]"),
+        ({}, {}, "[algorithm]\ninner_steps = 1.5\n", r"inner_steps in \[algorithm\]"),
+        ({}, {}, "[model]\nnmae = 'tiny'\n", r"unknown setting 'nmae' in \[model\]"),
+        ({}, {}, "[modle]\nname = 'tiny'\n", "unknown section 'modle'"),
+        ({}, {}, "model = 'small'\n", r"'model' is now 'name' in section \[model\]"),  # the flat form
+        ({}, {}, "checkpoint_every = 5\n", r"'checkpoint_every' is now 'every' in section \[checkpoint\]"),
+        ({}, {}, "[model]\nname = \n", "not valid TOML"),
         ({"averaging": "allreduce"}, {}, "", "--averaging"),
         ({"averaging": "butterfly"}, {}, "", "DiLoCo only"),  # DeMo's sparse payloads cannot be cut
         ({"gather": "-1"}, {}, "", "--gather"),
@@ -62,15 +68,15 @@ def test_missing_config_file_is_named(tmp_path):
 
 
 def test_run_config_holds_what_peers_must_share():
-    demo, diloco = JoinSettings(), JoinSettings(algorithm="diloco-eager", inner_steps=20)
+    demo, diloco = PeerSpec.of(), PeerSpec.of(algorithm="diloco-eager", inner_steps=20)
     assert demo.run_config()["compression_topk"] == "32" and "inner_steps" not in demo.run_config()
     assert diloco.run_config()["inner_steps"] == "20" and diloco.run_config()["lr"] == "0.001"
-    assert JoinSettings(port=1234).run_config() == demo.run_config()  # local settings are not shared
-    butterfly = JoinSettings(algorithm="diloco-eager", inner_steps=20, averaging="butterfly")
+    assert PeerSpec.of(port=1234).run_config() == demo.run_config()  # local settings are not shared
+    butterfly = PeerSpec.of(algorithm="diloco-eager", inner_steps=20, averaging="butterfly")
     assert "averaging" not in diloco.run_config()  # the runs from before the setting keep their hash
     assert butterfly.run_config() == diloco.run_config() | {"averaging": "butterfly"}
     assert "gather" not in demo.run_config()  # likewise
-    assert JoinSettings(gather=16).run_config() == demo.run_config() | {"gather": "16"}
+    assert PeerSpec.of(gather=16).run_config() == demo.run_config() | {"gather": "16"}
 
 
 def test_cli_exits_2_with_the_setting_named(capsys, monkeypatch, tmp_path):
