@@ -149,9 +149,9 @@ class SwarmPeer:
                 # a trainer that fills a window fills the coordinator's, leaving time to encode before its
                 # deadline (one that computes one micro-batch per step keeps to that)
                 trainer.set_compute_window(plan.compute_seconds - self._encode_s - 0.2)
-            report = trainer.run(1, stop)[0]
             # the round it computed for: an overlapped optimizer's gather may not have started yet
-            report = dataclasses.replace(report, round=plan.round)
+            report = trainer.round(plan.round)
+            trainer.end_round(stop is not None and stop.is_set())
             self._encode_s = report.phases["encode"]
             wall = time.perf_counter() - started
             count, samples = count + 1, samples + report.samples

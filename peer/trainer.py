@@ -164,20 +164,27 @@ class Trainer:
         return self.steps // self.inner_steps
 
     def run(self, rounds: int, stop: StopRequest | None = None) -> list[RoundReport]:
-        """Trains `rounds` rounds, or until `stop` is set (then checkpoints and returns early)."""
+        """Trains `rounds` rounds, or until `stop` is set (then checkpoints and returns early): the loop
+        of a trainer on its own (tests, a torch.distributed job). A swarm peer drives `round` and
+        `end_round` itself, round by round (shoal.peer.runtime.SwarmPeer.rounds)."""
         reports = []
         for _ in range(rounds):
             reports.append(self.round())
             stopping = stop is not None and stop.is_set()
-            if self.checkpoints is not None and (
-                stopping or (self.checkpoint_every and self.rounds_done % self.checkpoint_every == 0)
-            ):
-                self.save()
+            self.end_round(stopping)
             if stopping:
                 break
         return reports
 
-    def round(self) -> RoundReport:
+    def end_round(self, stopping: bool) -> None:
+        """After a round: a checkpoint every `checkpoint_every` rounds, and when a stop was asked for."""
+        due = self.checkpoint_every and self.rounds_done % self.checkpoint_every == 0
+        if self.checkpoints is not None and (stopping or due):
+            self.save()
+
+    def round(self, number: int | None = None) -> RoundReport:
+        """One round: `inner_steps` steps, the last exchanging. `number`: the round it computes for,
+        as its report says (a swarm peer passes its plan's; None: the rounds this trainer has done)."""
         phases: Counter[str] = Counter()
         before = Counter(self.sync.phase_seconds)
         samples = tokens = 0
@@ -203,9 +210,8 @@ class Trainer:
             loss_sum += loss
         self._fit_window(phases["compute"] / done)
         phases.update({k: v - before[k] for k, v in self.sync.phase_seconds.items()})
-        last_round = getattr(self.exchange, "last_round", None)
         return RoundReport(
-            round=self.rounds_done - 1 if last_round is None else last_round,
+            round=self.rounds_done - 1 if number is None else number,
             loss=loss_sum / self.inner_steps,
             participants=self.exchange.world_size,
             samples=samples,
