@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from tests.integration import launcher
+
 settings.register_profile("shoal", deadline=None, max_examples=60)
 settings.load_profile("shoal")
 
@@ -61,6 +63,8 @@ multiprocessing's trackers), started by whichever test first needs them: never l
 
 
 def _serves_this_process(pid: int, name: str) -> bool:
+    if pid == launcher.zygote_pid():  # it forks the integration tests' peers for the whole session
+        return True
     try:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
@@ -74,6 +78,7 @@ def no_leftover_processes(request):
     if "integration" not in request.node.path.parts or not Path("/proc/self/stat").exists():
         yield
         return
+    launcher.ensure_started()
     before = set(_descendants(os.getpid()))
     yield
     leftovers: dict[int, str] = {}

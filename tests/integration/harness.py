@@ -19,16 +19,28 @@ from hivemind.utils.crypto import RSAPrivateKey
 from shoal.peer.swarm.bootstrap import start_dht
 from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.membership import record_validators
+from tests.integration.launcher import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOAL = [sys.executable, "-m", "shoal.peer.cli"]
 HIVEMIND_DHT = Path(sys.executable).with_name("hivemind-dht")
 
 
+STDIO = {"stdin", "stdout", "stderr"}
+
+
 def spawn(command: list[str], *, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
     """`command` in its own process session (so that `kill` ends the DHT and p2pd processes it forks),
-    from the repository root, one thread for torch; `env`: more variables."""
+    from the repository root, one thread for torch; `env`: more variables. `python -m MODULE ...` is
+    forked from the zygote that has imported torch and hivemind already (tests.integration.launcher)."""
     variables = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    piped = subprocess.PIPE in (kwargs.get(name) for name in STDIO)
+    if (
+        command[:2] == [sys.executable, "-m"]
+        and kwargs.keys() <= STDIO | {"text"}
+        and (kwargs.get("text") or not piped)
+    ):
+        return launch(command[1:], env=variables, **{k: v for k, v in kwargs.items() if k in STDIO})
     return subprocess.Popen(command, cwd=ROOT, env=variables, start_new_session=True, **kwargs)
 
 

@@ -2,9 +2,10 @@
 real peer, changing only what it sends), with and without a coordinator: the honest peers end on one
 model, as good as a clean run of the same seed by the three honest peers alone (the attacker's samples
 are rightly lost), and strike and then ban the attacker, counted by reason. Attacks: a sign flip at
-the largest scale the defences allow, random directions, a lie about samples, another top-k than the
-run's, announcements never served, and replays with new bytes; and a sign flip in sparse DiLoCo's
-top-k payloads (`--compression sparse`)."""
+the largest scale the defences allow, another top-k than the run's, announcements never served, and
+replays with new bytes; a sign flip in sparse DiLoCo's top-k payloads (`--compression sparse`); a
+flip with a lie about samples under `--gather 2` and under a coordinator; and two of six peers
+claiming 2^40 samples on a false state."""
 
 import contextlib
 import os
@@ -16,16 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import events, free_port
+from tests.integration.harness import events, free_port, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 HONEST = [sys.executable, "-m", "shoal.peer.cli"]
 ATTACKER = [sys.executable, "-m", "tests.integration.poisoner"]
-# round 0 starts this long after the first peer is launched: the joiners, launched once it listens,
-# are ready about 21 s after it on two cores (measured), so every peer trains every round. A joiner
-# that came later would train fewer rounds with the others than in the clean run (its final loss then
-# differs by up to 4%, more than what is checked) and might not have struck the attacker three times.
-STARTUP_S = 28.0
+# round 0 starts this long after the first peer is launched: forked from the zygote that has imported
+# torch and hivemind (tests.integration.launcher), the joiners, launched once it listens, are ready
+# about 8 s after it on two busy cores (measured), so every peer trains every round. A joiner that came
+# later would train fewer rounds with the others than in the clean run (its final loss then differs by
+# up to 4%, more than what is checked) and might not have struck the attacker three times.
+STARTUP_S = 16.0
 
 
 def swarm(
@@ -41,13 +43,13 @@ def swarm(
     """Runs `peers` peers until round `rounds`: the first starts the run, the last `attackers` attack
     (if `attack`); `coordinated`: under a `shoal coordinator` whose first round waits for all of them.
     Returns every peer's summary event, the attackers' last."""
-    startup_s = STARTUP_S + 6.0 * max(peers - 4, 0)  # each more peer adds its imports on two cores
+    startup_s = STARTUP_S + 3.0 * max(peers - 4, 0)  # each more peer adds its start on two cores
     common = ["join", "--host", "127.0.0.1", "--run", name, "--log-format", "json", "--seed", "3"]
     common += ["--until-round", str(rounds), *args]
     if coordinated:
         address = f"127.0.0.1:{free_port()}"
         common += ["--coordinator", address]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHOAL_ATTACK": attack or ""}
+    env = {"SHOAL_ATTACK": attack or ""}
     logs = [tmp_path / f"{name}-{i}.jsonl" for i in range(peers)]
     processes: list[subprocess.Popen] = []
     coordinator: subprocess.Popen | None = None
@@ -55,28 +57,13 @@ def swarm(
     def start(i: int, extra: list[str]) -> None:
         command = ATTACKER if attack and i >= peers - attackers else HONEST
         with logs[i].open("w") as out, (tmp_path / f"{name}-{i}.err").open("w") as err:
-            processes.append(
-                subprocess.Popen(
-                    [*command, *common, *extra],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,
-                )
-            )
+            processes.append(spawn([*command, *common, *extra], env=env, stdout=out, stderr=err))
 
     try:
         if coordinated:
             server = [*HONEST, "coordinator", "--listen", address, "--state", str(tmp_path / f"{name}.db")]
             with (tmp_path / f"{name}-coordinator.log").open("w") as log:
-                coordinator = subprocess.Popen(
-                    [*server, "--min-peers", str(peers)],
-                    cwd=ROOT,
-                    stdout=log,
-                    stderr=log,
-                    start_new_session=True,
-                )
+                coordinator = spawn([*server, "--min-peers", str(peers)], stdout=log, stderr=log)
         start(0, ["--start-time", str(time.time() + startup_s)])
         deadline = time.time() + 60
         while not any(e.get("event") == "started" for e in events(logs[0])):
@@ -143,24 +130,18 @@ def check(honest: list[dict], clean_run: list[dict], *reasons: str) -> None:
     ("algorithm", "attack", "reasons"),
     [
         (DEMO, "sign_flip", ["outlier"]),
-        (DEMO, "random", ["outlier"]),
         (DEMO, "topk", ["config_mismatch"]),
         (DEMO, "unserved_and_replay", ["unserved", "replayed"]),
-        (DILOCO, "sample_lie", ["overclaim"]),
         (SPARSE, "sign_flip", ["outlier"]),
     ],
-    ids=[
-        "demo-sign_flip",
-        "demo-random",
-        "demo-topk",
-        "demo-unserved_and_replay",
-        "diloco-sample_lie",
-        "diloco_sparse-sign_flip",
-    ],
+    ids=["demo-sign_flip", "demo-topk", "demo-unserved_and_replay", "diloco_sparse-sign_flip"],
 )
 def test_one_attacker_in_four_is_banned_and_moves_nothing(
     tmp_path, tmp_path_factory, algorithm, attack, reasons
 ):
+    """(Random directions take the sign flip's path, `outlier` by suspicion, proved on noise by
+    tests/unit/test_robust.py; DiLoCo's lie about samples is the attack of the `--gather 2` and
+    coordinated tests below, which check the same `overclaim`, ban and loss.)"""
     attacked = swarm(tmp_path, "attacked", algorithm, attack, ROUNDS)
     check(attacked[:3], clean(tmp_path_factory, algorithm), *reasons)
 

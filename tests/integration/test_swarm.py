@@ -39,9 +39,10 @@ def run_swarm(
     processes = {"node": node}
     try:
         address = bootstrap_address(node)
-        # room for every peer to import torch and hivemind and join, on two cores that may be busy with
-        # something else: 5 peers took more than 15 s with one core busy, and missed rounds 0 and 1
-        begin = time.time() + 10 + 3 * peers
+        # room for every peer to join and load its model and data, forked from the zygote that imported
+        # torch and hivemind (tests.integration.launcher), on two cores that may be busy with something
+        # else (before the zygote, with the imports, 5 peers took more than 15 s with one core busy)
+        begin = time.time() + 5 + 1.5 * peers
 
         def launch(i: int, out: Path, *flags: str) -> subprocess.Popen:
             command = [sys.executable, "-m", "tests.integration.swarm_peer", "--initial-peer", address]
@@ -53,7 +54,7 @@ def run_swarm(
         events = []  # (time, action, peer)
         for i in range(peers):
             if i in join_at:
-                events.append((begin + join_at[i] * round_seconds - 8, "join", i))  # ~8 s to start up
+                events.append((begin + join_at[i] * round_seconds - 4, "join", i))  # ~4 s to start up
             else:
                 flags = ["--start", str(begin)] + (["--fault", faults[i]] if i in faults else [])
                 processes[i] = launch(i, tmp_path / f"peer{i}.json", *flags)
