@@ -149,11 +149,15 @@ def launch(
             null = os.open(os.devnull, os.O_RDWR)
             descriptors.append(null)
             ours.append(null)
+        elif given == subprocess.STDOUT and name == "stderr":
+            descriptors.append(descriptors[1])
         elif given == subprocess.PIPE:
             read, write = os.pipe()
             pipes[name] = os.fdopen(read if name != "stdin" else write, "r" if name != "stdin" else "w")
             descriptors.append(write if name != "stdin" else read)
             ours.append(write if name != "stdin" else read)
+        elif isinstance(given, int) and given < 0:
+            raise ValueError(f"{name}={given} is not a descriptor the zygote can take")
         else:
             descriptors.append(given if isinstance(given, int) else given.fileno())
     request = json.dumps({"arguments": arguments[1:], "env": env, "cwd": str(cwd)}).encode()
