@@ -49,6 +49,7 @@ from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
 from shoal.peer.swarm.isolation import ISOLATED_AFTER
 from shoal.peer.swarm.membership import SHOAL_VERSION
+from shoal.peer.swarm.records import RoundPlan
 from shoal.peer.swarm.relay import Reachability
 from shoal.peer.swarm.server import ask_runs
 from shoal.peer.trainer import OutOfMemory
@@ -266,19 +267,19 @@ def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, cr
         _check_compatible(exchange)
     slices = RoundSlices(seq_len=loaded.seq_len, stride=settings.model.batch_size, seed=settings.run.seed)
 
-    def batches(step: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        place, places = peer.plan.slot
+    def batches(step: int, micro: int, size: int, plan: RoundPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        place, places = plan.slot
         inner = step % trainer.inner_steps
         if settings.run.compute_delay and inner == 0 and micro == 0:
             time.sleep(settings.run.compute_delay)  # --compute-delay: a slow peer, on purpose
         inputs, targets = slices.batch(
             streams.train,
-            round_number=peer.plan.round,
+            round_number=plan.round,
             slot=place,
             slots=places,
             micro=inner * settings.model.max_micro_batches + micro,
             batch_size=size,
-            seed=peer.plan.data_seed,
+            seed=plan.data_seed,
         )
         return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 

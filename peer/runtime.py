@@ -48,16 +48,16 @@ class SwarmPeer:
                 ...                                       # report, metrics
             peer.finish(until_round=100)                  # the last round applied, the run's end agreed
 
-    `plan` is the round being computed: the batches read their data slot and seed there. Closing the
-    peer closes the trainer, then the exchange (serving its last payload for at most `drain` to peers
-    that have not pulled it), then the DHT.
+    Each round's plan (`SwarmExchange.plan_round`) goes to the trainer as a value: its batches read
+    their data slot and seed there, and the optimizer hands it to the exchange with the round's
+    payload. Closing the peer closes the trainer, then the exchange (serving its last payload for at
+    most `drain` to peers that have not pulled it), then the DHT.
     """
 
     def __init__(self, dht: hivemind.DHT, identity: RSAPrivateKey, run: str):
         self.dht, self.identity, self.run = dht, identity, run
         self.exchange: SwarmExchange | None = None
         self.trainer: Trainer | None = None
-        self.plan: RoundPlan | None = None
         self.stopped = False
         """Whether the loop ended on a stop (a signal): the peer leaves alone, after a checkpoint."""
         self.drain = timedelta(0)
@@ -141,7 +141,6 @@ class SwarmPeer:
             plan = exchange.plan_round(until_round)
             if plan is None or (until_round is not None and plan.round > until_round):
                 return
-            self.plan = plan
             plan_s = time.perf_counter() - started
             if planned is not None:
                 planned(plan)
@@ -150,7 +149,7 @@ class SwarmPeer:
                 # deadline (one that computes one micro-batch per step keeps to that)
                 trainer.set_compute_window(plan.compute_seconds - self._encode_s - 0.2)
             # the round it computed for: an overlapped optimizer's gather may not have started yet
-            report = trainer.round(plan.round)
+            report = trainer.round(plan.round, plan=plan)
             trainer.end_round(stop is not None and stop.is_set())
             self._encode_s = report.phases["encode"]
             wall = time.perf_counter() - started

@@ -38,9 +38,10 @@ from shoal.peer.stopping import StopRequest
 
 PHASES = ("compute", "encode", "exchange", "decode", "apply")
 
-Batches = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
-"""batches(step, micro, batch_size) -> (inputs, targets): the `micro`-th micro-batch of this peer's
-`step`-th optimizer step, `batch_size` samples."""
+Batches = Callable[[int, int, int, object], tuple[torch.Tensor, torch.Tensor]]
+"""batches(step, micro, batch_size, plan) -> (inputs, targets): the `micro`-th micro-batch of this
+peer's `step`-th optimizer step, `batch_size` samples, for the round `plan` (`Trainer.round`'s: a
+swarm peer's RoundPlan, whose round, slot and data seed choose its data; None without one)."""
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 """loss_fn(model, inputs, targets) -> scalar loss."""
@@ -182,9 +183,10 @@ class Trainer:
         if self.checkpoints is not None and (stopping or due):
             self.save()
 
-    def round(self, number: int | None = None) -> RoundReport:
+    def round(self, number: int | None = None, *, plan: object = None) -> RoundReport:
         """One round: `inner_steps` steps, the last exchanging. `number`: the round it computes for,
-        as its report says (a swarm peer passes its plan's; None: the rounds this trainer has done)."""
+        as its report says (None: the rounds this trainer has done); `plan`: the exchange's plan of
+        that round (a swarm peer's RoundPlan), handed to it with the round's payload."""
         phases: Counter[str] = Counter()
         before = Counter(self.sync.phase_seconds)
         samples = tokens = 0
@@ -195,10 +197,10 @@ class Trainer:
         budget = None if self.compute_window is None else self.compute_window / self.inner_steps
         for _ in range(self.inner_steps):
             start = time.perf_counter()
-            loss, step_samples, step_tokens, step_micro = self._accumulate(micro_batches, budget)
+            loss, step_samples, step_tokens, step_micro = self._accumulate(micro_batches, budget, plan)
             done += step_micro
             middle = time.perf_counter()
-            self.sync.step(samples=step_samples)
+            self.sync.step(samples=step_samples, plan=plan)
             end = time.perf_counter()
             phases["compute"] += middle - start
             # DiLoCo's inner optimizer steps count as computation; its last one also exchanges
@@ -222,7 +224,9 @@ class Trainer:
             phases={k: phases[k] for k in PHASES},
         )
 
-    def _accumulate(self, micro_batches: int, budget: float | None = None) -> tuple[float, int, int, int]:
+    def _accumulate(
+        self, micro_batches: int, budget: float | None = None, plan: object = None
+    ) -> tuple[float, int, int, int]:
         """Forward and backward over the step's micro-batches, or those done when `budget` seconds have
         passed (at least one; the gradient is then scaled to their mean, counted in `cut_short`); on
         out-of-memory, halves the micro-batch and starts the step's accumulation over. Returns (mean
@@ -233,7 +237,7 @@ class Trainer:
                 samples = tokens = 0
                 started = time.perf_counter()
                 for micro in range(micro_batches):
-                    inputs, targets = self.batches(self.steps, micro, self.batch_size)
+                    inputs, targets = self.batches(self.steps, micro, self.batch_size, plan)
                     with self.autocast():
                         loss = self.loss_fn(self.model, inputs, targets)
                     (loss / micro_batches).backward()

@@ -206,8 +206,11 @@ class DeMo(torch.optim.Optimizer):
         return self._slice_cache
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None, *, samples: int = 1) -> float | None:
-        """One DeMo step; `samples` is this participant's sample count (for weighting and reports)."""
+    def step(
+        self, closure: Callable[[], float] | None = None, *, samples: int = 1, plan: object = None
+    ) -> float | None:
+        """One DeMo step; `samples` is this participant's sample count (for weighting and reports),
+        `plan` the round it computed for, handed to the exchange with its payload (Exchange.gather)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -233,7 +236,7 @@ class DeMo(torch.optim.Optimizer):
         self.bytes_sent += len(data)
         claimed, self.carried_samples = samples + self.carried_samples, 0
         if self._background is None:
-            gathered = self._gather(data, claimed, params, selections)
+            gathered = self._gather(data, claimed, params, selections, plan)
             self.phase_seconds["exchange"] += gathered.seconds
             self._adopt(gathered)
             self._apply(gathered, settings)
@@ -243,7 +246,7 @@ class DeMo(torch.optim.Optimizer):
             if self.lookahead:
                 params = self._shift(slices, selections, settings)
             # the state this round compares is the one its aggregate will be applied to, a step from now
-            self._pending = self._background.submit(self._gather, data, claimed, params, selections)
+            self._pending = self._background.submit(self._gather, data, claimed, params, selections, plan)
         return loss
 
     @torch.no_grad()
@@ -317,11 +320,16 @@ class DeMo(torch.optim.Optimizer):
         }
 
     def _gather(
-        self, data: bytes, samples: int, params: list[torch.Tensor], selections: list[TopKCoefficients]
+        self,
+        data: bytes,
+        samples: int,
+        params: list[torch.Tensor],
+        selections: list[TopKCoefficients],
+        plan: object = None,
     ) -> _Gathered:
         """Step 6: the exchange, on the training thread or the background one."""
         start = time.perf_counter()
-        result = self.exchange.gather(data, samples, state=params)
+        result = self.exchange.gather(data, samples, state=params, plan=plan)
         seconds = time.perf_counter() - start
         self.exchange_s += seconds
         return _Gathered(list(result), result.adopted, seconds, selections, samples, result.counted)

@@ -251,21 +251,23 @@ class DiLoCo:
         self._carried: list[torch.Tensor] | None = None
         self._carried_phases = self._carried_samples = 0
 
-    def step(self, *, samples: int = 1) -> None:
+    def step(self, *, samples: int = 1, plan: object = None) -> None:
         """One inner step (the inner optimizer's, then zero_grad); an outer step every `inner_steps`.
 
         `samples` is what this inner step trained on; the round's total weights this participant.
+        `plan`: the round it computes for, handed to the exchange with the outer step's payload.
         """
         self.inner_optimizer.step()
         self.inner_optimizer.zero_grad(set_to_none=True)
         self._inner_step += 1
         self._samples += samples
         if self._inner_step % self.inner_steps == 0:
-            self.outer_step()
+            self.outer_step(plan)
 
     @torch.no_grad()
-    def outer_step(self) -> None:
-        """Ends the inner phase now: exchange pseudo-gradients and step the global parameters."""
+    def outer_step(self, plan: object = None) -> None:
+        """Ends the inner phase now: exchange pseudo-gradients and step the global parameters; `plan`
+        goes to the exchange with them (Exchange.gather)."""
         previous = self._collect_pending()  # before encoding: the codec is not shared across threads
         self._carry(previous, self._last_sent)
         pseudo = [start - p.detach() for start, p in zip(self.global_params, self.params, strict=True)]
@@ -279,7 +281,7 @@ class DiLoCo:
         self._carried = None
         if self.mode == "standard":
             start = time.perf_counter()
-            result = self._round(sent, self.shared_state())
+            result = self._round(sent, self.shared_state(), plan)
             self.stats.waited_s += time.perf_counter() - start
             self._carry(result, sent)
             self._adopt(result)
@@ -289,7 +291,7 @@ class DiLoCo:
                 self._adopt(previous)
                 self._apply_round(previous, self.consensus_params, self.consensus_optimizer)
             # the state compared in this round is the one its mean will be applied to, a step from now
-            self._pending = self._background.submit(self._round, sent, self.shared_state())
+            self._pending = self._background.submit(self._round, sent, self.shared_state(), plan)
             if self.mode == "eager":
                 self._apply(self._eager_direction(previous, sent))
         self._last_sent = sent
@@ -395,13 +397,14 @@ class DiLoCo:
         self.stats.waited_s += elapsed
         return _Sent(data, decoded, samples, phases)
 
-    def _round(self, sent: _Sent, state: list[torch.Tensor]) -> _RoundResult:
+    def _round(self, sent: _Sent, state: list[torch.Tensor], plan: object = None) -> _RoundResult:
         """Gathers every participant's payload and returns the weighted mean (rank order), screened."""
         start = time.perf_counter()
         if self.pieces is None:
-            averaged = Averaged.gathered(self.exchange.gather(sent.payload, sent.samples, state=state))
+            result = self.exchange.gather(sent.payload, sent.samples, state=state, plan=plan)
+            averaged = Averaged.gathered(result)
         else:
-            averaged = self.exchange.average(sent.payload, sent.samples, state, self.pieces)
+            averaged = self.exchange.average(sent.payload, sent.samples, state, self.pieces, plan)
         contributions, adopted, counted = averaged.contributions, averaged.adopted, averaged.counted
         gathered = time.perf_counter()
         self.stats.phase_seconds["exchange"] += gathered - start

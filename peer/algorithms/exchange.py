@@ -131,20 +131,30 @@ class Exchange(ABC):
         """How many participants take part in each collective."""
 
     @abstractmethod
-    def gather(self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None) -> Gathered:
+    def gather(
+        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None, plan: object = None
+    ) -> Gathered:
         """Every participant's payload (this one's included), ordered by rank, and what else the round
         decided for this participant (`Gathered`).
 
         `state`: this participant's shared state at the start of the round (see the module docstring);
-        exchanges that do not compare states ignore it."""
+        exchanges that do not compare states ignore it. `plan`: the round the payload was computed
+        for, as the caller planned it (the swarm: `SwarmExchange.plan_round`'s RoundPlan), passed in
+        with the payload, so that an overlapped optimizer's gather on another thread takes its own
+        round's plan; exchanges that do not plan rounds ignore it."""
 
     def average(
-        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None, pieces: "Pieces"
+        self,
+        payload: bytes,
+        samples: int,
+        state: Sequence[torch.Tensor] | None,
+        pieces: "Pieces",
+        plan: object = None,
     ) -> Averaged:
         """Like `gather`, for a dense payload that `pieces` (shoal.peer.algorithms.butterfly) can cut: an
         exchange that can average it piece by piece returns the mean; others (this default) the
         contributions."""
-        return Averaged.gathered(self.gather(payload, samples, state))
+        return Averaged.gathered(self.gather(payload, samples, state, plan))
 
     def reject(self, contribution: Contribution, reason: str) -> None:
         """The caller dropped `contribution` of the last gather (malformed, or an outlier)."""
@@ -201,7 +211,9 @@ class LoopbackExchange(Exchange):
     def world_size(self) -> int:
         return self._hub.world_size
 
-    def gather(self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None) -> Gathered:
+    def gather(
+        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None, plan: object = None
+    ) -> Gathered:
         everyone = self._hub.all_gather(self._rank, Contribution(self._rank, bytes(payload), samples))
         self._round += 1
         chosen = choose(
@@ -354,7 +366,9 @@ class TorchDistributedExchange(Exchange):
     def world_size(self) -> int:
         return dist.get_world_size(self._group)
 
-    def gather(self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None) -> Gathered:
+    def gather(
+        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None, plan: object = None
+    ) -> Gathered:
         header = torch.tensor([len(payload), samples], dtype=torch.int64, device=self._device)
         headers = [torch.empty_like(header) for _ in range(self.world_size)]
         dist.all_gather(headers, header, group=self._group)

@@ -38,9 +38,10 @@ class Synchronizer(ABC):
     """Optimizer steps per round; the last of them exchanges."""
 
     @abstractmethod
-    def step(self, *, samples: int) -> None:
+    def step(self, *, samples: int, plan: object = None) -> None:
         """One optimizer step on the accumulated gradients, which it then clears; `samples`: what the
-        step trained on (it weighs this participant in the round)."""
+        step trained on (it weighs this participant in the round); `plan`: the round it computes for,
+        handed to the exchange with the round's payload."""
 
     @abstractmethod
     def finish(self) -> None:
@@ -104,8 +105,8 @@ class DeMoSynchronizer(Synchronizer):
             lookahead=config.overlapped,  # Psyche's: see shoal.peer.algorithms.demo
         )
 
-    def step(self, *, samples: int) -> None:
-        self.optimizer.step(samples=samples)
+    def step(self, *, samples: int, plan: object = None) -> None:
+        self.optimizer.step(samples=samples, plan=plan)
         self.optimizer.zero_grad(set_to_none=True)
 
     def finish(self) -> None:
@@ -168,8 +169,8 @@ class DiLoCoSynchronizer(Synchronizer):
         )
         self.inner_steps = config.inner_steps
 
-    def step(self, *, samples: int) -> None:
-        self.diloco.step(samples=samples)
+    def step(self, *, samples: int, plan: object = None) -> None:
+        self.diloco.step(samples=samples, plan=plan)
 
     def finish(self) -> None:
         self.diloco.finish()

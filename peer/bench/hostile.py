@@ -173,8 +173,8 @@ class _Wrapped(Exchange):
     def world_size(self) -> int:
         return self.inner.world_size
 
-    def gather(self, payload: bytes, samples: int, state=None) -> Gathered:
-        return self.inner.gather(payload, samples, state=state)
+    def gather(self, payload: bytes, samples: int, state=None, plan=None) -> Gathered:
+        return self.inner.gather(payload, samples, state=state, plan=plan)
 
     @property
     def gather_limit(self) -> int:
@@ -211,15 +211,15 @@ class Poisoned(_Wrapped):
         self.generator = torch.Generator().manual_seed(seed)
         self.collusion, self.leader = collusion, leader
 
-    def gather(self, payload: bytes, samples: int, state=None) -> Gathered:
+    def gather(self, payload: bytes, samples: int, state=None, plan=None) -> Gathered:
         samples = LIED_SAMPLES if self.attack == "sample_lie" else samples
         payload = poison(payload, self.attack, self.generator)
         if self.collusion is not None:
             payload = self.collusion.share(self.leader, payload)
-        return self.inner.gather(payload, samples, state=state)
+        return self.inner.gather(payload, samples, state=state, plan=plan)
 
-    def average(self, payload, samples, state, pieces) -> Averaged:
-        return Averaged.gathered(self.gather(payload, samples, state))
+    def average(self, payload, samples, state, pieces, plan=None) -> Averaged:
+        return Averaged.gathered(self.gather(payload, samples, state, plan))
 
 
 @dataclass(slots=True)
@@ -254,8 +254,8 @@ class _Recorder(_Wrapped):
         self.counted = 0
         """Rounds in which this worker's own contribution was among those that count."""
 
-    def gather(self, payload: bytes, samples: int, state=None) -> Gathered:
-        result = self.inner.gather(payload, samples, state=state)
+    def gather(self, payload: bytes, samples: int, state=None, plan=None) -> Gathered:
+        result = self.inner.gather(payload, samples, state=state, plan=plan)
         self.counted += result.counted
         return result
 

@@ -78,7 +78,9 @@ def worker(args: argparse.Namespace) -> None:
             coordinator=link,
         )
         trainer = peer.train(
-            model, DeMoConfig(), lambda step, _micro, _size: plan.batch(streams.train, step, args.index)
+            model,
+            DeMoConfig(),
+            lambda step, _micro, _size, _plan: plan.batch(streams.train, step, args.index),
         )
         if not args.coordinator:  # a peer ready early would compute and exchange round 0 before the window
             time.sleep(max(0.0, args.start - time.time()))

@@ -183,7 +183,7 @@ def _swarm(args, model, batch) -> dict:
         trainer = peer.train(
             model,
             algorithm,
-            lambda step, _micro, _size: batch(step),
+            lambda step, _micro, _size, _plan: batch(step),
             codec=codec_for(algorithm) if args.method in EXTRA_METHODS else DenseCodec(4),
             batch_size=args.batch_size,
         )

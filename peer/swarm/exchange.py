@@ -51,7 +51,6 @@ import dataclasses
 import functools
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
@@ -174,7 +173,6 @@ class SwarmExchange(Exchange):
         self.ledger = Ledger(self.owner, self.counts, strike_limit=strike_limit, ban_rounds=ban_rounds)
         """Strikes, bans and replays (shoal.peer.swarm.ledger)."""
         self.isolation = Isolation()  # whether it reaches anyone (shoal.peer.swarm.isolation)
-        self._plans: deque[RoundPlan] = deque()  # planned, not yet gathered (DiLoCo: in the background)
         self.server = self.server_type(
             run=run,
             counts=self.counts,
@@ -253,10 +251,11 @@ class SwarmExchange(Exchange):
 
     def plan_round(self, last_round: int | None = None) -> RoundPlan | None:
         """The round the next computation is for. With a reachable coordinator: the next round it
-        announces (waiting for it), with its compute budget, data seed and this peer's slot; the next
-        `gather` then aggregates exactly the participant set the coordinator decides. Otherwise: the
-        round in progress on the clock, uncoordinated, or the next one while an overlapped optimizer still
-        gathers that one; the next `gather` joins it (or, late, the round in progress then).
+        announces (waiting for it), with its compute budget, data seed and this peer's slot; the
+        `gather` given this plan then aggregates exactly the participant set the coordinator decides.
+        Otherwise: the round in progress on the clock, uncoordinated, or the next one while an
+        overlapped optimizer still gathers that one; the `gather` given it joins it (or, late, the
+        round in progress then). The caller passes the plan along with the round's payload.
 
         `last_round`: the run ends after it (`--until-round`). None once the clock, at the coordinator's
         last pace, is a round past it and no plan came: the coordinator announces no more rounds (the
@@ -264,20 +263,26 @@ class SwarmExchange(Exchange):
         while True:  # in slices, so that a stop (Ctrl-C) is noticed by the caller's signal handler
             plan = self._call(self.rounds.plan(wait=1.0))
             if plan is not None:
-                self._plans.append(plan)
                 return plan
             if last_round is not None and self.schedule.round_at(time.time()) > last_round + 1:
                 return None
 
-    def gather(self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None) -> Gathered:
-        return self._gather(payload, samples, state, None)
+    def gather(
+        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None, plan: object = None
+    ) -> Gathered:
+        return self._gather(payload, samples, state, None, plan)
 
     def average(
-        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None, pieces: Pieces
+        self,
+        payload: bytes,
+        samples: int,
+        state: Sequence[torch.Tensor] | None,
+        pieces: Pieces,
+        plan: RoundPlan | None = None,
     ) -> Averaged:
         """A coordinated round of at least `butterfly.MIN_PARTICIPANTS` is averaged piece by piece
         (shoal.peer.algorithms.butterfly); any other round is gathered."""
-        result = self._gather(payload, samples, state, pieces)
+        result = self._gather(payload, samples, state, pieces, plan)
         return result if isinstance(result, Averaged) else Averaged.gathered(result)
 
     def _gather(
@@ -286,8 +291,9 @@ class SwarmExchange(Exchange):
         samples: int,
         state: Sequence[torch.Tensor] | None,
         pieces: Pieces | None,
+        plan: RoundPlan | None,
     ) -> Gathered | Averaged:
-        plan = self._plans.popleft() if self._plans else None
+        """The round `plan` names (None: the next on the clock, uncoordinated)."""
         coordinated = plan is not None and plan.coordinated
         round_number = self._take_round(None if plan is None else plan.round, coordinated=coordinated)
         self.last_round = round_number

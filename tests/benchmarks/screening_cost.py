@@ -17,7 +17,7 @@ import json
 import torch
 
 from shoal.peer.algorithms.demo import DeMo
-from shoal.peer.algorithms.exchange import Contribution, Exchange
+from shoal.peer.algorithms.exchange import Contribution, Exchange, Gathered
 from shoal.peer.algorithms.robust import DILOCO, NONE, Robustness, screen
 from shoal.peer.model import GPTConfig, TinyGPT
 from tests.benchmarks.demo_step_overhead import median_ms
@@ -36,9 +36,10 @@ class _Others(Exchange):
     rank = property(lambda self: 0)
     world_size = property(lambda self: 1 + len(self.others))
 
-    def gather(self, payload, samples, state=None):
+    def gather(self, payload, samples, state=None, plan=None):
         mine = [Contribution(0, payload, samples, b"me")]
-        return mine + [Contribution(i + 1, p, samples, bytes([i + 1])) for i, p in enumerate(self.others)]
+        others = [Contribution(i + 1, p, samples, bytes([i + 1])) for i, p in enumerate(self.others)]
+        return Gathered((*mine, *others))
 
     def mean(self, tensor, weight=1.0):
         raise NotImplementedError
@@ -49,9 +50,9 @@ def payloads(model: TinyGPT, count: int) -> list[bytes]:
     sent = []
 
     class Capture(_Others):
-        def gather(self, payload, samples, state=None):
+        def gather(self, payload, samples, state=None, plan=None):
             sent.append(payload)
-            return super().gather(payload, samples, state)
+            return super().gather(payload, samples, state, plan)
 
     for _ in range(count):
         params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]

@@ -53,10 +53,10 @@ class LyingExchange(SwarmExchange):
         super().__init__(*args, **kwargs)
         self._generator = torch.Generator().manual_seed(11)
 
-    def gather(self, payload, samples, state=None):
+    def gather(self, payload, samples, state=None, plan=None):
         if self.lying:
             payload = hostile.poison(payload, "sign_flip", self._generator)
-        return super().gather(payload, samples, state)
+        return super().gather(payload, samples, state, plan)
 
 
 class VanishingExchange(SwarmExchange):

@@ -39,7 +39,7 @@ def unknown_field(value: int) -> bytes:
     return b"\xf8\x07" + bytes([value % 128])
 
 
-def gather(self, payload, samples, state=None):
+def gather(self, payload, samples, state=None, plan=None):
     if ATTACK == "claim_and_stale_digest":
         samples = hostile.LIED_SAMPLES
     elif ATTACK == "unserved_and_replay":
@@ -51,7 +51,7 @@ def gather(self, payload, samples, state=None):
     else:
         payload = hostile.poison(payload, "sign_flip" if ATTACK == "sample_lie" else ATTACK, generator)
         samples = hostile.LIED_SAMPLES if ATTACK == "sample_lie" else samples
-    return honest_gather(self, payload, samples, state)
+    return honest_gather(self, payload, samples, state, plan)
 
 
 class UnservingServer(PayloadServer):

@@ -64,7 +64,7 @@ class HostileExchange(SwarmExchange):
         self.attacks = 0  # rounds gathered so far (`rounds` is the exchange's coordinated rounds)
         self.first_payload = b""
 
-    def gather(self, payload, samples, state=None):
+    def gather(self, payload, samples, state=None, plan=None):
         attack = ATTACKS[self.attacks] if self.attacks < len(ATTACKS) else "none"
         self.attacks += 1
         self.first_payload = self.first_payload or payload
@@ -83,7 +83,7 @@ class HostileExchange(SwarmExchange):
             payload = payload + bytes(MAX_PAYLOAD_BYTES)
         elif attack == "replay":
             payload = self.first_payload
-        contributions = super().gather(payload, samples, state)
+        contributions = super().gather(payload, samples, state, plan)
         if self.attacks == 1:  # its honest first payload counts everywhere
             return contributions
         return contributions.only(c for c in contributions if c.sender != self.owner)
@@ -170,7 +170,7 @@ def main() -> None:
         trainer = peer.train(
             model,
             algorithm,
-            lambda step, _micro, _size: plan.batch(streams.train, step, args.index),
+            lambda step, _micro, _size, _plan: plan.batch(streams.train, step, args.index),
             codec=None if isinstance(algorithm, DeMoConfig) else DenseCodec(8),
             checkpoints=CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None,
         )

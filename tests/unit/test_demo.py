@@ -138,7 +138,7 @@ class _FixedExchange(Exchange):
     rank = property(lambda self: 0)
     world_size = property(lambda self: 1 + len(self.others))
 
-    def gather(self, payload: bytes, samples: int, state=None) -> Gathered:
+    def gather(self, payload: bytes, samples: int, state=None, plan=None) -> Gathered:
         self.sent.append(payload)
         return Gathered((Contribution(0, payload, samples), *self.others), adopted=self.adopt)
 
@@ -336,8 +336,8 @@ class _OneRoundLate(Exchange):
     rank = property(lambda self: self.inner.rank)
     world_size = property(lambda self: self.inner.world_size)
 
-    def gather(self, payload: bytes, samples: int, state=None) -> Gathered:
-        previous, self.held = self.held, self.inner.gather(payload, samples, state=state)
+    def gather(self, payload: bytes, samples: int, state=None, plan=None) -> Gathered:
+        previous, self.held = self.held, self.inner.gather(payload, samples, state=state, plan=plan)
         return previous
 
     def mean(self, tensor, weight=1.0):

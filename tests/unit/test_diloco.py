@@ -191,10 +191,10 @@ def test_eager_direction_replaces_the_stale_own_share_by_the_fresh_one():
         snapshots = []
         outer_step = diloco.outer_step
 
-        def recorded_outer_step():  # theta before, own pseudo-gradient, theta after
+        def recorded_outer_step(plan=None):  # theta before, own pseudo-gradient, theta after
             before = [g.clone() for g in diloco.global_params]
             own = [b - p.detach() for b, p in zip(before, diloco.params, strict=True)]
-            outer_step()
+            outer_step(plan)
             snapshots.append((before, own, [g.clone() for g in diloco.global_params]))
 
         diloco.outer_step = recorded_outer_step
@@ -225,10 +225,10 @@ def eager_histories(workers: int, robust: Robustness) -> list[list]:
         snapshots, results = [], []
         outer_step, collect = diloco.outer_step, diloco._collect_pending
 
-        def recorded_outer_step():
+        def recorded_outer_step(plan=None):
             before = [g.clone() for g in diloco.global_params]
             own = [b - p.detach() for b, p in zip(before, diloco.params, strict=True)]
-            outer_step()
+            outer_step(plan)
             snapshots.append((before, own, [g.clone() for g in diloco.global_params]))
 
         def recorded_collect():

@@ -89,7 +89,7 @@ class _Nobody(Exchange):
         self.claims: list[int] = []
         self.payloads: list[bytes] = []
 
-    def gather(self, payload, samples, state=None) -> Gathered:
+    def gather(self, payload, samples, state=None, plan=None) -> Gathered:
         self.claims.append(samples)
         self.payloads.append(payload)
         return Gathered(counted=False)

@@ -46,7 +46,7 @@ def test_two_workers_train_it_with_demo_and_agree(gpt2_dir):
         loaded = models[rank]
         generator = torch.Generator().manual_seed(rank)
 
-        def batches(_step, _micro, size):
+        def batches(_step, _micro, size, _plan):
             tokens = torch.randint(0, 256, (size, 17), generator=generator)
             return tokens[:, :-1], tokens[:, 1:]
 

@@ -23,7 +23,7 @@ class _NothingCounts(Exchange):
     def __init__(self):
         self.refused: list[str] = []
 
-    def gather(self, payload, samples, state=None) -> Gathered:
+    def gather(self, payload, samples, state=None, plan=None) -> Gathered:
         return Gathered()
 
     def refuse(self, reason: str) -> None:

@@ -120,7 +120,7 @@ class _Fixed(Exchange):
     rank = property(lambda self: 0)
     world_size = property(lambda self: 1 + len(self.others))
 
-    def gather(self, payload, samples, state=None):
+    def gather(self, payload, samples, state=None, plan=None):
         return Gathered((Contribution(0, payload, samples, b"me"), *self.others))
 
     def mean(self, tensor, weight=1.0):

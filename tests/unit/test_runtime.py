@@ -53,7 +53,7 @@ class Linear(nn.Module):
         return ((self.layer(inputs) - targets) ** 2).mean()
 
 
-def batches(step: int, micro: int, size: int):
+def batches(step: int, micro: int, size: int, plan=None):
     generator = torch.Generator().manual_seed(step * 1000 + micro)
     return torch.randn(size, 4, generator=generator), torch.randn(size, 1, generator=generator)
 
@@ -115,7 +115,9 @@ def test_accumulated_micro_batches_give_the_mean_gradient():
     peer = trainer(batch_size=4)
     peer.micro_batches = 2
     grads = []
-    peer.sync.optimizer.step = lambda samples: grads.append([p.grad.clone() for p in peer.model.parameters()])
+    peer.sync.optimizer.step = lambda samples, plan=None: grads.append(
+        [p.grad.clone() for p in peer.model.parameters()]
+    )
     peer.round()
     model = Linear()
     model.load_state_dict(peer.model.state_dict())
@@ -141,7 +143,9 @@ def test_a_step_whose_micro_batches_slow_down_stops_at_its_window_with_the_mean_
     assert peer.micro_batches >= 4 and peer.cut_short == 0
     planned, delay[0] = peer.micro_batches, 0.05
     grads = []
-    peer.sync.optimizer.step = lambda samples: grads.append([p.grad.clone() for p in peer.model.parameters()])
+    peer.sync.optimizer.step = lambda samples, plan=None: grads.append(
+        [p.grad.clone() for p in peer.model.parameters()]
+    )
     started = time.perf_counter()
     report = peer.round()
     assert time.perf_counter() - started < 0.1 + 3 * 0.05
@@ -205,4 +209,39 @@ def test_a_diloco_config_builds_its_outer_loop_and_its_name_goes_into_checkpoint
     assert peer.rounds_done == 2 and peer.state_dict()["algorithm"] == "diloco-eager"
     with pytest.raises(ValueError, match="checkpoint of 'diloco-eager', this peer runs 'demo'"):
         trainer().load_state_dict(peer.state_dict())
+    peer.close()
+
+
+class PlanRecorder(LoopbackExchange):
+    """A one-worker loopback that records the plan each gather was handed."""
+
+    def __init__(self):
+        single = LoopbackExchange.group(1)[0]
+        super().__init__(single._hub, 0)
+        self.plans: list[object] = []
+
+    def gather(self, payload, samples, state=None, plan=None):
+        self.plans.append(plan)
+        return super().gather(payload, samples, state, plan)
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        DeMoConfig(),
+        DeMoConfig(overlapped=True),
+        DiLoCoConfig(mode="standard", inner_steps=2),
+        DiLoCoConfig(mode="eager", inner_steps=2),
+    ],
+    ids=["demo", "demo-overlap", "diloco-standard", "diloco-eager"],
+)
+def test_each_round_hands_its_own_plan_to_the_exchange_with_its_payload(algorithm):
+    """The plan travels with the payload: an overlapped optimizer's gather, a round late on its own
+    thread, takes the plan of the round it computed, not the one the loop planned since."""
+    exchange = PlanRecorder()
+    peer = Trainer(Linear(), exchange, algorithm=algorithm, batches=batches)
+    reports = [peer.round(number, plan=f"plan {number}") for number in (5, 6, 7)]
+    peer.finish()
+    assert exchange.plans == ["plan 5", "plan 6", "plan 7"]
+    assert [r.round for r in reports] == [5, 6, 7]
     peer.close()
