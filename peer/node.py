@@ -13,14 +13,10 @@ peer at the end of the round in progress, with a checkpoint when `--checkpoint-d
 With `--metrics-port` the peer serves Prometheus metrics (shoal.peer.metrics); with `--address-file`
 it writes the address others join through, for scripts and containers.
 
-Data: in round r the peer in slot s of the round's peers trains on its own windows
-(shoal.peer.data.RoundSlices); DiLoCo's inner steps of one round take successive micro-batch slots.
+The peer is put together by shoal.peer.assembly (`build_peer`), as every other peer is.
 """
 
 import dataclasses
-import hashlib
-import json
-import math
 import sys
 import time
 from datetime import timedelta
@@ -30,14 +26,12 @@ from typing import IO
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
-from shoal.peer.algorithms.configs import DiLoCoConfig
-from shoal.peer.algorithms.diloco import codec_for
-from shoal.peer.checkpoint import CheckpointStore
-from shoal.peer.data import RoundSlices, TokenStreams, load_data, validation_loss
+from shoal.peer.assembly import PeerSummary, Workload, build_peer, load_workload, start_peer
+from shoal.peer.clock import ClockError, save_clock, saved_clock
+from shoal.peer.data import validation_loss
 from shoal.peer.files import replace_text
-from shoal.peer.hardware import DeviceError, autocast_for, choose_device, memory_in_use
+from shoal.peer.hardware import memory_in_use
 from shoal.peer.metrics import PeerMetrics, build_info
-from shoal.peer.models import LoadedModel, ModelError, load_model
 from shoal.peer.progress import Progress
 from shoal.peer.runtime import SwarmPeer
 from shoal.peer.settings import PARSERS, PeerSpec, SettingsError
@@ -49,7 +43,6 @@ from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
 from shoal.peer.swarm.isolation import ISOLATED_AFTER
 from shoal.peer.swarm.membership import SHOAL_VERSION
-from shoal.peer.swarm.records import RoundPlan
 from shoal.peer.swarm.relay import Reachability
 from shoal.peer.swarm.server import ask_runs
 from shoal.peer.trainer import OutOfMemory
@@ -76,15 +69,6 @@ DRAIN_MAX_S = 30.0  # the longest a leaving peer serves its last payload to peer
 
 class JoinError(RuntimeError):
     """A failure the volunteer can act on; the message says how."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Workload:
-    """What the peer trains on and with, loaded (and so checked) before the DHT starts."""
-
-    device: torch.device
-    model: LoadedModel
-    streams: TokenStreams
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,19 +103,7 @@ def _join(settings: PeerSpec, progress: Progress) -> dict:
     credentials = _check_coordinator(settings)
     identity = _identity(settings.network.identity, progress)
     try:
-        peer = SwarmPeer.start(
-            settings.run.name,
-            settings.network.initial_peers,
-            host_maddrs=[f"/ip4/{settings.network.host}/tcp/{settings.network.port}"],
-            identity=identity,
-            identity_path=settings.network.identity,
-            relay=settings.network.relay == "on",
-            **(
-                {"announce_maddrs": list(settings.network.announce_maddrs)}
-                if settings.network.announce_maddrs
-                else {}
-            ),
-        )
+        peer = start_peer(settings, identity=identity)
     except BootstrapError as error:
         raise JoinError(str(error)) from None
     # the others may still be pulling this peer's last payload when it leaves: it serves it for up to a
@@ -229,82 +201,38 @@ def _announce_address(
 
 
 def _workload(settings: PeerSpec) -> Workload:
-    """The device, model and data the settings name; SettingsError naming the flag if one is unusable.
-    The model is built on the CPU here, and moved to the device once the DHT's process is forked."""
+    """The device, model and data the settings name (shoal.peer.assembly.load_workload); SettingsError
+    naming the flag if one is unusable."""
     try:
-        device = choose_device(settings.model.device)
-        loaded = load_model(settings.model.name, seed=settings.run.seed)
-        streams = load_data(settings.data.source)
-    except (DeviceError, ModelError, ValueError) as error:
+        return load_workload(settings)
+    except ValueError as error:  # DeviceError and ModelError are ValueErrors
         raise SettingsError(str(error)) from None
-    if loaded.vocab_size is not None and streams.vocab_size > loaded.vocab_size:
-        raise SettingsError(
-            f"--data {settings.data.source} has token ids up to {streams.vocab_size - 1}, but --model "
-            f"{settings.model.name} reads only {loaded.vocab_size} distinct tokens"
-        )
-    return Workload(device, loaded, streams)
 
 
 def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, credentials) -> dict:
-    device, loaded, streams = workload.device, workload.model, workload.streams
-    model = loaded.module.to(device)
-    numel = loaded.parameters
     if schedule is None:
-        schedule = _saved_clock(settings, progress) or RoundSchedule(
+        schedule = saved_clock(settings, progress) or RoundSchedule(
             start_time=settings.run.start_time or time.time() + 0.5, round_seconds=settings.run.round_seconds
         )
     _save_clock(settings, schedule)
-    exchange = peer.connect(
+    trainer = build_peer(
+        peer,
+        settings,
         schedule,
-        settings.run_config(),
+        workload,
         coordinator=_coordinator_link(settings, credentials, peer.dht.peer_id.to_base58()),
-        device=str(device),
-        max_payload_bytes=max(1 << 20, 8 * numel),
-        rejoin=settings.network.initial_peers,
-        gather_limit=settings.run.gather,
+        warn=lambda text: progress.message(f"warning: {text}"),
     )
     if settings.network.initial_peers:
-        _check_compatible(exchange)
-    slices = RoundSlices(seq_len=loaded.seq_len, stride=settings.model.batch_size, seed=settings.run.seed)
-
-    def batches(step: int, micro: int, size: int, plan: RoundPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        place, places = plan.slot
-        inner = step % trainer.inner_steps
-        if settings.run.compute_delay and inner == 0 and micro == 0:
-            time.sleep(settings.run.compute_delay)  # --compute-delay: a slow peer, on purpose
-        inputs, targets = slices.batch(
-            streams.train,
-            round_number=plan.round,
-            slot=place,
-            slots=places,
-            micro=inner * settings.model.max_micro_batches + micro,
-            batch_size=size,
-            seed=plan.data_seed,
-        )
-        return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-
-    algorithm = settings.algorithm_config()
-    trainer = peer.train(
-        model,
-        algorithm,
-        batches,
-        codec=codec_for(algorithm) if isinstance(algorithm, DiLoCoConfig) else None,
-        checkpoints=_checkpoint_store(settings, progress),
-        checkpoint_every=settings.checkpoint.every,
-        loss_fn=loaded.loss_fn,
-        batch_size=settings.model.batch_size,
-        compute_window=settings.run.round_seconds * settings.run.compute_fraction,
-        max_micro_batches=settings.model.max_micro_batches,
-        autocast=autocast_for(device),
-    )
-    metrics = _serve_metrics(settings, progress, exchange, trainer, device, numel)
+        _check_compatible(peer.exchange)
+    numel = workload.model.parameters
+    metrics = _serve_metrics(settings, progress, peer.exchange, trainer, workload.device, numel)
     try:
         if trainer.resume():
             progress.message(f"resumed from the checkpoint of round {trainer.checkpoints.loaded_round}")
         progress.message(
             f"training {settings.model.name} ({numel:,} parameters) with {settings.algorithm.name} on "
-            f"{device}, "
-            f"data {streams.name}; rounds of {schedule.round_seconds:g} s"
+            f"{workload.device}, data {workload.streams.name}; rounds of {schedule.round_seconds:g} s"
         )
         return _loop(settings, progress, peer, workload, metrics)
     except OutOfMemory as error:
@@ -316,59 +244,11 @@ def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, cr
             metrics.close()
 
 
-def _checkpoint_store(settings: PeerSpec, progress: Progress) -> CheckpointStore | None:
-    """--checkpoint-dir's store, if set. A checkpoint that cannot be written is a warning, and training
-    goes on (shoal.peer.checkpoint)."""
-    if not settings.checkpoint.dir:
-        return None
-    return CheckpointStore(settings.checkpoint.dir, warn=lambda text: progress.message(f"warning: {text}"))
-
-
-CLOCK_FILE = "clock.json"
-"""In the checkpoint folder: the swarm's round clock, which a peer restarted without --initial-peers (a
-swarm's first peer, its container restarted) keeps, so that the others still take it for one of theirs."""
-
-
-def _saved_clock(settings: PeerSpec, progress: Progress) -> RoundSchedule | None:
-    """The clock saved in the checkpoint folder, if it is this run's, with these rounds, and no
-    --start-time says otherwise."""
-    if not settings.checkpoint.dir or settings.run.start_time:
-        return None
-    path = Path(settings.checkpoint.dir) / CLOCK_FILE
-    try:
-        saved = json.loads(path.read_text())
-        start_time, round_seconds = float(saved["start_time"]), float(saved["round_seconds"])
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        progress.message(f"ignoring {path} ({error}): starting a new round clock")
-        return None
-    if saved.get("run") != settings.run.name or round_seconds != settings.run.round_seconds:
-        return None  # another swarm, or other rounds on purpose: a new clock
-    if not (math.isfinite(start_time) and 0 < start_time <= time.time() + 86400):
-        progress.message(f"ignoring {path}: its start time {start_time} is not a time")
-        return None
-    progress.message(f"continuing the round clock of {path} (rounds of {round_seconds:g} s)")
-    return RoundSchedule(start_time=start_time, round_seconds=round_seconds)
-
-
 def _save_clock(settings: PeerSpec, schedule: RoundSchedule) -> None:
-    """Keeps the round clock in the checkpoint folder; JoinError if it cannot be written there (it was
-    writable when the peer started: it cannot be now, before any round is lost)."""
-    if settings.checkpoint.dir:
-        clock = {
-            "run": settings.run.name,
-            "start_time": schedule.start_time,
-            "round_seconds": schedule.round_seconds,
-        }
-        path = Path(settings.checkpoint.dir) / CLOCK_FILE
-        try:
-            replace_text(path, json.dumps(clock), durable=True)
-        except OSError as error:
-            raise JoinError(
-                f"cannot write the round clock {path}: {error.strerror or error}: make the folder writable, "
-                "or choose another --checkpoint-dir"
-            ) from None
+    try:
+        save_clock(settings, schedule)
+    except ClockError as error:
+        raise JoinError(str(error)) from None
 
 
 def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: PeerMetrics | None) -> dict:
@@ -421,7 +301,7 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
     loaded, batch_size = workload.model, peer.trainer.batch_size
     held_out = (loaded.module, loaded.loss_fn, workload.streams.validation, loaded.seq_len)
     validation = validation_loss(*held_out, batch_size=batch_size) if reports else None
-    return _summary(settings, progress, peer, workload.model.module, reports, final_resync, validation)
+    return _summary(settings, progress, peer, reports, final_resync, validation)
 
 
 def _tell_alone(progress: Progress, alone: bool, report) -> None:
@@ -493,49 +373,15 @@ def _write_address(path: str, address: str) -> None:
         raise JoinError(f"--address-file {path}: {error.strerror}") from None
 
 
-def _summary(settings, progress, peer: SwarmPeer, model, reports, final_resync, validation) -> dict:
-    """The run as this peer saw it, logged as the `summary` event (and, for a person, one line)."""
-    exchange, trainer, stopped = peer.exchange, peer.trainer, peer.stopped
-    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))
-    store = trainer.checkpoints
-    summary = {
-        "rounds": len(reports),
-        "first_round": reports[0].round if reports else None,
-        "last_round": reports[-1].round if reports else None,
-        "initial_loss": reports[0].loss if reports else None,
-        "final_loss": reports[-1].loss if reports else None,
-        "validation_loss": validation,
-        "param_hash": digest.hexdigest(),
-        "bytes_sent": exchange.counts.bytes_sent,
-        "bytes_received": exchange.counts.bytes_received,
-        "via_relay": dict(exchange.counts.via_relay),
-        "resyncs": exchange.counts.resyncs,
-        "final_resync": final_resync,
-        "coordinated_rounds": exchange.counts.coordinated_rounds,
-        "butterfly_rounds": exchange.counts.butterfly_rounds,
-        "pieces_recomputed": exchange.counts.pieces_recomputed,
-        "dht_stores": exchange.counts.dht_stores,
-        "round_clock": [exchange.schedule.start_time, exchange.schedule.round_seconds],
-        "clocks_adopted": exchange.counts.clocks_adopted,
-        "late_rounds": exchange.counts.late,
-        "left_out_rounds": exchange.counts.left_out,
-        "isolated_rounds": exchange.isolation.rounds,
-        "steps_cut_short": trainer.cut_short,
-        "rejected": dict(exchange.counts.rejected),
-        "stopped": stopped,
-        "checkpoint": str(store.directory) if stopped and store and not store.last_write_failed else None,
-    }
-    progress.event("summary", **summary)
+def _summary(settings, progress, peer: SwarmPeer, reports, final_resync, validation) -> dict:
+    """The run as this peer saw it (shoal.peer.assembly.PeerSummary), logged as the `summary` event
+    (and, for a person, one line)."""
+    summary = PeerSummary.of(peer, reports, validation=validation, final_resync=final_resync)
+    event = summary.event()
+    progress.event("summary", **event)
     if settings.logging.format == "human":
-        ending = "stopped" + (", checkpoint saved" if summary["checkpoint"] else "") if stopped else "done"
-        progress.message(
-            f"{ending}: {len(reports)} rounds, "
-            f"loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
-            + ("" if validation is None else f", validation loss {validation:.4f}")
-            if reports
-            else f"{ending}: no round finished"
-        )
-    return summary
+        progress.message(summary.line())
+    return event
 
 
 def _check_coordinator(settings: PeerSpec) -> Credentials | None:

@@ -23,7 +23,6 @@ traffic is on loopback too and counted. Rounds then start when the coordinator a
 """
 
 import argparse
-import hashlib
 import json
 import os
 import statistics
@@ -50,57 +49,58 @@ def loopback_tx_bytes() -> int:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from shoal.peer.algorithms.configs import DeMoConfig, run_config
-    from shoal.peer.data import BatchPlan, stdlib_corpus
+    from shoal.peer.assembly import PeerSummary, Workload, build_peer, start_peer
+    from shoal.peer.data import stdlib_corpus
     from shoal.peer.model import GPTConfig, TinyGPT
-    from shoal.peer.runtime import SwarmPeer
+    from shoal.peer.models import LoadedModel
+    from shoal.peer.spec import PeerSpec
     from shoal.peer.swarm.records import RoundSchedule
+    from shoal.peer.trainer import model_loss
 
     torch.set_num_threads(1)
-    config = run_config(args.model, DeMoConfig(), gather=args.gather)
-    with SwarmPeer.start("bench", [args.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as peer:
-        model_config = GPTConfig.preset("small" if args.model == "10m" else "tiny", **MODELS[args.model])
-        torch.manual_seed(0)
-        model = TinyGPT(model_config)
-        streams = stdlib_corpus(max_bytes=4 << 20)
-        plan = BatchPlan(seq_len=model_config.seq_len, batch_size=4, workers=args.peers)
+    spec = PeerSpec.of(
+        run="bench",
+        initial_peers=(args.initial_peer,),
+        host="127.0.0.1",
+        model=args.model,
+        gather=args.gather,
+        round_seconds=args.round_seconds,
+        batch_size=4,
+        device="cpu",
+    )
+    model_config = GPTConfig.preset("small" if args.model == "10m" else "tiny", **MODELS[args.model])
+    torch.manual_seed(0)
+    model = LoadedModel(TinyGPT(model_config), model_loss, model_config.seq_len, model_config.vocab_size)
+    workload = Workload(torch.device("cpu"), model, stdlib_corpus(max_bytes=4 << 20))
+    with start_peer(spec) as peer:
         args.start = _ready_then_start(Path(args.out))
         link = None
         if args.coordinator:
             from shoal.peer.swarm.coordinator_link import CoordinatorLink
 
             link = CoordinatorLink(args.coordinator, peer.dht.peer_id.to_base58())
-        exchange = peer.connect(
-            RoundSchedule(start_time=args.start, round_seconds=args.round_seconds),
-            config,
-            fetch_timeout=timedelta(seconds=args.round_seconds),
-            gather_limit=args.gather,
+        schedule = RoundSchedule(start_time=args.start, round_seconds=args.round_seconds)
+        build_peer(
+            peer,
+            spec,
+            schedule,
+            workload,
             coordinator=link,
-        )
-        trainer = peer.train(
-            model,
-            DeMoConfig(),
-            lambda step, _micro, _size, _plan: plan.batch(streams.train, step, args.index),
+            fill_window=False,
+            fetch_timeout=timedelta(seconds=args.round_seconds),
         )
         if not args.coordinator:  # a peer ready early would compute and exchange round 0 before the window
             time.sleep(max(0.0, args.start - time.time()))
-        reports = [done.report for done in peer.rounds(max_rounds=args.rounds)]
-        result = {
-            "params": sum(p.numel() for p in model.parameters()),
-            "payload_bytes": trainer.sync.bytes_sent / len(reports),
-            "participants": [r.participants for r in reports],
-            "round_numbers": [r.round for r in reports],
-            "received": exchange.counts.bytes_received,
-            "dht_read": exchange.counts.received["dht"],
-            "dht_written": exchange.counts.sent["dht"],
-            "dht_reads": exchange.counts.dht_reads,
-            "dht_stores": exchange.counts.dht_stores,
-            "dht_rewrites": exchange.counts.dht_rewrites,
-            "rejected": dict(exchange.counts.rejected),
-            "compute_s": statistics.median(r.compute_s for r in reports),
-            "param_hash": hashlib.sha256(
-                b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-            ).hexdigest(),
+        summary = PeerSummary.of(peer, [done.report for done in peer.rounds(max_rounds=args.rounds)])
+        counts = peer.exchange.counts
+        result = summary.event() | {
+            "params": workload.model.parameters,
+            "participants": summary.participants,
+            "round_numbers": summary.round_numbers,
+            "dht_read": counts.received["dht"],
+            "dht_written": counts.sent["dht"],
+            "dht_reads": counts.dht_reads,
+            "dht_rewrites": counts.dht_rewrites,
         }
         Path(args.out).write_text(json.dumps(result))
 
@@ -228,7 +228,7 @@ def run_swarm(
         "dht_rewrites": sum(r["dht_rewrites"] for r in results),
         "rejected": sum(sum(r["rejected"].values()) for r in results),
         "rejected_by_reason": dict(sum((Counter(r["rejected"]) for r in results), Counter())),
-        "median_compute_s": statistics.median(r["compute_s"] for r in results),
+        "median_compute_s": statistics.median(r["median_compute_s"] for r in results),
     }
 
 

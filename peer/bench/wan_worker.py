@@ -24,42 +24,39 @@ import json
 import math
 import os
 import time
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-from shoal.peer.algorithms.configs import SPARSE_OUTER, AlgorithmConfig, DeMoConfig, DiLoCoConfig
+from shoal.peer.algorithms.configs import AlgorithmConfig, DiLoCoConfig
 from shoal.peer.algorithms.synchronizer import DiLoCoSynchronizer
 from shoal.peer.data import BatchPlan, stdlib_corpus, validation_loss
 from shoal.peer.files import replace_text
 from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.spec import PeerSpec
 from shoal.peer.trainer import model_loss
 
 MODELS = {
     "tiny": GPTConfig.preset("tiny"),
     "5m": GPTConfig.preset("small", n_layer=7),  # ~5.6M parameters
 }
-SWARM_METHODS: dict[str, AlgorithmConfig] = {
-    "demo_compact": DeMoConfig(topk=4, value_bits=1),
-    "demo_overlap": DeMoConfig(overlapped=True, topk=4, value_bits=1),
-    "diloco_standard": DiLoCoConfig(mode="standard"),
-    "diloco_eager": DiLoCoConfig(mode="eager"),
-    "diloco_standard_butterfly": DiLoCoConfig(mode="standard", averaging="butterfly"),
-    "diloco_eager_butterfly": DiLoCoConfig(mode="eager", averaging="butterfly"),
-    "diloco_int8": DiLoCoConfig(mode="standard", value_bits=8),
-    "diloco_sparse": DiLoCoConfig(
-        mode="standard",
-        compression="sparse",
-        topk=64,
-        value_bits=2,
-        outer_lr=SPARSE_OUTER[0],
-        outer_momentum=SPARSE_OUTER[1],
-    ),
+SWARM_FLAGS: dict[str, dict[str, str | int]] = {
+    "demo_compact": {"algorithm": "demo", "compression": "compact"},
+    "demo_overlap": {"algorithm": "demo-overlap", "compression": "compact"},
+    "diloco_standard": {"algorithm": "diloco-standard", "value_bits": 4},
+    "diloco_eager": {"algorithm": "diloco-eager", "value_bits": 4},
+    "diloco_standard_butterfly": {"algorithm": "diloco-standard", "value_bits": 4, "averaging": "butterfly"},
+    "diloco_eager_butterfly": {"algorithm": "diloco-eager", "value_bits": 4, "averaging": "butterfly"},
+    "diloco_int8": {"algorithm": "diloco-standard", "compression": "int8"},
+    "diloco_sparse": {"algorithm": "diloco-standard", "compression": "sparse"},
 }
-"""The shoal methods, each the algorithm its peers run (DiLoCo's inner_steps: --inner-steps). DiLoCo's
-pseudo-gradients travel at 4 bits (blocks of 64) unless the method says otherwise (`_codec`)."""
+"""The shoal methods, as the `shoal join` flags their peers run with (DiLoCo's --inner-steps: the
+benchmark's). DiLoCo's pseudo-gradients travel at 4 bits (blocks of 64) unless the method names a
+`--compression`: int8 and sparse, as `shoal join` sends them."""
+SWARM_METHODS: dict[str, AlgorithmConfig] = {
+    method: PeerSpec.of(**flags).algorithm_config() for method, flags in SWARM_FLAGS.items()
+}
 EXTRA_METHODS = ("diloco_int8", "diloco_sparse")
 """Run only when named (`--methods`): `--compression int8` and `sparse`, as `shoal join` sends them."""
 BUTTERFLY = tuple(
@@ -97,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         return plan.batch(streams.train, step, args.index)
 
     if args.method in SWARM_METHODS:
-        result = _swarm(args, model, batch)
+        result = _swarm(args, model, batch, streams)
     else:
         result = _data_parallel(args, model, batch)
     result["final_val_loss"] = validation_loss(model, model_loss, streams.validation, config.seq_len)
@@ -158,35 +155,47 @@ def _data_parallel(args, model, batch) -> dict:
     }
 
 
-def _swarm(args, model, batch) -> dict:
-    from shoal.compression import DenseCodec
-    from shoal.peer.algorithms.diloco import codec_for
-    from shoal.peer.runtime import SwarmPeer
+def _swarm(args, model, batch, streams) -> dict:
+    import torch
+
+    from shoal.peer.assembly import Workload, build_peer, start_peer
+    from shoal.peer.models import LoadedModel
     from shoal.peer.swarm.coordinator_link import CoordinatorLink
     from shoal.peer.swarm.records import RoundSchedule
 
-    algorithm = SWARM_METHODS[args.method]
-    if isinstance(algorithm, DiLoCoConfig):
-        algorithm = replace(algorithm, inner_steps=args.inner_steps)
     first = Path(args.first)
-    initial = [] if args.index == 0 else [_wait_for_text(first)]
-    with SwarmPeer.start("wan", initial, host_maddrs=[f"/ip4/{args.address}/tcp/0"]) as peer:
+    initial = () if args.index == 0 else (_wait_for_text(first),)
+    spec = PeerSpec.of(
+        run="wan",
+        initial_peers=initial,
+        host=args.address,
+        model=args.model,
+        inner_steps=args.inner_steps,
+        batch_size=args.batch_size,
+        round_seconds=600.0,
+        device="cpu",
+        checkpoint_every=0,
+        **SWARM_FLAGS[args.method],
+    )
+    algorithm = spec.algorithm_config()
+    config = model.config
+    loaded = LoadedModel(model, model_loss, config.seq_len, config.vocab_size)
+    workload = Workload(torch.device("cpu"), loaded, streams)
+    with start_peer(spec) as peer:
         if args.index == 0:  # the others join through its address
             address = next(str(a) for a in peer.dht.get_visible_maddrs() if f"/ip4/{args.address}/" in str(a))
             replace_text(first, address)
-        exchange = peer.connect(
-            RoundSchedule(start_time=time.time(), round_seconds=600.0),
-            {"model": args.model, "algorithm": algorithm.name},
+        trainer = build_peer(
+            peer,
+            spec,
+            RoundSchedule(start_time=time.time(), round_seconds=spec.run.round_seconds),
+            workload,
             coordinator=CoordinatorLink(args.coordinator, peer.dht.peer_id.to_base58()),
+            batches=lambda step, _micro, _size, _plan: batch(step),
+            fill_window=False,
             fetch_timeout=timedelta(seconds=120),
         )
-        trainer = peer.train(
-            model,
-            algorithm,
-            lambda step, _micro, _size, _plan: batch(step),
-            codec=codec_for(algorithm) if args.method in EXTRA_METHODS else DenseCodec(4),
-            batch_size=args.batch_size,
-        )
+        exchange = peer.exchange
         # round 0 starts once every peer has joined the coordinator: time and wire count from its plan
         start: list[tuple[float, tuple[int, int]]] = []
         compute = planning = exchanging = 0.0

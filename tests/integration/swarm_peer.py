@@ -1,21 +1,20 @@
 """One peer of the swarm integration tests (run by test_swarm.py).
 
     python -m tests.integration.swarm_peer --initial-peer MADDR --start T --round-seconds S \
-        --until-round R --index I --peers N --out FILE [--algorithm demo|diloco-eager|...]
+        --until-round R --out FILE [--algorithm demo|diloco-eager|...]
 
-Joins the DHT and trains the tiny GPT as a swarm peer (shoal.peer.runtime.SwarmPeer) on its own
-slice of the standard-library corpus until round R, then writes a JSON report: a hash of the final
-parameters, per-round losses, participants and lateness (seconds past the deadline), rejections,
-re-syncs. Without `--start` it joins a running swarm: the round clock comes from the DHT.
-`--fault KIND@ROUND` (repeatable) makes it exit, hang or lie at that round (tests.integration.faults);
-SIGTERM stops it at a round end with a
-checkpoint (`--checkpoint-dir`), and `--resume` starts from the newest one.
+Joins the DHT and trains the tiny GPT as a swarm peer, built as `shoal join` builds one
+(shoal.peer.assembly), on its windows of the standard-library corpus in each round until round R, then
+writes a JSON report: a hash of the final parameters, per-round losses, participants and lateness
+(seconds past the deadline), rejections, re-syncs. Without `--start` it joins a running swarm: the
+round clock comes from the DHT. `--fault KIND@ROUND` (repeatable) makes it exit, hang or lie at that
+round (tests.integration.faults); SIGTERM stops it at a round end with a checkpoint
+(`--checkpoint-dir`), and `--resume` starts from the newest one.
 `--hostile` makes it attack the others, one attack per round (ATTACKS), while it stays in sync.
 `--claim-reachable` makes its record say it can be dialed, whatever its relays found (test_nat.py).
 """
 
 import argparse
-import hashlib
 import json
 from dataclasses import replace
 from datetime import timedelta
@@ -23,12 +22,11 @@ from datetime import timedelta
 import torch
 import zstandard
 
-from shoal.compression import DenseCodec
-from shoal.peer.algorithms.configs import DEFAULTS, DeMoConfig, run_config
-from shoal.peer.checkpoint import CheckpointStore
-from shoal.peer.data import BatchPlan, stdlib_corpus
-from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.runtime import SwarmPeer
+from shoal.peer.algorithms.configs import DEFAULTS
+from shoal.peer.assembly import PeerSummary, Workload, build_peer, start_peer
+from shoal.peer.data import stdlib_corpus
+from shoal.peer.models import load_model
+from shoal.peer.spec import PeerSpec
 from shoal.peer.stopping import stop_on_signals
 from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.server import PayloadServer
@@ -95,8 +93,7 @@ def parse_args() -> argparse.Namespace:
         parser.add_argument(name, required=True)
     parser.add_argument("--start", type=float, default=None, help="round clock start (none: from the DHT)")
     parser.add_argument("--round-seconds", type=float, default=1.5)
-    for name in ("--until-round", "--index", "--peers"):
-        parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--until-round", type=int, required=True)
     parser.add_argument(
         "--fault", type=Fault.parse, action="append", default=[], help="KIND@ROUND: faults.py"
     )
@@ -112,76 +109,83 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def report_of(model, trainer, exchange, schedule, reports, *, resumed: bool, stopped: bool) -> dict:
-    """What the test reads of this peer: its parameters' hash, rounds, losses, counters."""
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-    report = {
-        "param_hash": digest,
-        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
-        "rounds": [r.round for r in reports],
-        "losses": [r.loss for r in reports],
-        "participants": [r.participants for r in reports],
+def report_of(peer, schedule, reports, *, resumed: bool) -> dict:
+    """What the test reads of this peer: its run's summary (shoal.peer.assembly.PeerSummary), each
+    round's lateness (seconds past its deadline), its refusals."""
+    summary = PeerSummary.of(peer, reports)
+    counts = summary.counts
+    return {
+        "param_hash": summary.param_hash,
+        "finite": summary.finite,
+        "rounds": summary.round_numbers,
+        "losses": summary.losses,
+        "participants": summary.participants,
         "lateness": [r.finished_at - schedule.deadline(r.round) for r in reports],
-        "rejected": dict(exchange.counts.rejected) | trainer.sync.rejected,
-        "received": exchange.counts.bytes_received,
-        "refused": exchange.refused,
-        "resyncs": exchange.counts.resyncs,
-        "banned": len(exchange.banned),
+        "rejected": counts["rejected"],
+        "received": counts["bytes_received"],
+        "refused": peer.exchange.refused,
+        "resyncs": counts["resyncs"],
+        "banned": counts["banned"],
         "resumed": resumed,
-        "stopped": stopped,
-        "via_relay": dict(exchange.counts.via_relay),
-        "left_out": exchange.counts.left_out,
-        "payload_bytes": exchange.last_payload_bytes,
-        "uncounted": trainer.sync.uncounted,
+        "stopped": summary.stopped,
+        "via_relay": counts["via_relay"],
+        "left_out": counts["left_out_rounds"],
+        "payload_bytes": peer.exchange.last_payload_bytes,
+        "uncounted": counts["uncounted_rounds"],
     }
-    return report
+
+
+def spec_of(args: argparse.Namespace) -> PeerSpec:
+    """The peer's spec: the tiny GPT at the learning rate and inner steps these tests were written for,
+    one micro-batch a step, no periodic checkpoint."""
+    return PeerSpec.of(
+        run="test",
+        initial_peers=(args.initial_peer,),
+        host=args.host,
+        algorithm=args.algorithm,
+        lr=2e-3,
+        inner_steps=5,
+        gather=args.gather,
+        round_seconds=args.round_seconds,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=0,
+        device="cpu",
+        **({"topk": args.topk} if args.algorithm.startswith("demo") else {}),
+    )
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     stop = stop_on_signals()
-    with SwarmPeer.start("test", [args.initial_peer], host_maddrs=[f"/ip4/{args.host}/tcp/0"]) as peer:
+    spec = spec_of(args)
+    workload = Workload(torch.device("cpu"), load_model("tiny"), stdlib_corpus(max_bytes=2 << 20))
+    with start_peer(spec) as peer:
         if args.claim_reachable:
             peer.reachability = replace(peer.reachability, reachable=True)
         if args.start is None:
             schedule = RoundSchedule.discover(peer.dht, "test")
         else:
             schedule = RoundSchedule(start_time=args.start, round_seconds=args.round_seconds)
-        named = DEFAULTS[args.algorithm]  # at the lr and inner steps these tests were written for
-        if isinstance(named, DeMoConfig):
-            algorithm = replace(named, lr=2e-3, topk=args.topk)
-        else:
-            algorithm = replace(named, lr=2e-3, inner_steps=5)
-        exchange = peer.connect(
+        trainer = build_peer(
+            peer,
+            spec,
             schedule,
-            run_config("tiny", algorithm, gather=args.gather),
+            workload,
+            fill_window=False,
             exchange_type=HostileExchange if args.hostile else faults.exchange_type(args.fault),
             fetch_timeout=timedelta(seconds=5),
             max_payload_bytes=MAX_PAYLOAD_BYTES,
             strike_limit=args.strike_limit,
-            gather_limit=args.gather,
-        )
-        config_model = GPTConfig.preset("tiny")
-        torch.manual_seed(0)
-        model = TinyGPT(config_model)
-        streams = stdlib_corpus(max_bytes=2 << 20)
-        plan = BatchPlan(seq_len=config_model.seq_len, batch_size=8, workers=args.peers)
-        trainer = peer.train(
-            model,
-            algorithm,
-            lambda step, _micro, _size, _plan: plan.batch(streams.train, step, args.index),
-            codec=None if isinstance(algorithm, DeMoConfig) else DenseCodec(8),
-            checkpoints=CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None,
         )
         resumed = trainer.resume() if args.resume else False
         reports, resynced = [], []
-        planned = faults.inject(args.fault, exchange)
+        planned = faults.inject(args.fault, peer.exchange)
         for done in peer.rounds(until_round=args.until_round, stop=stop, planned=planned):
             reports.append(done.report)
-            resynced.append(exchange.counts.resyncs - sum(resynced))
+            resynced.append(peer.exchange.counts.resyncs - sum(resynced))
         peer.finish()  # the last round applied (no end-of-run agreement: the tests compare the rounds')
-        report = report_of(model, trainer, exchange, schedule, reports, resumed=resumed, stopped=peer.stopped)
+        report = report_of(peer, schedule, reports, resumed=resumed)
         report["resynced"] = resynced  # re-syncs in each of its rounds
         with open(args.out, "w") as out:
             json.dump(report, out)

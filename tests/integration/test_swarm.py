@@ -47,7 +47,7 @@ def run_swarm(
         def launch(i: int, out: Path, *flags: str) -> subprocess.Popen:
             command = [sys.executable, "-m", "tests.integration.swarm_peer", "--initial-peer", address]
             command += ["--round-seconds", str(round_seconds), "--until-round", str(rounds - 1)]
-            command += ["--index", str(i), "--peers", str(peers), "--out", str(out)]
+            command += ["--out", str(out)]
             command += ["--checkpoint-dir", str(tmp_path / f"checkpoints{i}"), *extra.get(i, []), *flags]
             return spawn(command)
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from shoal.peer.node import CLOCK_FILE, _save_clock, _saved_clock
+from shoal.peer.clock import CLOCK_FILE, save_clock, saved_clock
 from shoal.peer.progress import Progress
 from shoal.peer.settings import PeerSpec
 from shoal.peer.swarm.exchange import RoundSchedule
@@ -19,13 +19,13 @@ def settings(tmp_path, **changes) -> PeerSpec:
 
 def read_back(chosen: PeerSpec) -> tuple[RoundSchedule | None, str]:
     stream = io.StringIO()
-    found = _saved_clock(chosen, Progress("json", stream))
+    found = saved_clock(chosen, Progress("json", stream))
     return found, stream.getvalue()
 
 
 def test_the_clock_saved_is_the_clock_read_back(tmp_path):
     clock = RoundSchedule(start_time=time.time() - 100, round_seconds=2.0)
-    _save_clock(settings(tmp_path), clock)
+    save_clock(settings(tmp_path), clock)
     found, said = read_back(settings(tmp_path))
     assert found == clock and "continuing the round clock" in said
 
@@ -36,7 +36,7 @@ def test_the_clock_saved_is_the_clock_read_back(tmp_path):
     ids=["another run", "other rounds", "--start-time given"],
 )
 def test_another_run_other_rounds_or_an_explicit_start_start_a_new_clock(tmp_path, changes):
-    _save_clock(settings(tmp_path), RoundSchedule(start_time=time.time(), round_seconds=2.0))
+    save_clock(settings(tmp_path), RoundSchedule(start_time=time.time(), round_seconds=2.0))
     assert read_back(settings(tmp_path, **changes))[0] is None
 
 

@@ -1,0 +1,274 @@
+"""The one recipe that puts a peer together from its `PeerSpec`, and the one summary of its run.
+
+    workload = load_workload(spec)                    # device, model, data: checked before the DHT starts
+    with start_peer(spec) as peer:                    # its DHT (shoal.peer.runtime.SwarmPeer)
+        build_peer(peer, spec, schedule, workload)    # its SwarmExchange and Trainer
+        reports = [done.report for done in peer.rounds(until_round=spec.run.until_round)]
+        peer.finish()
+        summary = PeerSummary.of(peer, reports)
+
+`shoal join` (shoal.peer.node), `shoal bench swarm-local` and `wan`, and the integration tests' peers
+all assemble through here. They change fields of the spec (`spec.changed(...)`), and pass only what a
+spec cannot hold: a benchmark's own model or batches, a test's hostile exchange class, a deadline.
+"""
+
+import hashlib
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from shoal.peer.algorithms.configs import DiLoCoConfig
+from shoal.peer.algorithms.diloco import codec_for
+from shoal.peer.checkpoint import CheckpointStore
+from shoal.peer.data import RoundSlices, TokenStreams, load_data
+from shoal.peer.hardware import autocast_for, choose_device
+from shoal.peer.models import LoadedModel, load_model
+from shoal.peer.runtime import SwarmPeer
+from shoal.peer.spec import PeerSpec
+from shoal.peer.swarm.coordinator_link import CoordinatorLink
+from shoal.peer.swarm.exchange import SwarmExchange
+from shoal.peer.swarm.records import RoundPlan, RoundSchedule
+from shoal.peer.trainer import Batches, RoundReport, Trainer
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What the peer trains on and with."""
+
+    device: torch.device
+    model: LoadedModel
+    streams: TokenStreams
+
+
+def load_workload(spec: PeerSpec) -> Workload:
+    """The device, model and data the spec names, the model built on the CPU (it moves to the device in
+    `build_peer`, once the DHT's process is forked). ValueError (DeviceError, ModelError) naming the
+    flag when one cannot be used, or when the data holds tokens the model cannot read."""
+    device = choose_device(spec.model.device)
+    loaded = load_model(spec.model.name, seed=spec.run.seed)
+    streams = load_data(spec.data.source)
+    if loaded.vocab_size is not None and streams.vocab_size > loaded.vocab_size:
+        raise ValueError(
+            f"--data {spec.data.source} has token ids up to {streams.vocab_size - 1}, but --model "
+            f"{spec.model.name} reads only {loaded.vocab_size} distinct tokens"
+        )
+    return Workload(device, loaded, streams)
+
+
+def start_peer(spec: PeerSpec, *, identity: RSAPrivateKey | None = None) -> SwarmPeer:
+    """The peer's DHT on the spec's network settings (host, port, initial peers, relay, announced
+    addresses, identity file); raises BootstrapError."""
+    network = spec.network
+    return SwarmPeer.start(
+        spec.run.name,
+        network.initial_peers,
+        host_maddrs=[f"/ip4/{network.host}/tcp/{network.port}"],
+        identity=identity,
+        identity_path=network.identity,
+        relay=network.relay == "on",
+        **({"announce_maddrs": list(network.announce_maddrs)} if network.announce_maddrs else {}),
+    )
+
+
+def build_peer(
+    peer: SwarmPeer,
+    spec: PeerSpec,
+    schedule: RoundSchedule,
+    workload: Workload,
+    *,
+    coordinator: CoordinatorLink | None = None,
+    batches: Batches | None = None,
+    fill_window: bool = True,
+    warn: Callable[[str], None] | None = None,
+    exchange_type: type[SwarmExchange] = SwarmExchange,
+    **exchange_options,
+) -> Trainer:
+    """Connects the peer's exchange on `schedule` and its trainer, as the spec says, and returns the
+    trainer (also `peer.trainer`). `batches`: the benchmark's own (default: the round's windows of the
+    spec's data, `round_batches`); `fill_window` False computes one micro-batch per step instead of
+    filling --compute-fraction of each round; `warn` hears of checkpoints that could not be written;
+    `exchange_options` override SwarmExchange's (a test's fetch timeout or strike limit)."""
+    device, loaded = workload.device, workload.model
+    model = loaded.module.to(device)
+    numel = sum(p.numel() for p in model.parameters())
+    options = {
+        "coordinator": coordinator,
+        "device": str(device),
+        "max_payload_bytes": max(1 << 20, 8 * numel),
+        "rejoin": spec.network.initial_peers,
+        "gather_limit": spec.run.gather,
+    }
+    peer.connect(schedule, spec.run_config(), exchange_type=exchange_type, **(options | exchange_options))
+    algorithm = spec.algorithm_config()
+    store = CheckpointStore(spec.checkpoint.dir, warn=warn) if spec.checkpoint.dir else None
+    return peer.train(
+        model,
+        algorithm,
+        batches or round_batches(spec, workload, lambda: peer.trainer.inner_steps),
+        codec=codec_for(algorithm) if isinstance(algorithm, DiLoCoConfig) else None,
+        checkpoints=store,
+        checkpoint_every=spec.checkpoint.every,
+        loss_fn=loaded.loss_fn,
+        batch_size=spec.model.batch_size,
+        compute_window=spec.run.round_seconds * spec.run.compute_fraction if fill_window else None,
+        max_micro_batches=spec.model.max_micro_batches,
+        autocast=autocast_for(device),
+    )
+
+
+def round_batches(spec: PeerSpec, workload: Workload, inner_steps: Callable[[], int]) -> Batches:
+    """A swarm peer's batches: in round r, the peer in slot s of the round's peers trains on its own
+    windows of the training stream (shoal.peer.data.RoundSlices), DiLoCo's inner steps of one round on
+    successive micro-batch slots; `--compute-delay` sleeps before each round's first one."""
+    slices = RoundSlices(seq_len=workload.model.seq_len, stride=spec.model.batch_size, seed=spec.run.seed)
+    train, device, delay = workload.streams.train, workload.device, spec.run.compute_delay
+    most = spec.model.max_micro_batches
+
+    def batches(step: int, micro: int, size: int, plan: RoundPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        place, places = plan.slot
+        inner = step % inner_steps()
+        if delay and inner == 0 and micro == 0:
+            time.sleep(delay)  # --compute-delay: a slow peer, on purpose
+        inputs, targets = slices.batch(
+            train,
+            round_number=plan.round,
+            slot=place,
+            slots=places,
+            micro=inner * most + micro,
+            batch_size=size,
+            seed=plan.data_seed,
+        )
+        return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+
+    return batches
+
+
+def param_hash(model: torch.nn.Module) -> str:
+    """SHA-256 of the parameters' bytes, in order: equal on peers that hold one model."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerSummary:
+    """A peer's run as it saw it: what `shoal join` logs as its `summary` event (`event()`), and what
+    the benchmarks and tests read of a peer."""
+
+    round_numbers: tuple[int, ...]
+    losses: tuple[float, ...]
+    """Each round's training loss."""
+    participants: tuple[int, ...]
+    compute_seconds: tuple[float, ...]
+    validation_loss: float | None
+    """On held-out data, when the caller measured it."""
+    param_hash: str
+    finite: bool
+    """Whether every parameter is finite."""
+    payload_bytes: float
+    """Mean payload bytes this peer sent a round."""
+    counts: dict[str, Any]
+    """What the exchange and the trainer counted (`COUNTED`), by the summary event's names."""
+    round_clock: tuple[float, float]
+    """The clock the peer ended on: (start time, round seconds)."""
+    final_resync: bool
+    """Whether the peer took the majority's state at the run's end (SwarmPeer.finish)."""
+    stopped: bool
+    """Whether a stop (a signal) ended the run."""
+    checkpoint: str | None
+    """The folder of the checkpoint written on the stop, if one was."""
+
+    @classmethod
+    def of(
+        cls,
+        peer: SwarmPeer,
+        reports: Sequence[RoundReport],
+        *,
+        validation: float | None = None,
+        final_resync: bool = False,
+    ) -> "PeerSummary":
+        exchange, trainer = peer.exchange, peer.trainer
+        store = trainer.checkpoints
+        return cls(
+            round_numbers=tuple(r.round for r in reports),
+            losses=tuple(r.loss for r in reports),
+            participants=tuple(r.participants for r in reports),
+            compute_seconds=tuple(r.compute_s for r in reports),
+            validation_loss=validation,
+            param_hash=param_hash(trainer.model),
+            finite=all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters()),
+            payload_bytes=trainer.sync.bytes_sent / max(1, len(reports)),
+            counts=_counted(exchange, trainer),
+            round_clock=(exchange.schedule.start_time, exchange.schedule.round_seconds),
+            final_resync=final_resync,
+            stopped=peer.stopped,
+            checkpoint=str(store.directory)
+            if peer.stopped and store and not store.last_write_failed
+            else None,
+        )
+
+    @property
+    def rounds(self) -> int:
+        return len(self.round_numbers)
+
+    def event(self) -> dict[str, Any]:
+        """The summary as `shoal join` logs it: one flat object, without the per-round lists."""
+        first, last = (0, -1) if self.rounds else (None, None)
+        return {
+            "rounds": self.rounds,
+            "first_round": None if first is None else self.round_numbers[first],
+            "last_round": None if last is None else self.round_numbers[last],
+            "initial_loss": None if first is None else self.losses[first],
+            "final_loss": None if last is None else self.losses[last],
+            "validation_loss": self.validation_loss,
+            "param_hash": self.param_hash,
+            "finite": self.finite,
+            "payload_bytes": self.payload_bytes,
+            "median_compute_s": statistics.median(self.compute_seconds) if self.rounds else None,
+            **self.counts,
+            "round_clock": list(self.round_clock),
+            "final_resync": self.final_resync,
+            "stopped": self.stopped,
+            "checkpoint": self.checkpoint,
+        }
+
+    def line(self) -> str:
+        """The run in one line, for a person."""
+        ending = "stopped" + (", checkpoint saved" if self.checkpoint else "") if self.stopped else "done"
+        if not self.rounds:
+            return f"{ending}: no round finished"
+        validation = "" if self.validation_loss is None else f", validation loss {self.validation_loss:.4f}"
+        losses = f"loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}"
+        return f"{ending}: {self.rounds} rounds, {losses}{validation}"
+
+
+def _counted(exchange: SwarmExchange, trainer: Trainer) -> dict[str, Any]:
+    """The counters of a peer's summary, by the names its event gives them."""
+    counts = exchange.counts
+    return {
+        "bytes_sent": counts.bytes_sent,
+        "bytes_received": counts.bytes_received,
+        "via_relay": dict(counts.via_relay),
+        "dht_stores": counts.dht_stores,
+        "resyncs": counts.resyncs,
+        "coordinated_rounds": counts.coordinated_rounds,
+        "butterfly_rounds": counts.butterfly_rounds,
+        "pieces_recomputed": counts.pieces_recomputed,
+        "clocks_adopted": counts.clocks_adopted,
+        "late_rounds": counts.late,
+        "left_out_rounds": counts.left_out,
+        # this peer's payload not counted: a bounded fan-in left it out, or the others refused it
+        "uncounted_rounds": trainer.sync.uncounted,
+        "isolated_rounds": exchange.isolation.rounds,
+        "steps_cut_short": trainer.cut_short,
+        # refused contributions by reason: by the exchange (fetch, record, ban) and by the algorithm,
+        # which reports each one it drops to the exchange (Exchange.reject)
+        "rejected": dict(counts.rejected),
+        "banned": len(exchange.banned),
+    }
