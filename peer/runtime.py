@@ -1,5 +1,5 @@
-"""A swarm peer built in one place and driven round after round (`SwarmPeer`): its DHT, its
-`SwarmExchange` and its `Trainer` (shoal.peer.trainer), closed in order.
+"""A swarm peer driven round after round (`SwarmPeer`): its DHT, its `SwarmExchange` and its `Trainer`
+(shoal.peer.trainer), closed in order. shoal.peer.assembly puts it together from a `PeerSpec`.
 """
 
 import dataclasses
@@ -38,8 +38,9 @@ class PeerRound:
 
 
 class SwarmPeer:
-    """One peer of a swarm, built in one place, and the one round loop that drives it. `shoal join`
-    (shoal.peer.node), the benchmark workers and the integration tests' peers all run through it.
+    """One peer of a swarm, and the one round loop that drives it. `shoal join` (shoal.peer.node), the
+    benchmark workers and the integration tests' peers all run through it, built by
+    shoal.peer.assembly (`start_peer`, then `build_peer`, which call these):
 
         with SwarmPeer.start("my-run", initial_peers, host_maddrs=["/ip4/0.0.0.0/tcp/0"]) as peer:
             peer.connect(schedule, config)                # its SwarmExchange
