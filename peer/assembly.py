@@ -85,7 +85,7 @@ def build_peer(
     batches: Batches | None = None,
     fill_window: bool = True,
     warn: Callable[[str], None] | None = None,
-    exchange_type: type[SwarmExchange] = SwarmExchange,
+    exchange_type: type[SwarmExchange] | None = None,
     **exchange_options,
 ) -> Trainer:
     """Connects the peer's exchange on `schedule` and its trainer, as the spec says, and returns the
@@ -103,6 +103,7 @@ def build_peer(
         "rejoin": spec.network.initial_peers,
         "gather_limit": spec.run.gather,
     }
+    exchange_type = exchange_type or SwarmExchange  # the module's: tests.integration.faults replaces it
     peer.connect(schedule, spec.run_config(), exchange_type=exchange_type, **(options | exchange_options))
     algorithm = spec.algorithm_config()
     store = CheckpointStore(spec.checkpoint.dir, warn=warn) if spec.checkpoint.dir else None

@@ -21,7 +21,7 @@ like everyone else and changes only the bytes and the sample count it sends (`Po
 contributions count a round, in the rotation every peer computes alike, whatever the claims.
 
 `poison` also knows `topk` (DeMo): the honest coefficients and `TOPK_FACTOR` times as many per chunk,
-a claim of more say than the run's k gives (a `config_mismatch`; used by tests/integration/poisoner.py).
+a claim of more say than the run's k gives (a `config_mismatch`; used by tests/integration/faults.py).
 
 Each method also runs `honest_only`: a clean run of the honest workers alone, what they reach when
 every attacker is left out from the first step. Against the clean run of all workers it costs the

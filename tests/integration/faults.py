@@ -1,34 +1,76 @@
-"""The failure injector of the swarm integration tests: peer i exits, hangs or lies at round r.
+"""The one failure injector of the integration tests: named faults, each from a given round, `KIND@ROUND`.
 
-A fault is `KIND@ROUND`, given to a test peer (tests/integration/swarm_peer.py) as `--fault`:
+A test peer (tests/integration/swarm_peer.py) takes them as `--fault KIND@ROUND` (repeatable); a real
+`shoal join` as `SHOAL_FAULTS="KIND@ROUND ..."`, run through this module:
 
-- `exit@r`: the peer kills itself (-9) as its computation for swarm round r starts: a crash, or a
-  volunteer's machine switched off. Its DHT record outlives it for a few rounds.
+    SHOAL_FAULTS=sign_flip@0 python -m tests.integration.faults join ARGS...
+
+Either way the peer's exchange is a `FaultyExchange` (`exchange_type(faults)`): the peer trains
+honestly, and the exchange carries the faults out from the round it plans (`plan_round`).
+
+The process:
+- `exit@r`: the peer kills itself (-9) as round r's computation starts: a crash, a machine switched off.
 - `hang@r`: it stops itself (SIGSTOP) there: the training process freezes, while its DHT process and
-  libp2p daemon, separate processes, go on answering: a peer that is there and never delivers. The
-  test's clean-up kills it.
-- `lie@r`: from round r on, every payload it sends has its values' signs flipped, well-formed
-  (shoal.peer.bench.hostile.poison): a peer that poisons the run.
-- `vanish@r`: in the first round from r in which a bounded fan-in (`--gather`) will choose it (it
-  predicts the rotation from the last round's candidates), it announces its payload and kills itself
-  (-9) before anyone can pull it: a chosen peer that vanishes.
+  libp2p daemon, separate processes, go on answering: a peer that is there and never delivers.
+- `vanish@r`: in the first round from r in which a bounded fan-in (`--gather`) chooses it (predicted
+  from the last round's candidates, shoal.protocol.rules), it announces its payload and kills itself
+  before anyone can pull it: a chosen peer that vanishes.
 
-    planned = inject(faults, exchange)   # SwarmPeer.rounds(planned=...) calls it before each round
+What it sends, well-formed (shoal.peer.bench.hostile.poison), from round r on:
+- `lie@r` or `sign_flip@r`: its update's signs flipped at the largest scale the defences allow;
+  `random@r`: a random direction; `topk@r`: 4x the run's top-k (a config_mismatch);
+- `sample_lie@r`: a sign flip claiming 2^40 samples;
+- `claim_and_stale_digest@r`: its honest payload claiming 2^40 samples, announced with a random digest
+  of the state it was computed on;
+- `unserved_and_replay@r`: one round in two it announces its payload and answers every pull with
+  nothing, the other it sends its first payload again with an unknown protobuf field appended (new
+  bytes, old content);
+- `attacks@r`: one malformed payload a round (ATTACKS: a tensor missing, NaNs, oversized, zeros served
+  for the announced bytes, a replay), then honest ones; it keeps the swarm's state by aggregating only
+  the others' payloads, as they do once they drop its own.
+
+What it claims: `claim_reachable@r`: its record says it can be dialed, whatever its relays found
+(from the start, whatever r).
+
+What it serves: `butterfly_lie@r`: garbage for the mean of the piece it owns in butterfly rounds
+(shoal.peer.algorithms.butterfly), its cuts of its own payload honest.
 """
 
+import dataclasses
+import hashlib
 import os
 import signal
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import zstandard
 
 from shoal.peer.bench import hostile
 from shoal.peer.swarm.exchange import SwarmExchange
-from shoal.peer.swarm.records import RoundPlan
+from shoal.peer.swarm.server import PayloadServer
+from shoal.protocol import Payload
 from shoal.protocol.rules import choose
 
-KINDS = ("exit", "hang", "lie", "vanish")
+POISONED = {"lie": "sign_flip", "sign_flip": "sign_flip", "random": "random", "topk": "topk"}
+"""Faults that rewrite every payload with shoal.peer.bench.hostile.poison, and the attack each is."""
+KINDS = (
+    "exit",
+    "hang",
+    "vanish",
+    *POISONED,
+    "sample_lie",
+    "claim_and_stale_digest",
+    "unserved_and_replay",
+    "attacks",
+    "claim_reachable",
+    "butterfly_lie",
+)
+ATTACKS = ("wrong_shape", "nan", "oversized", "digest", "replay")
+"""`attacks@r`: one a round, in this order, from round r."""
+OVERSIZED_BYTES = 1 << 20
+"""What `oversized` appends: past the 1 MiB payload limit of the test peers."""
 
 
 @dataclass(frozen=True)
@@ -43,69 +85,160 @@ class Fault:
             raise ValueError(f"a fault is KIND@ROUND with KIND one of {', '.join(KINDS)}, not {text!r}")
         return Fault(kind, int(number))
 
+    @staticmethod
+    def parse_all(text: str) -> tuple["Fault", ...]:
+        """Faults separated by spaces or commas (SHOAL_FAULTS)."""
+        return tuple(Fault.parse(item) for item in text.replace(",", " ").split())
 
-class LyingExchange(SwarmExchange):
-    """A SwarmExchange that flips the signs of what it sends once `lying` is set (by `inject`)."""
 
-    lying = False
+class FaultyServer(PayloadServer):
+    """Serves what the exchange's faults say: nothing for an unserved payload, zeros in place of the
+    bytes while `zeroing`, garbage for a butterfly piece's mean while `lying_pieces`."""
+
+    unserved: set[bytes]
+    zeroing = False
+    lying_pieces = False
+
+    async def serve(self, request, context):
+        if request.digest in self.unserved:
+            return  # an empty answer: "I hold nothing"
+        async for chunk in super().serve(request, context):
+            if self.zeroing:
+                chunk.data = bytes(len(chunk.data))
+            yield chunk
+
+    async def piece(self, request, context) -> bytes:
+        data = await super().piece(request, context)
+        return b"\xff" * len(data) if self.lying_pieces and request.reduced and data else data
+
+
+class FaultyExchange(SwarmExchange):
+    """A SwarmExchange that carries out `faults` (set on the subclass `exchange_type` makes)."""
+
+    faults: tuple[Fault, ...] = ()
+    server_type = FaultyServer
 
     def __init__(self, *args, **kwargs):
+        if any(f.kind == "claim_reachable" for f in self.faults):
+            kwargs["reachability"] = dataclasses.replace(kwargs["reachability"], reachable=True)
         super().__init__(*args, **kwargs)
-        self._generator = torch.Generator().manual_seed(11)
+        self.server.unserved = set()
+        self.now = -1  # the round planned last
+        self.generator = torch.Generator().manual_seed(7)
+        self.sent: list[bytes] = []  # unserved_and_replay: the payloads since its round
+        self.honest = b""  # attacks: its first payload from its round, honest, replayed later
+        self.attacked = 0  # attacks: payloads since its round
+        self.candidates: frozenset[bytes] = frozenset()
+
+    def active(self, kind: str) -> Fault | None:
+        return next((f for f in self.faults if f.kind == kind and self.now >= f.round), None)
+
+    def plan_round(self, last_round=None):
+        plan = super().plan_round(last_round)
+        if plan is not None:
+            self.now = plan.round
+            for fault in self.faults:
+                if fault.round == plan.round and fault.kind in ("exit", "hang"):
+                    os.kill(os.getpid(), signal.SIGKILL if fault.kind == "exit" else signal.SIGSTOP)
+            self.server.lying_pieces = self.active("butterfly_lie") is not None
+        return plan
 
     def gather(self, payload, samples, state=None, plan=None):
-        if self.lying:
-            payload = hostile.poison(payload, "sign_flip", self._generator)
-        return super().gather(payload, samples, state, plan)
+        for kind, attack in POISONED.items():
+            if self.active(kind):
+                payload = hostile.poison(payload, attack, self.generator)
+        if self.active("sample_lie"):
+            payload = hostile.poison(payload, "sign_flip", self.generator)
+        if self.active("sample_lie") or self.active("claim_and_stale_digest"):
+            samples = hostile.LIED_SAMPLES
+        if self.active("unserved_and_replay"):
+            payload = self._unserved_or_replayed(payload)
+        attack = self._attack(payload)
+        self.server.zeroing = attack == "digest"
+        if attack is not None:
+            payload = self._malformed(payload, attack)
+        gathered = super().gather(payload, samples, state, plan)
+        if self.attacked > 1:  # past its honest first payload: the others' alone
+            return gathered.only(c for c in gathered if c.sender != self.owner)
+        return gathered
 
+    def _unserved_or_replayed(self, payload: bytes) -> bytes:
+        self.sent.append(payload)
+        if len(self.sent) % 2 == 0:
+            self.server.unserved.add(hashlib.sha256(payload).digest())
+            return payload
+        if len(self.sent) > 1:
+            return (
+                self.sent[0] + b"\xf8\x07" + bytes([len(self.sent) % 128])
+            )  # field 127, not in payload.proto
+        return payload
 
-class VanishingExchange(SwarmExchange):
-    """A SwarmExchange that dies right after announcing its payload of the first round from `vanish_at`
-    in which the fan-in's rotation chooses it (shoal.protocol.rules), as predicted from the
-    candidates of the round before."""
+    def _attack(self, payload: bytes) -> str | None:
+        """`attacks@r`: the attack of this round (None: honest), the first payload from r honest."""
+        if not self.active("attacks"):
+            return None
+        self.attacked += 1
+        self.honest = self.honest or payload
+        index = self.attacked - 2
+        return ATTACKS[index] if 0 <= index < len(ATTACKS) else None
 
-    vanish_at: int | None = None
-    candidates: frozenset[bytes] = frozenset()
+    def _malformed(self, payload: bytes, attack: str) -> bytes:
+        message = Payload.FromString(payload)
+        if attack == "wrong_shape":
+            del message.tensors[-1]
+        elif attack == "nan":
+            for tensor in message.tensors:  # DeMo sends float32 values: as many NaNs, raw
+                raw = zstandard.decompress(tensor.values) if tensor.values_zstd else tensor.values
+                tensor.values = torch.full((len(raw) // 4,), float("nan")).numpy().tobytes()
+                tensor.values_zstd = False
+        elif attack == "oversized":
+            return payload + bytes(OVERSIZED_BYTES)
+        elif attack == "replay":
+            return self.honest
+        else:
+            return payload
+        return message.SerializeToString()
 
     def _chosen(self, round_number, announced):
         self.candidates = frozenset(announced)
         return super()._chosen(round_number, announced)
 
-    def _vanishes(self, round_number: int) -> bool:
-        if self.vanish_at is None or round_number < self.vanish_at:
-            return False
-        return self.owner in choose(self.run.encode(), round_number, self.candidates, self.gather_limit)
-
     async def _announce(self, round_number, mine):
         vanishing = self._vanishes(round_number)
         if vanishing:
-            # it serves nothing from here on: the DHT store returns once every replica acknowledged
-            # it, so a quick peer that read the announcement from the first one could otherwise pull
-            # the payload before the kill (the likely cause of a CI run whose round 5 counted 2)
+            # it serves nothing from here on: the DHT store returns once every replica acknowledged it,
+            # so a quick peer that read the announcement from the first one could otherwise pull the
+            # payload before the kill
             self.server.held.pop((round_number, mine.digest), None)
+        if self.active("claim_and_stale_digest") and mine.state:
+            mine = dataclasses.replace(mine, state=os.urandom(len(mine.state)))
         await super()._announce(round_number, mine)
         if vanishing:
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def _vanishes(self, round_number: int) -> bool:
+        fault = self.active("vanish")
+        if fault is None or round_number < fault.round:
+            return False
+        return self.owner in choose(self.run.encode(), round_number, self.candidates, self.gather_limit)
 
-def exchange_type(faults: Sequence[Fault]) -> type[SwarmExchange]:
-    """The exchange a peer with `faults` needs."""
-    kinds = {fault.kind for fault in faults}
-    return LyingExchange if "lie" in kinds else VanishingExchange if "vanish" in kinds else SwarmExchange
+
+def exchange_type(faults: Iterable[Fault]) -> type[SwarmExchange]:
+    """The exchange a peer with `faults` runs (none: the honest SwarmExchange)."""
+    faults = tuple(faults)
+    if not faults:
+        return SwarmExchange
+    return type("FaultyExchange", (FaultyExchange,), {"faults": faults})
 
 
-def inject(faults: Sequence[Fault], exchange: SwarmExchange) -> Callable[[RoundPlan], None]:
-    """The hook that carries out `faults` as each round's computation starts."""
+def gone(faults: Sequence[Fault]) -> bool:
+    """Whether the faults end the peer's process before its run does."""
+    return any(f.kind in ("exit", "hang", "vanish") for f in faults)
 
-    def planned(plan: RoundPlan) -> None:
-        for fault in faults:
-            if fault.kind == "lie" and plan.round >= fault.round:
-                exchange.lying = True
-            elif plan.round == fault.round and fault.kind == "exit":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif plan.round == fault.round and fault.kind == "hang":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            elif fault.kind == "vanish":
-                exchange.vanish_at = fault.round
 
-    return planned
+if __name__ == "__main__":
+    from shoal.peer import assembly, cli
+
+    # every peer `shoal join` assembles (shoal.peer.assembly.build_peer) gets the faults
+    assembly.SwarmExchange = exchange_type(Fault.parse_all(os.environ.get("SHOAL_FAULTS", "")))
+    sys.exit(cli.main(sys.argv[1:]))

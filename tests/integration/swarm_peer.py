@@ -7,20 +7,16 @@ Joins the DHT and trains the tiny GPT as a swarm peer, built as `shoal join` bui
 (shoal.peer.assembly), on its windows of the standard-library corpus in each round until round R, then
 writes a JSON report: a hash of the final parameters, per-round losses, participants and lateness
 (seconds past the deadline), rejections, re-syncs. Without `--start` it joins a running swarm: the
-round clock comes from the DHT. `--fault KIND@ROUND` (repeatable) makes it exit, hang or lie at that
-round (tests.integration.faults); SIGTERM stops it at a round end with a checkpoint
+round clock comes from the DHT. `--fault KIND@ROUND` (repeatable) makes it exit, hang, lie or attack
+from that round (tests.integration.faults); SIGTERM stops it at a round end with a checkpoint
 (`--checkpoint-dir`), and `--resume` starts from the newest one.
-`--hostile` makes it attack the others, one attack per round (ATTACKS), while it stays in sync.
-`--claim-reachable` makes its record say it can be dialed, whatever its relays found (test_nat.py).
 """
 
 import argparse
 import json
-from dataclasses import replace
 from datetime import timedelta
 
 import torch
-import zstandard
 
 from shoal.peer.algorithms.configs import DEFAULTS
 from shoal.peer.assembly import PeerSummary, Workload, build_peer, start_peer
@@ -28,63 +24,11 @@ from shoal.peer.data import stdlib_corpus
 from shoal.peer.models import load_model
 from shoal.peer.spec import PeerSpec
 from shoal.peer.stopping import stop_on_signals
-from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
-from shoal.peer.swarm.server import PayloadServer
-from shoal.protocol import Payload
+from shoal.peer.swarm.exchange import RoundSchedule
 from tests.integration import faults
 from tests.integration.faults import Fault
 
-ATTACKS = ["none", "wrong_shape", "nan", "oversized", "digest", "replay"]
 MAX_PAYLOAD_BYTES = 1 << 20
-
-
-class ZeroingServer(PayloadServer):
-    """Serves zeros in place of a payload's bytes while `lying` is set."""
-
-    lying = False
-
-    async def serve(self, request, context):
-        async for chunk in super().serve(request, context):
-            if self.lying:
-                chunk.data = bytes(len(chunk.data))
-            yield chunk
-
-
-class HostileExchange(SwarmExchange):
-    """A peer that sends an honest payload, then a different bad one each round, then honest ones
-    again; it keeps the swarm's state by aggregating, after its first round, only the others'
-    payloads, as they do once they drop its own."""
-
-    server_type = ZeroingServer
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.attacks = 0  # rounds gathered so far (`rounds` is the exchange's coordinated rounds)
-        self.first_payload = b""
-
-    def gather(self, payload, samples, state=None, plan=None):
-        attack = ATTACKS[self.attacks] if self.attacks < len(ATTACKS) else "none"
-        self.attacks += 1
-        self.first_payload = self.first_payload or payload
-        self.server.lying = attack == "digest"
-        message = Payload.FromString(payload)
-        if attack == "wrong_shape":
-            del message.tensors[-1]
-            payload = message.SerializeToString()
-        elif attack == "nan":
-            for tensor in message.tensors:  # DeMo sends float32 values: as many NaNs, raw
-                raw = zstandard.decompress(tensor.values) if tensor.values_zstd else tensor.values
-                tensor.values = torch.full((len(raw) // 4,), float("nan")).numpy().tobytes()
-                tensor.values_zstd = False
-            payload = message.SerializeToString()
-        elif attack == "oversized":
-            payload = payload + bytes(MAX_PAYLOAD_BYTES)
-        elif attack == "replay":
-            payload = self.first_payload
-        contributions = super().gather(payload, samples, state, plan)
-        if self.attacks == 1:  # its honest first payload counts everywhere
-            return contributions
-        return contributions.only(c for c in contributions if c.sender != self.owner)
 
 
 def parse_args() -> argparse.Namespace:
@@ -99,12 +43,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--topk", type=int, default=32, help="DeMo's compression_topk (in the run config)")
     parser.add_argument("--algorithm", choices=list(DEFAULTS), default="demo")
-    parser.add_argument("--hostile", action="store_true")
     parser.add_argument("--strike-limit", type=int, default=3)
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on")
-    parser.add_argument("--claim-reachable", action="store_true")
     parser.add_argument("--gather", type=int, default=0, help="bounded fan-in (in the run config)")
     return parser.parse_args()
 
@@ -161,8 +103,6 @@ def main() -> None:
     spec = spec_of(args)
     workload = Workload(torch.device("cpu"), load_model("tiny"), stdlib_corpus(max_bytes=2 << 20))
     with start_peer(spec) as peer:
-        if args.claim_reachable:
-            peer.reachability = replace(peer.reachability, reachable=True)
         if args.start is None:
             schedule = RoundSchedule.discover(peer.dht, "test")
         else:
@@ -173,15 +113,14 @@ def main() -> None:
             schedule,
             workload,
             fill_window=False,
-            exchange_type=HostileExchange if args.hostile else faults.exchange_type(args.fault),
+            exchange_type=faults.exchange_type(args.fault),
             fetch_timeout=timedelta(seconds=5),
             max_payload_bytes=MAX_PAYLOAD_BYTES,
             strike_limit=args.strike_limit,
         )
         resumed = trainer.resume() if args.resume else False
         reports, resynced = [], []
-        planned = faults.inject(args.fault, peer.exchange)
-        for done in peer.rounds(until_round=args.until_round, stop=stop, planned=planned):
+        for done in peer.rounds(until_round=args.until_round, stop=stop):
             reports.append(done.report)
             resynced.append(peer.exchange.counts.resyncs - sum(resynced))
         peer.finish()  # the last round applied (no end-of-run agreement: the tests compare the rounds')

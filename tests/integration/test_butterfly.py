@@ -68,7 +68,7 @@ def test_a_peer_serving_a_garbage_mean_is_struck_and_its_piece_averaged_by_the_o
     processes = [coordinator]
 
     def join(name: str, *flags: str, liar: bool = False) -> None:
-        command = [sys.executable, "-m", "tests.integration.butterfly_liar", "join"] if liar else None
+        command = [sys.executable, "-m", "tests.integration.faults", "join"] if liar else None
         out, err = (tmp_path / f"{name}.jsonl").open("w"), (tmp_path / f"{name}.log").open("w")
         if command is None:
             processes.append(start("join", *common, *flags, stdout=out, stderr=err))
@@ -76,7 +76,8 @@ def test_a_peer_serving_a_garbage_mean_is_struck_and_its_piece_averaged_by_the_o
             processes.append(
                 subprocess.Popen(
                     [*command, *common, *flags], cwd=ROOT, stdout=out, stderr=err, text=True,
-                    start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                    start_new_session=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1", "SHOAL_FAULTS": "butterfly_lie@0"},
                 )
             )  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""One attacker among four real `shoal join` processes on 127.0.0.1 (tests/integration/poisoner.py: the
+"""One attacker among four real `shoal join` processes on 127.0.0.1 (tests/integration/faults.py: the
 real peer, changing only what it sends), with and without a coordinator: the honest peers end on one
 model, as good as a clean run of the same seed by the three honest peers alone (the attacker's samples
 are rightly lost), and strike and then ban the attacker, counted by reason. Attacks: a sign flip at
@@ -21,7 +21,7 @@ from tests.integration.harness import events, free_port, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 HONEST = [sys.executable, "-m", "shoal.peer.cli"]
-ATTACKER = [sys.executable, "-m", "tests.integration.poisoner"]
+ATTACKER = [sys.executable, "-m", "tests.integration.faults"]
 # round 0 starts this long after the first peer is launched: forked from the zygote that has imported
 # torch and hivemind (tests.integration.launcher), the joiners, launched once it listens, are ready
 # about 8 s after it on two busy cores (measured), so every peer trains every round. A joiner that came
@@ -49,7 +49,7 @@ def swarm(
     if coordinated:
         address = f"127.0.0.1:{free_port()}"
         common += ["--coordinator", address]
-    env = {"SHOAL_ATTACK": attack or ""}
+    env = {"SHOAL_FAULTS": f"{attack}@0" if attack else ""}
     logs = [tmp_path / f"{name}-{i}.jsonl" for i in range(peers)]
     processes: list[subprocess.Popen] = []
     coordinator: subprocess.Popen | None = None

@@ -348,7 +348,7 @@ def test_a_peer_behind_nat_that_says_it_can_be_dialed_is_counted_and_reached_thr
             argv = [
                 sys.executable, "-m", "tests.integration.swarm_peer", "--initial-peer", address, "--host",
                 "0.0.0.0", "--start", str(start), "--round-seconds", "2", "--until-round", "10", "--out",
-                str(report), *(["--claim-reachable"] * (node == 2)),
+                str(report), *(["--fault", "claim_reachable@0"] * (node == 2)),
             ]  # fmt: skip
             lab.popen(
                 node, argv, cwd=ROOT, env={**ENV, "PYTHONPATH": str(ROOT)},

@@ -195,7 +195,7 @@ def test_a_hostile_peer_is_rejected_counted_and_banned(tmp_path):
         tmp_path,
         peers=4,
         rounds=rounds,
-        extra={i: ["--strike-limit", "5"] + (["--hostile"] if i == 3 else []) for i in range(4)},
+        extra={i: ["--strike-limit", "5"] + (["--fault", "attacks@0"] if i == 3 else []) for i in range(4)},
     )
     honest = reports[:3]
     assert len({r["param_hash"] for r in honest}) == 1 and all(r["finite"] for r in honest)
