@@ -30,6 +30,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="SQLite file of the swarm's state; a restart continues from it (default: %(default)s)",
     )
+    _add_round_arguments(parser)
+    parser.add_argument(
+        "--token-file", metavar="F", help="accepted tokens: '<token>' (swarm) or '<peer id> <token>' per line"
+    )
+    parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain ...")
+    parser.add_argument("--tls-key", metavar="PEM", help="... and this private key")
+    parser.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus metrics on this port")
+    parser.add_argument("--log-format", choices=["human", "json"], default="human", help="default: human")
+
+
+def _add_round_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the coordinator plans rounds and treats late peers."""
     parser.add_argument(
         "--round-quantile",
         type=float,
@@ -79,13 +91,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "rotation, so that every peer counts in turn whatever it claims (peers run with the same "
         "--gather); default 0: all of them",
     )
-    parser.add_argument(
-        "--token-file", metavar="F", help="accepted tokens: '<token>' (swarm) or '<peer id> <token>' per line"
-    )
-    parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain ...")
-    parser.add_argument("--tls-key", metavar="PEM", help="... and this private key")
-    parser.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus metrics on this port")
-    parser.add_argument("--log-format", choices=["human", "json"], default="human", help="default: human")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -72,14 +72,6 @@ class CoordinatorMetrics:
             ["method"],
             registry=r,
         )
-        for reason in DROP_REASONS:
-            self.dropped.labels(reason=reason)
-        for method in REQUESTS:  # every series exists from the start, at 0 (dashboards, alerts)
-            self.oversized.labels(method=method)
-            for by in ("peer", "address"):
-                self.rate_limited.labels(method=method, by=by)
-        for code in REFUSAL_CODES:
-            self.refused.labels(code=code)
         self.round_duration = Histogram(
             "shoal_coordinator_round_duration_seconds",
             "From one announcement to the next.",
@@ -88,6 +80,18 @@ class CoordinatorMetrics:
         )
         self._announced_at: float | None = None
         self._server = None
+        self._zero_series()
+
+    def _zero_series(self) -> None:
+        """Every labelled series exists from the start, at 0 (dashboards, alerts)."""
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason=reason)
+        for method in REQUESTS:
+            self.oversized.labels(method=method)
+            for by in ("peer", "address"):
+                self.rate_limited.labels(method=method, by=by)
+        for code in REFUSAL_CODES:
+            self.refused.labels(code=code)
 
     def observe(self, action, state: SwarmState) -> None:
         self.members.set(len(state.members))

@@ -148,23 +148,11 @@ def run_swarm(
         if coordinated:
             coordinator, where, _ = _start_coordinator(Path(tmp), peers, round_seconds, False, str(gather))
             linked = ["--coordinator", where]
+        worker = [sys.executable, "-m", "shoal.peer.bench.swarm_local", "--worker", "--initial-peer", address]
+        worker += ["--round-seconds", str(round_seconds), "--rounds", str(rounds), "--model", model]
+        worker += ["--peers", str(peers), "--gather", str(gather), *linked]
         processes = [
-            subprocess.Popen(
-                [
-                    *(
-                        sys.executable,
-                        "-m",
-                        "shoal.peer.bench.swarm_local",
-                        "--worker",
-                        "--initial-peer",
-                        address,
-                    ),
-                    *("--round-seconds", str(round_seconds), "--rounds", str(rounds)),
-                    *("--index", str(i), "--peers", str(peers), "--model", model, "--out", f"{tmp}/{i}.json"),
-                    *("--gather", str(gather), *linked),
-                ],
-                start_new_session=True,
-            )
+            subprocess.Popen([*worker, "--index", str(i), "--out", f"{tmp}/{i}.json"], start_new_session=True)
             for i in range(peers)
         ]
         try:
@@ -192,18 +180,30 @@ def run_swarm(
     last = max(max(r["round_numbers"]) for r in results)
     if not coordinated:  # to the deadline of the last round run: one whose computing overran is skipped
         wire = boundaries.get(last + 1, boundaries[max(boundaries)]) - start_bytes
+    setting = {"model": model, "peers": peers, "gather": gather, "coordinated": coordinated}
+    return _measured(setting, results, wire, rounds, round_seconds)
+
+
+def _measured(setting: dict, results: list[dict], wire: int, rounds: int, round_seconds: float) -> dict:
+    """The swarm's row: its wire bytes against the codec's prediction, and the peers' own counts."""
+    peers, gather = setting["peers"], setting["gather"]
+    last = max(max(r["round_numbers"]) for r in results)
     payload = statistics.mean(r["payload_bytes"] for r in results)
     counted = min(gather or peers, peers)
     predicted = payload * counted * (peers - 1) / peers
     measured = wire / peers / rounds
     columns = zip(*(r["participants"] for r in results), strict=True)
     complete = sum(all(p == counted for p in column) for column in columns)
+
+    def per_round(key: str, digits: int | None = None) -> float:
+        return round(statistics.mean(r[key] for r in results) / rounds, digits)
+
     return {
-        "model": model,
+        "model": setting["model"],
         "params": results[0]["params"],
         "peers": peers,
         "gather": gather,
-        "coordinated": coordinated,
+        "coordinated": setting["coordinated"],
         "rounds": rounds,
         # round numbers a peer skipped (its computation overran a round's deadline): the wire is
         # measured to the last one's deadline, and divided by the rounds run
@@ -218,12 +218,10 @@ def run_swarm(
         "wire_bytes_per_peer_per_round": round(measured),
         "overhead": measured / predicted - 1,
         # what the DHT reads and writes carried (serialized values, as the peers counted them)
-        "dht_read_bytes_per_peer_per_round": round(statistics.mean(r["dht_read"] for r in results) / rounds),
-        "dht_written_bytes_per_peer_per_round": round(
-            statistics.mean(r["dht_written"] for r in results) / rounds
-        ),
-        "dht_reads_per_peer_per_round": round(statistics.mean(r["dht_reads"] for r in results) / rounds, 1),
-        "dht_stores_per_peer_per_round": round(statistics.mean(r["dht_stores"] for r in results) / rounds, 1),
+        "dht_read_bytes_per_peer_per_round": per_round("dht_read"),
+        "dht_written_bytes_per_peer_per_round": per_round("dht_written"),
+        "dht_reads_per_peer_per_round": per_round("dht_reads", 1),
+        "dht_stores_per_peer_per_round": per_round("dht_stores", 1),
         # writes sent again: to replicas the routing table had not known, or with hivemind's crawl
         "dht_rewrites": sum(r["dht_rewrites"] for r in results),
         "rejected": sum(sum(r["rejected"].values()) for r in results),

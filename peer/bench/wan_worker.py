@@ -155,17 +155,10 @@ def _data_parallel(args, model, batch) -> dict:
     }
 
 
-def _swarm(args, model, batch, streams) -> dict:
-    import torch
-
-    from shoal.peer.assembly import Workload, build_peer, start_peer
-    from shoal.peer.models import LoadedModel
-    from shoal.peer.swarm.coordinator_link import CoordinatorLink
-    from shoal.peer.swarm.records import RoundSchedule
-
-    first = Path(args.first)
-    initial = () if args.index == 0 else (_wait_for_text(first),)
-    spec = PeerSpec.of(
+def _swarm_spec(args: argparse.Namespace, initial: tuple[str, ...]) -> PeerSpec:
+    """A swarm method's peer: the method's `shoal join` flags, one 10-minute round clock (the
+    coordinator paces the rounds), no checkpoints."""
+    return PeerSpec.of(
         run="wan",
         initial_peers=initial,
         host=args.address,
@@ -177,10 +170,19 @@ def _swarm(args, model, batch, streams) -> dict:
         checkpoint_every=0,
         **SWARM_FLAGS[args.method],
     )
-    algorithm = spec.algorithm_config()
-    config = model.config
-    loaded = LoadedModel(model, model_loss, config.seq_len, config.vocab_size)
-    workload = Workload(torch.device("cpu"), loaded, streams)
+
+
+def _swarm(args, model, batch, streams) -> dict:
+    import torch
+
+    from shoal.peer.assembly import Workload, build_peer, start_peer
+    from shoal.peer.models import LoadedModel
+    from shoal.peer.swarm.coordinator_link import CoordinatorLink
+    from shoal.peer.swarm.records import RoundSchedule
+
+    first = Path(args.first)
+    spec = _swarm_spec(args, () if args.index == 0 else (_wait_for_text(first),))
+    loaded = LoadedModel(model, model_loss, model.config.seq_len, model.config.vocab_size)
     with start_peer(spec) as peer:
         if args.index == 0:  # the others join through its address
             address = next(str(a) for a in peer.dht.get_visible_maddrs() if f"/ip4/{args.address}/" in str(a))
@@ -189,7 +191,7 @@ def _swarm(args, model, batch, streams) -> dict:
             peer,
             spec,
             RoundSchedule(start_time=time.time(), round_seconds=spec.run.round_seconds),
-            workload,
+            Workload(torch.device("cpu"), loaded, streams),
             coordinator=CoordinatorLink(args.coordinator, peer.dht.peer_id.to_base58()),
             batches=lambda step, _micro, _size, _plan: batch(step),
             fill_window=False,
@@ -200,7 +202,7 @@ def _swarm(args, model, batch, streams) -> dict:
         start: list[tuple[float, tuple[int, int]]] = []
         compute = planning = exchanging = 0.0
         payloads = 0
-        rounds = math.ceil(args.steps / algorithm.inner_steps)
+        rounds = math.ceil(args.steps / trainer.inner_steps)
         planned = lambda _plan: start or start.append((time.perf_counter(), interface_bytes()))  # noqa: E731
         for index, done in enumerate(peer.rounds(max_rounds=rounds, planned=planned)):
             planning += done.plan_s if index else 0.0

@@ -131,15 +131,11 @@ def run(
 ) -> dict:
     """Runs the demo; returns its summary. The log folder is `keep_logs` (kept), else a temporary one,
     removed at the end unless the demo fails (DemoError, whose message names it)."""
-    started = time.perf_counter()
-    events: queue.Queue = queue.Queue()
-    processes: list[subprocess.Popen] = []
+    started, events, processes = time.perf_counter(), queue.Queue(), []
     logs = _log_folder(keep_logs)
     start_time = time.time() + STARTUP_S + STARTUP_PER_PEER_S * peers
     threads = str(max(1, (os.cpu_count() or 1) // peers))
-    common = ["--host", "127.0.0.1", "--run", "demo", "--log-format", "json", "--model", model]
-    common += ["--algorithm", algorithm, "--averaging", averaging, "--round-seconds", str(round_seconds)]
-    common += ["--until-round", str(rounds - 1), "--metrics-port", "0", *codec]
+    common = _join_flags(model, algorithm, averaging, round_seconds, rounds, codec)
     targets = TargetsFile(Path(metrics_targets) if metrics_targets else logs / "prometheus-targets.json")
 
     def launch(index: int, *flags: str) -> None:
@@ -149,31 +145,24 @@ def run(
         command += ["--checkpoint-dir", str(logs / f"peer{index}-checkpoints")]
         processes.append(_start_peer(index, command, logs, threads, events))
 
-    helpers: list[subprocess.Popen] = []  # the coordinator, once started
-    failed = False
+    helpers, failed = [], False  # helpers: the coordinator, once started
     try:
         kept = "" if keep_logs else " (removed at the end; shoal demo --keep-logs DIR keeps them)"
         progress.message(
             f"starting {peers} peers ({algorithm}, rounds of {round_seconds:g} s); logs in {logs}{kept}"
         )
         if coordinator:
-            gather = dict(zip(codec[::2], codec[1::2], strict=True)).get("--gather", "0")
-            coordinator_address, coordinator_metrics = _start_coordinator(
-                logs, peers, round_seconds, DEFAULTS[ALGORITHMS[algorithm]].overlapped, gather, helpers
-            )
+            coordinator_address = _coordinate(logs, peers, round_seconds, algorithm, codec, helpers, targets)
             common += ["--coordinator", coordinator_address]
             progress.message(f"coordinator on {coordinator_address}")
-            targets.add("coordinator", coordinator_metrics)
         progress.message(f"Prometheus targets (file_sd) in {targets.path}")
         launch(0, "--start-time", repr(start_time))
         address = _first_address(events, processes[0], logs / "peer0.log")
         for index in range(1, peers):
             launch(index, "--initial-peers", address)
         summaries = _follow(events, processes, rounds, round_seconds, progress, logs, targets)
-        if helpers:
-            stragglers = _stragglers(coordinator_address)
-        else:
-            stragglers = sum(s["late_rounds"] for i, s in summaries.items() if i != "losses")
+        late = sum(s["late_rounds"] for i, s in summaries.items() if i != "losses")
+        stragglers = _stragglers(coordinator_address) if helpers else late
     except KeyboardInterrupt:
         progress.message("interrupted: stopping the peers")
         raise
@@ -181,16 +170,47 @@ def run(
         failed = True  # keep the logs, to be read
         raise DemoError(f"{error}\nlogs kept in {logs}") from None
     finally:
-        for number in STOP_SIGNALS:  # a second Ctrl-C must not cut the stopping short
-            signal.signal(number, signal.SIG_IGN)
-        targets.clear()  # the swarm is gone: Prometheus stops scraping it
-        for process in processes + helpers:
-            _stop(process)
-        if not keep_logs and not failed:
-            shutil.rmtree(logs, ignore_errors=True)
+        _tear_down(processes + helpers, targets, None if keep_logs or failed else logs)
     demo = {"peers": peers, "rounds": rounds, "algorithm": algorithm, "round_seconds": round_seconds}
     demo |= {"coordinator": coordinator, "wall_s": time.perf_counter() - started}
     return _summary(summaries, demo, slow_peer=slow_peer, stragglers=stragglers)
+
+
+def _coordinate(
+    logs: Path,
+    peers: int,
+    round_seconds: float,
+    algorithm: str,
+    codec: tuple[str, ...],
+    helpers: list[subprocess.Popen],
+    targets: "TargetsFile",
+) -> str:
+    """Starts the demo's coordinator (into `helpers`), its metrics in `targets`; returns its address."""
+    gather = dict(zip(codec[::2], codec[1::2], strict=True)).get("--gather", "0")
+    overlapped = DEFAULTS[ALGORITHMS[algorithm]].overlapped
+    address, metrics = _start_coordinator(logs, peers, round_seconds, overlapped, gather, helpers)
+    targets.add("coordinator", metrics)
+    return address
+
+
+def _join_flags(
+    model: str, algorithm: str, averaging: str, round_seconds: float, rounds: int, codec: tuple[str, ...]
+) -> list[str]:
+    """The `shoal join` flags every peer of the demo shares."""
+    flags = ["--host", "127.0.0.1", "--run", "demo", "--log-format", "json", "--model", model]
+    flags += ["--algorithm", algorithm, "--averaging", averaging, "--round-seconds", str(round_seconds)]
+    return [*flags, "--until-round", str(rounds - 1), "--metrics-port", "0", *codec]
+
+
+def _tear_down(processes: list[subprocess.Popen], targets: "TargetsFile", logs: Path | None) -> None:
+    """Stops every process of the demo, its Prometheus targets with them, and removes `logs` if given."""
+    for number in STOP_SIGNALS:  # a second Ctrl-C must not cut the stopping short
+        signal.signal(number, signal.SIG_IGN)
+    targets.clear()  # the swarm is gone: Prometheus stops scraping it
+    for process in processes:
+        _stop(process)
+    if logs is not None:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def _start_peer(
