@@ -92,6 +92,36 @@ class _Gathered:
     """Whether its payload counted (a bounded fan-in aggregates only some: shoal.protocol.rules)."""
 
 
+@dataclass(slots=True)
+class DeMoStats:
+    """Counters of a DeMo optimizer, cumulative."""
+
+    rejected: Counter[str] = field(default_factory=Counter)
+    """Contributions dropped, by MalformedPayloadError reason, or screened out (`opposed`) or
+    reported (`outlier`: still applied) by shoal.peer.algorithms.robust."""
+    clipped: int = 0
+    """Contributions scaled down to the round's norm bound."""
+    refused: Counter[str] = field(default_factory=Counter)
+    """Steps whose own gradient held NaN or infinite values (`own_non_finite`): it was refused, never
+    added to the momentum; the step still sends the momentum's top-k."""
+    resyncs: int = 0
+    """Times the exchange replaced this participant's parameters with the swarm's."""
+    bytes_sent: int = 0
+    """Payload bytes this participant has sent, in total."""
+    bytes_received: int = 0
+    """Payload bytes received from the other participants, in total."""
+    phase_seconds: Counter[str] = field(default_factory=Counter)
+    """Seconds spent per phase of the steps: encode, exchange, decode, apply (host wall time)."""
+    exchange_s: float = 0.0
+    """Seconds the exchanges took, on whichever thread ran them (phase_seconds["exchange"] is what the
+    training thread waited: all of it without overlap)."""
+    uncounted: int = 0
+    """Rounds whose aggregate left this participant's payload out (bounded fan-in)."""
+    carried_samples: int = 0
+    """Samples whose work did not count yet (bounded fan-in with `carry`): announced with the next
+    payload."""
+
+
 class DeMo(torch.optim.Optimizer):
     """DeMo as a torch optimizer; see the module docstring for the update.
 
@@ -164,35 +194,12 @@ class DeMo(torch.optim.Optimizer):
         self.robust = robust
         self.suspicion = Suspicion(robust)
         self._slice_cache: list[Slice] | None = None
-        self.rejected: Counter[str] = Counter()
-        """Contributions dropped, by MalformedPayloadError reason, or screened out (`opposed`) or
-        reported (`outlier`: still applied) by shoal.peer.algorithms.robust."""
-        self.clipped = 0
-        """Contributions scaled down to the round's norm bound."""
-        self.refused: Counter[str] = Counter()
-        """Steps whose own gradient held NaN or infinite values (`own_non_finite`): it was refused, never
-        added to the momentum; the step still sends the momentum's top-k."""
-        self.resyncs = 0
-        """Times the exchange replaced this participant's parameters with the swarm's."""
-        self.bytes_sent = 0
-        """Payload bytes this participant has sent, in total."""
-        self.phase_seconds: Counter[str] = Counter()
-        """Seconds spent per phase of the steps: encode, exchange, decode, apply (host wall time)."""
-        self.bytes_received = 0
-        """Payload bytes received from the other participants, in total."""
-        self.exchange_s = 0.0
-        """Seconds the exchanges took, on whichever thread ran them (phase_seconds["exchange"] is
-        what the training thread waited: all of it without overlap)."""
+        self.stats = DeMoStats()
         self._background = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-exchange") if overlap else None
         )
         self._pending: Future[_Gathered] | None = None
         self.carry = carry
-        self.carried_samples = 0
-        """Samples whose work did not count yet (bounded fan-in with `carry`): announced with the next
-        payload."""
-        self.uncounted = 0
-        """Rounds whose aggregate left this participant's payload out (bounded fan-in)."""
         self.lookahead = lookahead
         self._origin: list[torch.Tensor] | None = None  # lookahead: the parameters before the shift
         self._shifted = False
@@ -231,13 +238,13 @@ class DeMo(torch.optim.Optimizer):
         data = payload.SerializeToString()
         params = self._trainable()
         encoded = time.perf_counter()
-        self.phase_seconds["encode"] += encoded - waited
-        self.phase_seconds["exchange"] += waited - started
-        self.bytes_sent += len(data)
-        claimed, self.carried_samples = samples + self.carried_samples, 0
+        self.stats.phase_seconds["encode"] += encoded - waited
+        self.stats.phase_seconds["exchange"] += waited - started
+        self.stats.bytes_sent += len(data)
+        claimed, self.stats.carried_samples = samples + self.stats.carried_samples, 0
         if self._background is None:
             gathered = self._gather(data, claimed, params, selections, plan)
-            self.phase_seconds["exchange"] += gathered.seconds
+            self.stats.phase_seconds["exchange"] += gathered.seconds
             self._adopt(gathered)
             self._apply(gathered, settings)
         else:
@@ -311,7 +318,7 @@ class DeMo(torch.optim.Optimizer):
             return
         for p in self._trainable():
             p.grad = None
-        self.refused["own_non_finite"] += 1
+        self.stats.refused["own_non_finite"] += 1
         self.exchange.refuse("own_non_finite")
 
     def _settings(self) -> dict[torch.Tensor, tuple[float, float]]:
@@ -331,7 +338,7 @@ class DeMo(torch.optim.Optimizer):
         start = time.perf_counter()
         result = self.exchange.gather(data, samples, state=params, plan=plan)
         seconds = time.perf_counter() - start
-        self.exchange_s += seconds
+        self.stats.exchange_s += seconds
         return _Gathered(list(result), result.adopted, seconds, selections, samples, result.counted)
 
     def _collect(self) -> _Gathered | None:
@@ -355,12 +362,13 @@ class DeMo(torch.optim.Optimizer):
         momentum steps taken since it was sent (1 with overlap)."""
         started = time.perf_counter()
         if not gathered.counted:
-            self.uncounted += 1
+            self.stats.uncounted += 1
             if self.carry:
-                self.carried_samples += gathered.samples
+                self.stats.carried_samples += gathered.samples
                 self._carry(gathered, steps_since)
         slices, contributions = self._slices(), gathered.contributions
-        self.bytes_received += sum(len(c.payload) for c in contributions if c.rank != self.exchange.rank)
+        others = (c for c in contributions if c.rank != self.exchange.rank)
+        self.stats.bytes_received += sum(len(c.payload) for c in others)
         received = self._accept(contributions, slices, gathered)
         decoded = time.perf_counter()
         for index, piece in enumerate(slices):
@@ -369,8 +377,8 @@ class DeMo(torch.optim.Optimizer):
             signs = direction.sign_().nan_to_num_(nan=0.0)
             for member in piece.members:
                 member.matrix(member.param).add_(member.tiles(signs), alpha=-settings[member.param][0])
-        self.phase_seconds["decode"] += decoded - started
-        self.phase_seconds["apply"] += time.perf_counter() - decoded
+        self.stats.phase_seconds["decode"] += decoded - started
+        self.stats.phase_seconds["apply"] += time.perf_counter() - decoded
 
     def _carry(self, gathered: _Gathered, steps_since: int) -> None:
         """Bounded fan-in with `carry`: a payload left out of the round's aggregate goes back into the
@@ -394,7 +402,7 @@ class DeMo(torch.optim.Optimizer):
         self._shifted = False  # the lookahead shift belonged to the parameters replaced
         for p, t in zip(params, tensors, strict=True):
             p.copy_(t)
-        self.resyncs += 1
+        self.stats.resyncs += 1
 
     def _compress(self, piece: Slice, settings: dict[torch.Tensor, tuple[float, float]]) -> TopKCoefficients:
         """Steps 1-5 for a slice: decay, accumulate, select, error feedback. Returns what is sent.
@@ -443,7 +451,7 @@ class DeMo(torch.optim.Optimizer):
                 decoded.append(self._decode(contribution, slices, limits))
                 senders.append(contribution)
             except MalformedPayloadError as error:
-                self.rejected[error.reason] += 1
+                self.stats.rejected[error.reason] += 1
                 self.exchange.reject(contribution, error.reason)
         samples = [float(c.samples) if self.weight_by_samples else 1.0 for c in senders]
         reference = None  # under a bounded fan-in only: robust.Reference
@@ -457,8 +465,8 @@ class DeMo(torch.optim.Optimizer):
             [float(c.samples) for c in senders],
             reference,
         )
-        self.clipped += verdict.clipped
-        report(self.exchange, senders, verdict, self.rejected)
+        self.stats.clipped += verdict.clipped
+        report(self.exchange, senders, verdict, self.stats.rejected)
         accepted = []
         for coeffs, factor, weight in zip(decoded, verdict.factors, verdict.weights, strict=True):
             if weight > 0:

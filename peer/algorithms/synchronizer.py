@@ -130,19 +130,19 @@ class DeMoSynchronizer(Synchronizer):
 
     @property
     def phase_seconds(self) -> Counter[str]:
-        return self.optimizer.phase_seconds
+        return self.optimizer.stats.phase_seconds
 
     @property
     def bytes_sent(self) -> int:
-        return self.optimizer.bytes_sent
+        return self.optimizer.stats.bytes_sent
 
     @property
     def rejected(self) -> dict[str, int]:
-        return dict(self.optimizer.rejected)
+        return dict(self.optimizer.stats.rejected)
 
     @property
     def uncounted(self) -> int:
-        return self.optimizer.uncounted
+        return self.optimizer.stats.uncounted
 
 
 class DiLoCoSynchronizer(Synchronizer):

@@ -136,7 +136,7 @@ def _train_demo(model, exchange, batches, config, **settings) -> int:
         optimizer.zero_grad(set_to_none=True)
     optimizer.finish()  # overlap: the last round, still in flight
     optimizer.close()
-    return optimizer.bytes_sent
+    return optimizer.stats.bytes_sent
 
 
 def _train_diloco(model, exchange, batches, config, mode: str, codec: Codec | None = None) -> int:

@@ -47,7 +47,7 @@ def main() -> None:
                 optimizer.zero_grad(set_to_none=True)
             optimizer.finish()
             optimizer.close()
-            return {"exchange_s": optimizer.exchange_s, "waited_s": optimizer.phase_seconds["exchange"]}
+            return {"exchange_s": optimizer.stats.exchange_s, "waited_s": optimizer.stats.phase_seconds["exchange"]}
 
         time_loopback_mode(mode, work, args.workers, args.latency)
 

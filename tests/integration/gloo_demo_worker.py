@@ -84,7 +84,7 @@ def train_demo(rank: int, world: int, settings: dict) -> dict:
         for p, g in zip(params, step_grads[rank], strict=True):
             p.grad = g.to(settings["dtype"])
         opt.step()
-    return {"initial": initial, "params": [p.detach() for p in params], "sent": opt.bytes_sent}
+    return {"initial": initial, "params": [p.detach() for p in params], "sent": opt.stats.bytes_sent}
 
 
 if __name__ == "__main__":

@@ -184,8 +184,8 @@ def test_demo_under_a_bounded_fan_in_on_the_gpu_equals_the_cpu(carry):
     settings = {"lr": 1e-3, "gather_limit": 2, "carry": carry}
     on_cpu = train_workers(initial, grads, **settings)
     on_gpu = train_workers(initial, grads, device=CUDA, **settings)
-    assert [opt.uncounted for _, opt in on_gpu] == [opt.uncounted for _, opt in on_cpu]
-    assert sum(opt.uncounted for _, opt in on_gpu) == 2 * 6
+    assert [opt.stats.uncounted for _, opt in on_gpu] == [opt.stats.uncounted for _, opt in on_cpu]
+    assert sum(opt.stats.uncounted for _, opt in on_gpu) == 2 * 6
     for (gpu_params, _), (cpu_params, _) in zip(on_gpu, on_cpu, strict=True):
         for got, want in zip(gpu_params, cpu_params, strict=True):
             torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-12)

@@ -181,7 +181,7 @@ def test_malformed_contributions_are_dropped_and_counted():
     exchange = _FixedExchange(bad)
     opt = DeMo([p], lr=0.1, exchange=exchange)
     opt.step()
-    assert sum(opt.rejected.values()) == 3
+    assert sum(opt.stats.rejected.values()) == 3
     assert [rank for rank, _ in exchange.rejected] == [1, 2, 3]  # the exchange may strike the senders
     assert torch.isfinite(p).all() and p.abs().max().item() == pytest.approx(0.1)
 
@@ -292,7 +292,7 @@ def test_an_outsized_contribution_is_clipped_to_the_rounds_median_norm():
         robust = Robustness(norm_ratio=norm_ratio, min_agreement=None)
         opt = DeMo([p], lr=1.0, exchange=_FixedExchange(others), compression_topk=32, robust=robust)
         opt.step()
-        return p.detach(), opt.clipped
+        return p.detach(), opt.stats.clipped
 
     unclipped, count = update(None)
     assert count == 0
@@ -319,7 +319,7 @@ def test_the_exchange_can_replace_the_parameters_before_the_update():
     swarm = torch.full((8, 8), 5.0)
     opt = DeMo([p], lr=0.1, exchange=_FixedExchange([], adopt=[swarm]), compression_topk=4)
     opt.step()
-    assert opt.resyncs == 1
+    assert opt.stats.resyncs == 1
     assert torch.all((p - 5.0).abs() <= 0.1 + 1e-6) and not torch.equal(p.detach(), swarm)
     with pytest.raises(ValueError, match="does not match"):
         opt.load_shared_state([torch.zeros(3)])
@@ -395,10 +395,10 @@ def test_overlap_hides_a_slow_exchange_behind_the_next_steps_computation():
     for overlap in (False, True):
         opts = run_workers(2, functools.partial(work, overlap=overlap), latency=timedelta(seconds=latency))
         waited[overlap] = opts[0]
-    assert waited[False].phase_seconds["exchange"] >= 5 * latency * 0.9  # every exchange waited for
-    assert waited[True].exchange_s >= 5 * latency * 0.9
+    assert waited[False].stats.phase_seconds["exchange"] >= 5 * latency * 0.9  # every exchange waited for
+    assert waited[True].stats.exchange_s >= 5 * latency * 0.9
     # overlapped: only the last round (collected by finish) and scheduling noise are waited for
-    assert waited[True].phase_seconds["exchange"] < 2 * latency
+    assert waited[True].stats.phase_seconds["exchange"] < 2 * latency
 
 
 def test_overlap_adopts_the_swarms_parameters_before_the_late_update():
@@ -407,9 +407,9 @@ def test_overlap_adopts_the_swarms_parameters_before_the_late_update():
     opt = DeMo([p], lr=0.1, exchange=_FixedExchange([], adopt=[swarm]), compression_topk=4, overlap=True)
     p.grad = torch.randn(8, 8)
     opt.step()  # round 0 is in flight: nothing applied, nothing adopted yet
-    assert opt.resyncs == 0 and torch.equal(p.detach(), torch.zeros(8, 8))
+    assert opt.stats.resyncs == 0 and torch.equal(p.detach(), torch.zeros(8, 8))
     opt.finish()
-    assert opt.resyncs == 1
+    assert opt.stats.resyncs == 1
     assert torch.all((p - 5.0).abs() <= 0.1 + 1e-6) and not torch.equal(p.detach(), swarm)
     opt.close()
 

@@ -111,7 +111,7 @@ def test_demo_with_carry_takes_an_uncounted_payload_back_into_its_momentum_exact
         reference.step(samples=8)
         optimizer.step(samples=8)
     assert torch.equal(optimizer.state[carried]["delta"], reference.state[kept]["delta"])
-    assert optimizer.uncounted == 4 and reference.uncounted == 4
+    assert optimizer.stats.uncounted == 4 and reference.stats.uncounted == 4
     assert nobody.claims == [8, 16, 24, 32]  # the samples behind the carried work, announced
     assert torch.equal(kept, carried)  # nothing counted: no step
 
@@ -124,7 +124,7 @@ def test_demo_without_carry_claims_only_the_samples_of_its_payload():
         for seed in range(3):
             param.grad = torch.randn(64, 96, generator=torch.Generator().manual_seed(seed))
             optimizer.step(samples=8)
-        assert nobody.claims == ([8, 16, 24] if carry else [8, 8, 8]) and optimizer.uncounted == 3
+        assert nobody.claims == ([8, 16, 24] if carry else [8, 8, 8]) and optimizer.stats.uncounted == 3
         momenta[carry] = optimizer.state[param]["delta"]
     # without carry, what was sent stays out of the momentum (plain error feedback)
     assert momenta[True].abs().sum() > momenta[False].abs().sum()
@@ -152,7 +152,7 @@ def test_demo_under_a_bounded_fan_in_keeps_every_worker_identical_and_rotates(ov
     results = _demo_workers(2, overlap)
     params = [param for param, _ in results]
     assert all(torch.equal(params[0], other) for other in params[1:])
-    uncounted = [optimizer.uncounted for _, optimizer in results]
+    uncounted = [optimizer.stats.uncounted for _, optimizer in results]
     assert sum(uncounted) == 2 * 6  # two of four left out of each of six rounds
     assert max(uncounted) <= 4 and min(uncounted) >= 2  # a round-robin: each counts every other round
     assert not torch.equal(params[0], _demo_workers(0, overlap)[0][0])

@@ -111,7 +111,7 @@ def test_demo_refuses_a_non_finite_gradient_and_stays_in_step(overlap):
         optimizer.finish()
         optimizer.close()
         delta = optimizer.state[param]["delta"]
-        return param.detach(), optimizer.refused, bool(torch.isfinite(delta).all())
+        return param.detach(), optimizer.stats.refused, bool(torch.isfinite(delta).all())
 
     (p0, refused0, finite0), (p1, refused1, finite1) = run_loopback(2, work)
     assert refused1 == {"own_non_finite": 1} and not refused0

@@ -140,7 +140,7 @@ def test_demo_rejects_a_payload_sent_with_other_topk_value_bits_or_chunk(chunk, 
     opt = DeMo([p], lr=1e-3, exchange=exchange, compression_topk=4, value_bits=32)
     opt.step()
     assert exchange.rejected == [(b"other", "config_mismatch")]
-    assert opt.rejected["config_mismatch"] == 1
+    assert opt.stats.rejected["config_mismatch"] == 1
 
 
 def test_demo_screens_with_the_gram_matrix_of_the_dense_coefficients(monkeypatch):
