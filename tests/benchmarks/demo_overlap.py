@@ -47,7 +47,8 @@ def main() -> None:
                 optimizer.zero_grad(set_to_none=True)
             optimizer.finish()
             optimizer.close()
-            return {"exchange_s": optimizer.stats.exchange_s, "waited_s": optimizer.stats.phase_seconds["exchange"]}
+            stats = optimizer.stats
+            return {"exchange_s": stats.exchange_s, "waited_s": stats.phase_seconds["exchange"]}
 
         time_loopback_mode(mode, work, args.workers, args.latency)
 
