@@ -23,7 +23,8 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from shoal.peer.algorithms.configs import DiLoCoConfig
-from shoal.peer.algorithms.diloco import codec_for
+from shoal.peer.algorithms.feedback import codec_for
+from shoal.peer.algorithms.robust import finite
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data import RoundSlices, TokenStreams, load_data
 from shoal.peer.hardware import autocast_for, choose_device
@@ -203,7 +204,7 @@ class PeerSummary:
             compute_seconds=tuple(r.compute_s for r in reports),
             validation_loss=validation,
             param_hash=param_hash(trainer.model),
-            finite=all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters()),
+            finite=finite(list(trainer.model.parameters())),
             payload_bytes=trainer.sync.bytes_sent / max(1, len(reports)),
             counts=_counted(exchange, trainer),
             round_clock=(exchange.schedule.start_time, exchange.schedule.round_seconds),

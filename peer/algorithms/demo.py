@@ -48,7 +48,6 @@ bit-identical), so every update still applies to the shared parameters.
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -56,6 +55,7 @@ import torch
 from shoal.compression import DCTTopKCodec, DecodeLimits, MalformedPayloadError, dct
 from shoal.compression.dct_topk import TopKCoefficients, unpack
 from shoal.peer.algorithms.exchange import Contribution, Exchange
+from shoal.peer.algorithms.in_flight import InFlight
 from shoal.peer.algorithms.robust import (
     DEMO,
     Reference,
@@ -64,6 +64,7 @@ from shoal.peer.algorithms.robust import (
     Suspicion,
     capped_weights,
     directions_judged,
+    finite,
     judged,
     overclaims,
     report,
@@ -195,10 +196,7 @@ class DeMo(torch.optim.Optimizer):
         self.suspicion = Suspicion(robust)
         self._slice_cache: list[Slice] | None = None
         self.stats = DeMoStats()
-        self._background = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-exchange") if overlap else None
-        )
-        self._pending: Future[_Gathered] | None = None
+        self._in_flight: InFlight[_Gathered] | None = InFlight("demo-exchange") if overlap else None
         self.carry = carry
         self.lookahead = lookahead
         self._origin: list[torch.Tensor] | None = None  # lookahead: the parameters before the shift
@@ -242,7 +240,7 @@ class DeMo(torch.optim.Optimizer):
         self.stats.phase_seconds["exchange"] += waited - started
         self.stats.bytes_sent += len(data)
         claimed, self.stats.carried_samples = samples + self.stats.carried_samples, 0
-        if self._background is None:
+        if self._in_flight is None:
             gathered = self._gather(data, claimed, params, selections, plan)
             self.stats.phase_seconds["exchange"] += gathered.seconds
             self._adopt(gathered)
@@ -253,7 +251,7 @@ class DeMo(torch.optim.Optimizer):
             if self.lookahead:
                 params = self._shift(slices, selections, settings)
             # the state this round compares is the one its aggregate will be applied to, a step from now
-            self._pending = self._background.submit(self._gather, data, claimed, params, selections, plan)
+            self._in_flight.start(self._gather, data, claimed, params, selections, plan)
         return loss
 
     @torch.no_grad()
@@ -268,11 +266,8 @@ class DeMo(torch.optim.Optimizer):
     def close(self) -> None:
         """Waits for the exchange in flight (collectives must complete on every participant) and
         stops the background thread; the round is not applied (see finish)."""
-        if self._background is not None:
-            if self._pending is not None:
-                self._pending.exception()
-                self._pending = None
-            self._background.shutdown(wait=True)
+        if self._in_flight is not None:
+            self._in_flight.close(raise_error=False)
 
     def _shift(
         self,
@@ -314,7 +309,7 @@ class DeMo(torch.optim.Optimizer):
         """A gradient with NaN or infinite values (a diverged forward pass, an overflow) would poison the
         momentum for good: the step's gradients are dropped instead, and counted (one host sync a step)."""
         grads = [p.grad for p in self._trainable() if p.grad is not None]
-        if not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+        if finite(grads):
             return
         for p in self._trainable():
             p.grad = None
@@ -344,9 +339,9 @@ class DeMo(torch.optim.Optimizer):
     def _collect(self) -> _Gathered | None:
         """The round in flight, waited for (None without overlap or before the first step); its
         adopted state, if any, replaces the parameters at once."""
-        if self._pending is None:
+        gathered = None if self._in_flight is None else self._in_flight.wait()
+        if gathered is None:
             return None
-        gathered, self._pending = self._pending.result(), None
         self._adopt(gathered)
         return gathered
 

@@ -46,24 +46,17 @@ Pseudo-gradients travel exactly (float32, the default) or through a codec of sho
 
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from shoal.compression import (
-    Codec,
-    DCTTopKCodec,
-    DecodeLimits,
-    DenseCodec,
-    MalformedPayloadError,
-    TopKCodec,
-    decode_tensor,
-)
+from shoal.compression import Codec, DCTTopKCodec, DecodeLimits, MalformedPayloadError, decode_tensor
 from shoal.peer.algorithms.butterfly import Pieces
-from shoal.peer.algorithms.configs import MODES, OUTER_MOMENTUM, DiLoCoConfig
+from shoal.peer.algorithms.configs import MODES, OUTER_MOMENTUM
 from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange
+from shoal.peer.algorithms.feedback import ErrorFeedback
+from shoal.peer.algorithms.in_flight import InFlight
 from shoal.peer.algorithms.robust import (
     DILOCO,
     DILOCO_SPARSE,
@@ -71,18 +64,11 @@ from shoal.peer.algorithms.robust import (
     Robustness,
     Suspicion,
     add_screened_mean,
+    finite,
     report,
     sender_keys,
 )
 from shoal.protocol import Payload, parse_message
-
-
-def codec_for(config: DiLoCoConfig) -> Codec:
-    """The codec of a run's `--compression`: int8 sends every value (blocks of `chunk` sharing a scale),
-    sparse the top-k of every chunk (shoal.compression.TopKCodec), both at `value_bits`."""
-    if config.compression == "sparse":
-        return TopKCodec(chunk=config.chunk, topk=config.topk, value_bits=config.value_bits)
-    return DenseCodec(config.value_bits, block=config.chunk)
 
 
 @dataclass(slots=True)
@@ -132,6 +118,28 @@ class _Sent:
     samples: int
     phases: int = 1
     """Inner phases it averages: more than one when it carries phases a bounded fan-in left out."""
+
+
+def _outer_settings(mode: str, lr: float, momentum: float | None, nesterov: bool) -> dict:
+    """The outer SGD's settings, checked; momentum None: the mode's (OUTER_MOMENTUM)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if not lr > 0:
+        raise ValueError(f"outer_lr must be > 0, got {lr}")
+    momentum = OUTER_MOMENTUM[mode] if momentum is None else momentum
+    if not 0 <= momentum < 1:
+        raise ValueError(f"outer_momentum must be in [0, 1), got {momentum}")
+    return {"lr": lr, "momentum": momentum, "nesterov": nesterov and momentum > 0}
+
+
+@dataclass(frozen=True, slots=True)
+class _Carried:
+    """Work a bounded fan-in left out, sent again with the next round's."""
+
+    displacement: list[torch.Tensor]
+    """The pseudo-gradients' sum over its inner phases."""
+    phases: int
+    samples: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,30 +210,20 @@ class DiLoCo:
     ):
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-        if not outer_lr > 0:
-            raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
-        if outer_momentum is None:
-            outer_momentum = OUTER_MOMENTUM[mode]
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
         if not 0 <= error_decay <= 1:
             raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
-        self.error_decay = error_decay
+        settings = _outer_settings(mode, outer_lr, outer_momentum, nesterov)
         self.carry = carry
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner_optimizer = inner_optimizer
         self.exchange = exchange
         self.inner_steps = inner_steps
         self.mode = mode
-        self.codec = codec if codec is not None else DenseCodec(value_bits=32, zstd=False)
+        self.feedback = ErrorFeedback(codec, self.params, error_decay)
         self.max_payload_bytes = max_payload_bytes
         if robust is None:
-            robust = DILOCO_SPARSE if isinstance(self.codec, DCTTopKCodec) else DILOCO
-        self.robust = robust
+            robust = DILOCO_SPARSE if isinstance(self.feedback.codec, DCTTopKCodec) else DILOCO
         self.suspicion = Suspicion(robust)
-        settings = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov and outer_momentum > 0}
         # theta: the global parameters every inner phase starts from, stepped by torch's own SGD
         self.global_params = [p.detach().clone() for p in self.params]
         self.outer_optimizer = torch.optim.SGD(self.global_params, **settings)
@@ -235,21 +233,17 @@ class DiLoCo:
         if mode == "eager":
             self.consensus_params = [p.detach().clone() for p in self.params]
             self.consensus_optimizer = torch.optim.SGD(self.consensus_params, **settings)
-        self.residuals = [torch.zeros_like(p) for p in self.params] if codec is not None else None
         self.pieces = None
         if butterfly:
             device = self.params[0].device if self.params else "cpu"
             shapes = [p.shape for p in self.params]
-            self.pieces = Pieces(self.codec, shapes, robust=robust, device=device)
+            self.pieces = Pieces(self.feedback.codec, shapes, robust=robust, device=device)
         self.stats = OuterStats()
         self._inner_step = 0
         self._samples = 0
-        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-exchange")
-        self._pending: Future[_RoundResult] | None = None
+        self._in_flight: InFlight[_RoundResult] = InFlight("diloco-exchange")
         self._last_sent: _Sent | None = None
-        # bounded fan-in: the displacement, phases and samples of the work not counted yet (`_carry`)
-        self._carried: list[torch.Tensor] | None = None
-        self._carried_phases = self._carried_samples = 0
+        self._carried: _Carried | None = None  # bounded fan-in: the work not counted yet (`_carry`)
 
     def step(self, *, samples: int = 1, plan: object = None) -> None:
         """One inner step (the inner optimizer's, then zero_grad); an outer step every `inner_steps`.
@@ -271,14 +265,14 @@ class DiLoCo:
         previous = self._collect_pending()  # before encoding: the codec is not shared across threads
         self._carry(previous, self._last_sent)
         pseudo = [start - p.detach() for start, p in zip(self.global_params, self.params, strict=True)]
-        if not _finite(pseudo):
+        if not finite(pseudo):
             pseudo = self._refuse_own(pseudo)
-        phases, samples = 1 + self._carried_phases, self._samples + self._carried_samples
-        if self._carried is not None:  # the mean over the phases, weighted by all their samples
-            pseudo = [d.add_(c).div_(phases) for d, c in zip(pseudo, self._carried, strict=True)]
+        carried, phases, samples = self._carried, 1, self._samples
+        if carried is not None:  # the mean over the phases, weighted by all their samples
+            phases, samples = phases + carried.phases, samples + carried.samples
+            pseudo = [d.add_(c).div_(phases) for d, c in zip(pseudo, carried.displacement, strict=True)]
         sent = self._encode(pseudo, max(samples, 1), phases)
-        self._samples = self._carried_phases = self._carried_samples = 0
-        self._carried = None
+        self._samples, self._carried = 0, None
         if self.mode == "standard":
             start = time.perf_counter()
             result = self._round(sent, self.shared_state(), plan)
@@ -291,7 +285,7 @@ class DiLoCo:
                 self._adopt(previous)
                 self._apply_round(previous, self.consensus_params, self.consensus_optimizer)
             # the state compared in this round is the one its mean will be applied to, a step from now
-            self._pending = self._background.submit(self._round, sent, self.shared_state(), plan)
+            self._in_flight.start(self._round, sent, self.shared_state(), plan)
             if self.mode == "eager":
                 self._apply(self._eager_direction(previous, sent))
         self._last_sent = sent
@@ -362,34 +356,21 @@ class DiLoCo:
         self.stats.uncounted += 1
         if not self.carry:
             return
-        self._carried_samples = sent.samples
-        self._carried = [d * sent.phases for d in sent.decoded]
-        self._carried_phases = sent.phases
+        self._carried = _Carried([d * sent.phases for d in sent.decoded], sent.phases, sent.samples)
 
     def _collect_pending(self) -> _RoundResult | None:
         """Waits for the previous background round, if one is in flight (counted as waiting)."""
-        if self._pending is None:
+        if not self._in_flight.busy:
             return None
         start = time.perf_counter()
-        result = self._pending.result()
+        result = self._in_flight.wait()
         self.stats.waited_s += time.perf_counter() - start
-        self._pending = None
         return result
 
     def _encode(self, pseudo: list[torch.Tensor], samples: int, phases: int = 1) -> _Sent:
         """Encodes the pseudo-gradient (plus error feedback); keeps what the codec dropped."""
         start = time.perf_counter()
-        if self.residuals is not None:
-            pseudo = [d.add_(r, alpha=self.error_decay) for d, r in zip(pseudo, self.residuals, strict=True)]
-        payload = Payload(tensors=[self.codec.encode(d) for d in pseudo])
-        decoded = [
-            self.codec.decode(m, device=d.device).to(d.dtype)
-            for m, d in zip(payload.tensors, pseudo, strict=True)
-        ]
-        if self.residuals is not None:
-            for r, d, sent in zip(self.residuals, pseudo, decoded, strict=True):
-                torch.sub(d, sent, out=r)
-        data = payload.SerializeToString()
+        data, decoded = self.feedback.encode(pseudo)
         self.stats.bytes_sent += len(data)
         elapsed = time.perf_counter() - start  # always on the training thread: waited for
         self.stats.phase_seconds["encode"] += elapsed
@@ -428,7 +409,7 @@ class DiLoCo:
         total, verdict = add_screened_mean(
             mean,
             accepted,
-            self.robust,
+            self.suspicion.policy,
             self.suspicion,
             sender_keys(senders),
             Reference(sent.decoded) if self.exchange.gather_limit > 0 else None,  # robust.Reference
@@ -468,9 +449,7 @@ class DiLoCo:
         back to the global parameters at the end of the outer step, as after every phase."""
         self.stats.refused["own_non_finite"] += 1
         self.exchange.refuse("own_non_finite")
-        if self.residuals is not None:
-            for r in self.residuals:
-                r.zero_()
+        self.feedback.reset()
         self.inner_optimizer.state.clear()
         return [torch.zeros_like(d) for d in pseudo]
 
@@ -490,7 +469,7 @@ class DiLoCo:
     ) -> None:
         """One outer step of `params` (the global parameters by default) along `direction`, unless it is
         not finite (refused and counted: a sum of huge finite values can overflow)."""
-        if not _finite(direction):
+        if not finite(direction):
             self.stats.refused["aggregate_non_finite"] += 1
             self.exchange.refuse("aggregate_non_finite")
             return
@@ -521,19 +500,10 @@ class DiLoCo:
     def close(self) -> None:
         """Waits for the exchange in flight (collectives must complete on every participant) and
         stops the background thread."""
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-        self._background.shutdown(wait=True)
+        self._in_flight.close()
 
     def __enter__(self) -> "DiLoCo":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every value of `tensors` is finite (one host sync, once per outer step)."""
-    flags = [torch.isfinite(t).all() for t in tensors]
-    return bool(torch.stack(flags).all()) if flags else True

@@ -386,3 +386,9 @@ def report(
         if reason is not None:
             counts[reason] += 1
             exchange.reject(contribution, reason)
+
+
+def finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every value of `tensors` is finite (none: True), with one host sync."""
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return bool(torch.stack(flags).all()) if flags else True

@@ -56,8 +56,9 @@ from shoal.compression import (
 from shoal.compression.dct_topk import unpack
 from shoal.peer.algorithms.configs import SPARSE_OUTER, AlgorithmConfig, DeMoConfig, DiLoCoConfig
 from shoal.peer.algorithms.demo import DeMo
-from shoal.peer.algorithms.diloco import DiLoCo, codec_for
+from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, Gathered, run_loopback
+from shoal.peer.algorithms.feedback import codec_for
 from shoal.peer.bench import converge
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
 from shoal.peer.model import TinyGPT

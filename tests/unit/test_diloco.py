@@ -7,9 +7,10 @@ import torch
 
 from shoal.compression import DCTTopKCodec, DenseCodec, TopKCodec
 from shoal.peer.algorithms.configs import DiLoCoConfig
-from shoal.peer.algorithms.diloco import DiLoCo, codec_for
+from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.algorithms.exchange import run_loopback as run_workers
+from shoal.peer.algorithms.feedback import codec_for
 from shoal.peer.algorithms.robust import DILOCO, DILOCO_SPARSE, NONE, Robustness
 from shoal.peer.model import GPTConfig, TinyGPT
 
@@ -143,7 +144,7 @@ def test_delayed_mode_applies_the_previous_rounds_mean():
     # round 1: nothing has arrived yet, so everyone restarts from the unchanged global params
     for p, s in zip(model.parameters(), start, strict=True):
         assert torch.equal(p.detach(), s)
-    round_one = diloco._pending.result().mean
+    round_one = diloco._in_flight.peek().mean
     train(model, diloco, batches(1, 2))
     for p, s, d in zip(model.parameters(), start, round_one, strict=True):
         torch.testing.assert_close(p.detach(), s - d, rtol=0, atol=1e-7)  # theta(2) = theta(1) - delta(1)
@@ -274,9 +275,9 @@ def test_eager_after_a_round_that_accepted_nothing_steps_on_its_own_share():
 def test_a_top_k_codec_defaults_to_screening_without_a_per_round_drop():
     model = make_model()
     exchange = LoopbackExchange.group(1)[0]
-    assert DiLoCo(model, adamw(model), exchange=exchange, inner_steps=2).robust is DILOCO
+    assert DiLoCo(model, adamw(model), exchange=exchange, inner_steps=2).suspicion.policy is DILOCO
     sparse = DiLoCo(model, adamw(model), exchange=exchange, inner_steps=2, codec=TopKCodec())
-    assert sparse.robust is DILOCO_SPARSE and sparse.robust.min_agreement is None
+    assert sparse.suspicion.policy is DILOCO_SPARSE and sparse.suspicion.policy.min_agreement is None
 
 
 @pytest.mark.parametrize("mode", ["standard", "delayed", "eager"])
@@ -354,7 +355,7 @@ def test_lossy_codec_keeps_what_it_dropped_for_the_next_round():
         diloco.inner_optimizer.step()
         pseudo = [s - p.detach() for s, p in zip(start, diloco.params, strict=True)]
         diloco.outer_step()
-    for residual, d in zip(diloco.residuals, pseudo, strict=True):
+    for residual, d in zip(diloco.feedback.residuals, pseudo, strict=True):
         sent = codec.decode(codec.encode(d)) if d.numel() > 1 else d
         torch.testing.assert_close(residual, d - sent.reshape(d.shape), rtol=1e-5, atol=1e-7)
 
@@ -373,7 +374,7 @@ def test_sparse_error_feedback_decays_what_was_dropped_before_adding_the_new_pse
     ) as diloco:
         data = batches(0, 4)
         train(model, diloco, data[:2])
-        before = [r.clone() for r in diloco.residuals]
+        before = [r.clone() for r in diloco.feedback.residuals]
         assert any(r.abs().sum() > 0 for r in before)
         start = [p.detach().clone() for p in diloco.global_params]
         model(data[2][:, :-1], targets=data[2][:, 1:]).backward()
@@ -382,7 +383,7 @@ def test_sparse_error_feedback_decays_what_was_dropped_before_adding_the_new_pse
         diloco.inner_optimizer.step()
         pseudo = [s - p.detach() for s, p in zip(start, diloco.params, strict=True)]
         diloco.outer_step()
-    for residual, d, old in zip(diloco.residuals, pseudo, before, strict=True):
+    for residual, d, old in zip(diloco.feedback.residuals, pseudo, before, strict=True):
         accumulated = d + 0.5 * old
         sent = TopKCodec(topk=64, value_bits=2).decode(TopKCodec(topk=64, value_bits=2).encode(accumulated))
         torch.testing.assert_close(residual, accumulated - sent.reshape(d.shape), rtol=1e-5, atol=1e-6)
