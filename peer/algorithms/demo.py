@@ -53,28 +53,24 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from shoal.compression import DCTTopKCodec, DecodeLimits, MalformedPayloadError, dct
-from shoal.compression.dct_topk import TopKCoefficients, unpack
+from shoal.compression.dct_topk import TopKCoefficients
+from shoal.peer.algorithms.demo_receive import SUM_SLOT, combine, decode, screen
 from shoal.peer.algorithms.exchange import Contribution, Exchange
 from shoal.peer.algorithms.in_flight import InFlight
 from shoal.peer.algorithms.robust import (
     DEMO,
     Reference,
     Robustness,
-    Screened,
     Suspicion,
     capped_weights,
-    directions_judged,
     finite,
-    judged,
-    overclaims,
     report,
     sender_keys,
 )
 from shoal.peer.algorithms.tile_groups import Slice, slice_parameters
-from shoal.protocol import Payload, ValueEncoding, parse_message
+from shoal.protocol import Payload
 
-# workspace slots beyond the codec's 0 and 1 (transform scratch, magnitudes)
-GRADIENT_SLOT, SUM_SLOT, WEIGHT_SLOT = 2, 2, 3
+GRADIENT_SLOT = SUM_SLOT  # the gradient's scratch (a step's transform), free again before the round's sums
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,7 +363,8 @@ class DeMo(torch.optim.Optimizer):
         received = self._accept(contributions, slices, gathered)
         decoded = time.perf_counter()
         for index, piece in enumerate(slices):
-            direction = self._combine([(coeffs[index], weight) for coeffs, weight in received], piece)
+            received_piece = [(coeffs[index], weight) for coeffs, weight in received]
+            direction = combine(received_piece, piece, self.codec.workspace)
             # finite but huge values from a hostile peer can sum to inf and inf - inf to NaN: never apply NaN
             signs = direction.sign_().nan_to_num_(nan=0.0)
             for member in piece.members:
@@ -443,7 +440,7 @@ class DeMo(torch.optim.Optimizer):
         decoded, senders = [], []
         for contribution in contributions:
             try:
-                decoded.append(self._decode(contribution, slices, limits))
+                decoded.append(decode(contribution, slices, limits, self.codec, self.max_payload_bytes))
                 senders.append(contribution)
             except MalformedPayloadError as error:
                 self.stats.rejected[error.reason] += 1
@@ -452,13 +449,15 @@ class DeMo(torch.optim.Optimizer):
         reference = None  # under a bounded fan-in only: robust.Reference
         if gathered is not None and gathered.selections and self.exchange.gather_limit > 0:
             reference = Reference(gathered.selections)
-        verdict = self._screen(
+        verdict = screen(
             decoded,
             capped_weights(samples, self.robust.sample_ratio),
             slices,
             sender_keys(senders),
             [float(c.samples) for c in senders],
             reference,
+            suspicion=self.suspicion,
+            workspace=self.codec.workspace,
         )
         self.stats.clipped += verdict.clipped
         report(self.exchange, senders, verdict, self.stats.rejected)
@@ -470,111 +469,3 @@ class DeMo(torch.optim.Optimizer):
                     (coeffs if scale == 1 else [replace(c, values=c.values * scale) for c in coeffs], weight)
                 )
         return accepted
-
-    def _screen(
-        self,
-        decoded: list[list[TopKCoefficients]],
-        weights: list[float],
-        slices: list[Slice],
-        senders: list[bytes],
-        claims: list[float],
-        reference: Reference | None = None,
-    ) -> Screened:
-        """shoal.peer.algorithms.robust's screening of sparse contributions, from their Gram matrix: per
-        slice, each contribution scattered densely once and read at all contributions' indices in one gather
-        (the round's coefficients side by side), then zeroed where it was written. `claims`: the samples
-        each one announced (for `overclaim`); `reference`: what this participant sent (`Reference`)."""
-        count, policy = len(decoded), self.robust
-        judging = directions_judged(policy, count, reference)
-        if (count < 2 and not judging) or (policy.norm_ratio is None and not policy.judges):
-            return Screened.of(weights, [1.0] * count, [None] * count, policy, overclaimed=overclaims(claims))
-        if not judging:
-            squared = [
-                torch.stack([c.values.float().square().sum() for c in coeffs]).sum() for coeffs in decoded
-            ]
-            gram = torch.diag(torch.stack(squared)).tolist()
-            return judged(gram, weights, policy, self.suspicion, senders, claims)
-        by_reference = reference is not None
-        if by_reference:
-            decoded = [*decoded, list(reference.update)]
-        rows = len(decoded)
-        device = decoded[0][0].values.device
-        gram = torch.zeros(rows, rows, device=device)
-        for index, piece in enumerate(slices):
-            plan = piece.plan
-            dense = self.codec.workspace.get(SUM_SLOT, plan.numel, device, torch.float32)
-            dense = dense.view(plan.num_chunks, -1).zero_()
-            # every contribution's coefficients side by side: (chunks, count * k); read at once
-            indices = torch.cat([coeffs[index].indices for coeffs in decoded], dim=1)
-            values = torch.cat([coeffs[index].values.float() for coeffs in decoded], dim=1)
-            for j, other in enumerate(decoded):
-                dense.scatter_(1, other[index].indices, other[index].values.float())
-                products = dense.gather(1, indices).mul_(values)
-                gram[:, j] += products.view(plan.num_chunks, rows, -1).sum(dim=(0, 2))
-                dense.scatter_(1, other[index].indices, 0.0)  # back to zeros, at only what was written
-        # one host sync
-        return judged(gram.tolist(), weights, policy, self.suspicion, senders, claims, True, by_reference)
-
-    def _decode(
-        self, contribution: Contribution, slices: list[Slice], limits: DecodeLimits
-    ) -> list[TopKCoefficients]:
-        payload = parse_message(Payload, contribution.payload, max_bytes=self.max_payload_bytes)
-        if len(payload.tensors) != len(slices):
-            raise MalformedPayloadError(
-                "wrong_structure", f"{len(payload.tensors)} tensors for {len(slices)} slices"
-            )
-        if contribution.samples < 0:
-            raise MalformedPayloadError("bad_samples", f"negative sample count {contribution.samples}")
-        decoded = []
-        for message, piece in zip(payload.tensors, slices, strict=True):
-            coeffs = unpack(message, piece.members[0].param.device, limits)
-            if coeffs.plan != piece.plan:
-                raise MalformedPayloadError(
-                    "config_mismatch", f"chunk plan {coeffs.plan} where the run's is {piece.plan}"
-                )
-            expected = (min(self.codec.topk, piece.plan.chunk_numel), self.codec.encoding)
-            if (coeffs.topk, message.value_encoding) != expected:
-                raise MalformedPayloadError(
-                    "config_mismatch",
-                    f"top-{coeffs.topk} with {ValueEncoding.Name(message.value_encoding)} values where "
-                    f"the run sends top-{expected[0]} with {ValueEncoding.Name(expected[1])}",
-                )
-            decoded.append(coeffs)
-        return decoded
-
-    def _combine(self, received: list[tuple[TopKCoefficients, float]], piece: Slice) -> torch.Tensor:
-        """Step 7: per coefficient, the (weighted) mean over the participants that sent it; then idct.
-
-        Returns a view into the codec's workspace, valid until its next use."""
-        plan, workspace = piece.plan, self.codec.workspace
-        device = piece.members[0].param.device
-        sent = sum(coeffs.topk for coeffs, _ in received)
-        if received and dct.sparse_is_cheaper(sent, plan):
-            return self._combine_sparse(received, plan)
-        sums = workspace.get(SUM_SLOT, plan.numel, device, torch.float32).view(plan.num_chunks, -1).zero_()
-        weights = (
-            workspace.get(WEIGHT_SLOT, plan.numel, device, torch.float32).view(plan.num_chunks, -1).zero_()
-        )
-        for coeffs, weight in received:  # rank order: the same float sums on every participant
-            sums.scatter_add_(1, coeffs.indices, coeffs.values * weight)
-            weights.scatter_add_(1, coeffs.indices, torch.full_like(coeffs.values, weight))
-        sums.div_(weights.clamp_(min=1e-30))  # where nobody sent a coefficient: 0 / tiny = 0
-        return dct.inverse_dense(sums, plan, workspace, out=sums)  # sums is read before out is written
-
-    def _combine_sparse(
-        self, received: list[tuple[TopKCoefficients, float]], plan: dct.ChunkPlan
-    ) -> torch.Tensor:
-        """`_combine` without a dense pass over the coefficients, for few values per chunk (the usual
-        case: k times the participants): every sent value is divided by the summed weight of those
-        sent at its index, and the sparse inverse adds up the duplicates, so each index gets the
-        weighted mean of its values, as the dense path computes it."""
-        indices = torch.cat([coeffs.indices for coeffs, _ in received], dim=1)
-        values = torch.cat([coeffs.values.float() * weight for coeffs, weight in received], dim=1)
-        weights = torch.cat(
-            [torch.full(c.indices.shape, weight, device=values.device) for c, weight in received], dim=1
-        )
-        same = (indices.unsqueeze(2) == indices.unsqueeze(1)).to(values.dtype)  # (chunks, sent, sent)
-        totals = torch.bmm(same, weights.unsqueeze(2)).squeeze(2)
-        values.div_(totals)
-        out = self.codec.workspace.get(SUM_SLOT, plan.numel, values.device, values.dtype)
-        return dct.inverse_sparse(indices, values, plan, self.codec.workspace, out=out)

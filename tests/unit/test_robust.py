@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shoal.compression import DCTTopKCodec, DenseCodec, decode_tensor
-from shoal.peer.algorithms import demo
+from shoal.peer.algorithms import demo, demo_receive
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.exchange import Contribution, Exchange, Gathered
 from shoal.peer.algorithms.robust import (
@@ -163,18 +163,18 @@ def test_demo_screens_with_the_gram_matrix_of_the_dense_coefficients(monkeypatch
     for p in params:
         p.grad = torch.randn(p.shape, generator=generator)
     seen = {}
-    original_screen, original_judged = DeMo._screen, demo.judged
+    original_screen, original_judged = demo_receive.screen, demo_receive.judged
 
-    def screen(self, decoded, *args):
+    def screen(decoded, *args, **kwargs):
         seen["decoded"] = decoded
-        return original_screen(self, decoded, *args)
+        return original_screen(decoded, *args, **kwargs)
 
     def judged(gram, *args):
         seen["gram"] = gram
         return original_judged(gram, *args)
 
-    monkeypatch.setattr(DeMo, "_screen", screen)
-    monkeypatch.setattr(demo, "judged", judged)
+    monkeypatch.setattr(demo, "screen", screen)
+    monkeypatch.setattr(demo_receive, "judged", judged)
     DeMo(
         params, lr=1e-3, exchange=_Fixed(others), compression_topk=4, value_bits=32, compression_chunk=32
     ).step()
