@@ -3,8 +3,11 @@ no process left running after a test."""
 
 import contextlib
 import os
+import shutil
 import signal
+import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -104,11 +107,32 @@ def no_leftover_processes(request):
         warnings.warn(f"killed processes the test left running: {sorted(leftovers.values())}", stacklevel=1)
 
 
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A folder with a short path, removed after the test: a TMPDIR for processes that make Unix
+    sockets in it (torch's shared-memory manager), whose paths must fit in 108 bytes, which a
+    `tmp_path` under pytest-xdist (one more level, popen-gwN) does not leave room for."""
+    folder = Path(tempfile.mkdtemp(prefix="shoal-"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
+HEAVIEST = ("test_hostile.py", "test_nat.py", "test_swarm.py", "test_cli_swarm.py", "test_start_run.py")
+"""The integration files that take longest (minutes each), collected first: `pytest -n 2 --dist
+loadfile` hands files to its workers in collection order, and a heavy one left for last would keep
+one worker busy long after the other is done."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test under tests/integration is a `swarm` test: `pytest -m "not swarm"` leaves them out."""
+    """Every test under tests/integration is a `swarm` test: `pytest -m "not swarm"` leaves them out.
+    The heaviest files go first (a stable sort: the order within a file is kept)."""
     for item in items:
         if INTEGRATION in Path(item.fspath).parents:
             item.add_marker(pytest.mark.swarm)
+    weight = {name: index for index, name in enumerate(HEAVIEST)}
+    items.sort(key=lambda item: weight.get(Path(item.fspath).name, len(HEAVIEST)))

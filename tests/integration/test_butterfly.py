@@ -4,7 +4,6 @@ lies about its piece's mean is struck while the others average its piece themsel
 pieces out of bounds get nothing."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.server import MAX_PIECES, PARTS_QUIET_S
 from shoal.protocol import Payload
 from shoal.protocol.swarm_pb2 import PayloadRequest
-from tests.integration.harness import ROOT, events, free_port, kill, shoal, start, swarm, wait_for
+from tests.integration.harness import events, free_port, kill, shoal, spawn, start, swarm, wait_for
 
 
 def int8_payload_bytes() -> int:
@@ -73,13 +72,8 @@ def test_a_peer_serving_a_garbage_mean_is_struck_and_its_piece_averaged_by_the_o
         if command is None:
             processes.append(start("join", *common, *flags, stdout=out, stderr=err))
         else:
-            processes.append(
-                subprocess.Popen(
-                    [*command, *common, *flags], cwd=ROOT, stdout=out, stderr=err, text=True,
-                    start_new_session=True,
-                    env={**os.environ, "OMP_NUM_THREADS": "1", "SHOAL_FAULTS": "butterfly_lie@0"},
-                )
-            )  # fmt: skip
+            fault = {"SHOAL_FAULTS": "butterfly_lie@0"}
+            processes.append(spawn([*command, *common, *flags], env=fault, stdout=out, stderr=err, text=True))
 
     try:
         # all leave after round 7: in that last round the honest peers average the liar's piece from

@@ -35,17 +35,17 @@ def demo(tmp: Path, *flags: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(330)
-def test_the_demo_removes_its_folder_unless_asked_to_keep_its_logs(tmp_path):
-    result = demo(tmp_path / "tmp")
+def test_the_demo_removes_its_folder_unless_asked_to_keep_its_logs(tmp_path, short_tmp):
+    result = demo(short_tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout)["param_hash_agree"]
     assert "--keep-logs DIR keeps them" in result.stderr
-    assert list((tmp_path / "tmp").glob("shoal-demo-*")) == []  # (torch leaves its own there)
+    assert list(short_tmp.glob("shoal-demo-*")) == []  # (torch leaves its own there)
 
     kept = tmp_path / "kept"
-    result = demo(tmp_path / "tmp", "--keep-logs", str(kept))
+    result = demo(short_tmp, "--keep-logs", str(kept))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert list((tmp_path / "tmp").glob("shoal-demo-*")) == []
+    assert list(short_tmp.glob("shoal-demo-*")) == []
     for peer in ("peer0", "peer1"):
         lines = (kept / f"{peer}.log").read_text().splitlines()
         events = [json.loads(line)["event"] for line in lines if line.startswith("{")]

@@ -1,11 +1,11 @@
-"""One attacker among four real `shoal join` processes on 127.0.0.1 (tests/integration/faults.py: the
-real peer, changing only what it sends), with and without a coordinator: the honest peers end on one
-model, as good as a clean run of the same seed by the three honest peers alone (the attacker's samples
-are rightly lost), and strike and then ban the attacker, counted by reason. Attacks: a sign flip at
-the largest scale the defences allow, another top-k than the run's, announcements never served, and
-replays with new bytes; a sign flip in sparse DiLoCo's top-k payloads (`--compression sparse`); a
-flip with a lie about samples under `--gather 2` and under a coordinator; and two of six peers
-claiming 2^40 samples on a false state."""
+"""Attackers among real `shoal join` processes on 127.0.0.1 (tests/integration/faults.py: the real peer,
+changing only what it sends), with and without a coordinator: the honest peers end on one model, as
+good as a clean run of the same seed by the honest peers alone (the attackers' samples are rightly
+lost), and strike and then ban each attacker, counted by reason. Attacks: three DeMo attackers among
+six peers (a sign flip at the largest scale the defences allow, another top-k than the run's,
+announcements never served alternating with replays with new bytes); a sign flip in sparse DiLoCo's
+top-k payloads (`--compression sparse`); a flip with a lie about samples under `--gather 2` and under a
+coordinator; and two of six peers claiming 2^40 samples on a false state."""
 
 import contextlib
 import os
@@ -34,28 +34,31 @@ def swarm(
     tmp_path: Path,
     name: str,
     args: list[str],
-    attack: str | None,
+    attack: str | list[str] | None,
     rounds: int,
     coordinated: bool = False,
     peers: int = 4,
     attackers: int = 1,
 ) -> list[dict]:
     """Runs `peers` peers until round `rounds`: the first starts the run, the last `attackers` attack
-    (if `attack`); `coordinated`: under a `shoal coordinator` whose first round waits for all of them.
-    Returns every peer's summary event, the attackers' last."""
+    (if `attack`: a fault of tests.integration.faults, from round 0; a list: one for each attacker);
+    `coordinated`: under a `shoal coordinator` whose first round waits for all of them. Returns every
+    peer's summary event, the attackers' last."""
+    attacks = [attack] * attackers if isinstance(attack, str) else list(attack or [])
+    attackers = len(attacks)
     startup_s = STARTUP_S + 3.0 * max(peers - 4, 0)  # each more peer adds its start on two cores
     common = ["join", "--host", "127.0.0.1", "--run", name, "--log-format", "json", "--seed", "3"]
     common += ["--until-round", str(rounds), *args]
     if coordinated:
         address = f"127.0.0.1:{free_port()}"
         common += ["--coordinator", address]
-    env = {"SHOAL_FAULTS": f"{attack}@0" if attack else ""}
     logs = [tmp_path / f"{name}-{i}.jsonl" for i in range(peers)]
     processes: list[subprocess.Popen] = []
     coordinator: subprocess.Popen | None = None
 
     def start(i: int, extra: list[str]) -> None:
-        command = ATTACKER if attack and i >= peers - attackers else HONEST
+        fault = attacks[i - (peers - attackers)] if i >= peers - attackers else None
+        command, env = (ATTACKER, {"SHOAL_FAULTS": f"{fault}@0"}) if fault else (HONEST, None)
         with logs[i].open("w") as out, (tmp_path / f"{name}-{i}.err").open("w") as err:
             processes.append(spawn([*command, *common, *extra], env=env, stdout=out, stderr=err))
 
@@ -126,24 +129,28 @@ def check(honest: list[dict], clean_run: list[dict], *reasons: str) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    ("algorithm", "attack", "reasons"),
-    [
-        (DEMO, "sign_flip", ["outlier"]),
-        (DEMO, "topk", ["config_mismatch"]),
-        (DEMO, "unserved_and_replay", ["unserved", "replayed"]),
-        (SPARSE, "sign_flip", ["outlier"]),
-    ],
-    ids=["demo-sign_flip", "demo-topk", "demo-unserved_and_replay", "diloco_sparse-sign_flip"],
-)
-def test_one_attacker_in_four_is_banned_and_moves_nothing(
-    tmp_path, tmp_path_factory, algorithm, attack, reasons
+def test_three_demo_attackers_among_six_peers_are_each_banned_for_their_attack_and_move_nothing(
+    tmp_path, tmp_path_factory
 ):
-    """(Random directions take the sign flip's path, `outlier` by suspicion, proved on noise by
-    tests/unit/test_robust.py; DiLoCo's lie about samples is the attack of the `--gather 2` and
-    coordinated tests below, which check the same `overclaim`, ban and loss.)"""
-    attacked = swarm(tmp_path, "attacked", algorithm, attack, ROUNDS)
-    check(attacked[:3], clean(tmp_path_factory, algorithm), *reasons)
+    """Three honest DeMo peers and three attackers, each with its own attack: a sign flip (`outlier`),
+    another top-k than the run's (`config_mismatch`), and announcements never served alternating with
+    replays (`unserved`, `replayed`). Every honest peer counts each reason and bans all three; the
+    honest model is as good as the clean run's. (Random directions take the sign flip's path,
+    `outlier` by suspicion, proved on noise by tests/unit/test_robust.py; the lie about samples is
+    the attack of the `--gather 2` and coordinated tests below, which check `overclaim`.)"""
+    attacked = swarm(
+        tmp_path, "attacked", DEMO, ["sign_flip", "topk", "unserved_and_replay"], ROUNDS, peers=6
+    )
+    honest = attacked[:3]
+    check(honest, clean(tmp_path_factory, DEMO), "outlier", "config_mismatch", "unserved", "replayed")
+    assert all(summary["banned"] == 3 for summary in honest), [s["banned"] for s in honest]
+
+
+@pytest.mark.timeout(600)
+def test_a_sign_flip_in_sparse_diloco_payloads_is_banned_and_moves_nothing(tmp_path, tmp_path_factory):
+    """One attacker of four flips its update in sparse DiLoCo's top-k payloads (`--compression sparse`)."""
+    attacked = swarm(tmp_path, "attacked", SPARSE, "sign_flip", ROUNDS)
+    check(attacked[:3], clean(tmp_path_factory, SPARSE), "outlier")
 
 
 GATHER_2 = ["--gather", "2"]

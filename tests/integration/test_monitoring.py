@@ -72,7 +72,7 @@ def _kill_leftovers(marker: str) -> None:
 
 
 @pytest.fixture
-def monitored_demo(tmp_path):
+def monitored_demo(tmp_path, short_tmp):
     """A `shoal demo` of 2 peers and a coordinator, and Prometheus scraping it with the shipped config
     (copied unchanged into tmp_path, where the demo writes its targets file). Yields (Prometheus' URL,
     the targets file)."""
@@ -80,8 +80,7 @@ def monitored_demo(tmp_path):
     config = tmp_path / "prometheus"
     shutil.copytree(DEPLOY / "prometheus", config)
     targets = config / "targets" / "demo.json"
-    scratch = tmp_path / "tmp"  # the demo's logs and checkpoints: every peer's command line names it
-    scratch.mkdir()
+    scratch = short_tmp  # the demo's logs and checkpoints: every peer's command line names it
     env = {**os.environ, "TMPDIR": str(scratch), "PYTHONUNBUFFERED": "1"}
     demo = subprocess.Popen(
         [

@@ -136,27 +136,19 @@ def test_four_peers_train_demo_a_fifth_joins_and_a_restarted_one_resyncs(tmp_pat
 
 
 @pytest.mark.timeout(240)
-def test_killing_a_peer_mid_run_does_not_stall_the_others(tmp_path):
+def test_a_peer_killed_and_one_frozen_mid_run_stall_none_of_the_others(tmp_path):
+    """At round 3 peer 2 is killed (-9: a crash, a machine switched off) and peer 3 freezes (SIGSTOP),
+    while its DHT process and libp2p daemon go on answering: its record is still there for a few
+    rounds, and it never announces again. The other two end every round at its deadline, on one
+    model, and strike neither: absent is not hostile."""
     rounds = 8
-    reports = run_swarm(tmp_path, peers=3, rounds=rounds, faults={2: "exit@3"})
-    for report in reports[:2]:
-        assert len(report["losses"]) == rounds
-        assert report["participants"][:3] == [3, 3, 3] and report["participants"][-1] == 2
-        assert max(report["lateness"]) < 0.5  # no round waited past its deadline for the dead peer
-
-
-@pytest.mark.timeout(240)
-def test_a_peer_that_hangs_mid_run_does_not_stall_the_others(tmp_path):
-    """Peer 2 freezes at round 3 (SIGSTOP), while its DHT process and libp2p daemon go on answering: its
-    record is still there for a few rounds, and it never announces again."""
-    rounds = 8
-    reports = run_swarm(tmp_path, peers=3, rounds=rounds, faults={2: "hang@3"})
+    reports = run_swarm(tmp_path, peers=4, rounds=rounds, faults={2: "exit@3", 3: "hang@3"})
     assert reports[0]["param_hash"] == reports[1]["param_hash"]
     for report in reports[:2]:
         assert report["rounds"] == list(range(rounds))
-        assert report["participants"][:3] == [3, 3, 3] and report["participants"][3:] == [2] * (rounds - 3)
-        assert max(report["lateness"]) < 0.5  # no round waited past its deadline for the frozen peer
-        assert not report["rejected"]  # absent is not hostile: no strike
+        assert report["participants"][:3] == [4, 4, 4] and report["participants"][3:] == [2] * (rounds - 3)
+        assert max(report["lateness"]) < 0.5  # no round waited past its deadline for either
+        assert not report["rejected"]
 
 
 @pytest.mark.timeout(240)
@@ -271,7 +263,7 @@ def test_a_round_that_counts_nothing_leaves_eager_diloco_as_it_was(tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("mode", "peers", "rounds"), [("standard", 3, 5), ("eager", 4, 20)])
+@pytest.mark.parametrize(("mode", "peers", "rounds"), [("standard", 3, 5), ("eager", 4, 10)])
 def test_peers_train_diloco_over_the_swarm_and_agree(tmp_path, mode, peers, rounds):
     reports = run_swarm(
         tmp_path, peers, rounds, extra={i: ["--algorithm", f"diloco-{mode}"] for i in range(peers)}

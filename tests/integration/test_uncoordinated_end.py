@@ -6,7 +6,6 @@ plans the next round meanwhile. Every peer must compute each round once, report 
 apply the same means and stop after round R, so that all of them end on the same parameter hash.
 """
 
-import os
 import subprocess
 import sys
 import time
@@ -14,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import events, kill
+from tests.integration.harness import events, kill, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = 4
 UNTIL_ROUND = 4
 ROUND_SECONDS = 3.0
-STARTUP_S = 30.0  # the joiners import torch and start a DHT on a busy 2-core machine before round 0
+STARTUP_S = (
+    16.0  # the joiners, forked from the zygote (tests.integration.launcher), start a DHT before round 0
+)
 
 
 def wait_for_address(path: Path, process: subprocess.Popen, timeout_s: float) -> str:
@@ -38,15 +39,15 @@ def wait_for_address(path: Path, process: subprocess.Popen, timeout_s: float) ->
 def test_uncoordinated_eager_diloco_ends_on_one_model_after_the_same_rounds(tmp_path):
     common = ["--host", "127.0.0.1", "--run", "ends", "--log-format", "json", "--algorithm", "diloco"]
     common += ["--round-seconds", str(ROUND_SECONDS), "--until-round", str(UNTIL_ROUND), "--inner-steps", "4"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     processes: list[subprocess.Popen] = []
 
     def launch(index: int, *flags: str) -> None:
-        out = (tmp_path / f"peer{index}.jsonl").open("w")
-        err = (tmp_path / f"peer{index}.err").open("w")
-        command = [sys.executable, "-m", "shoal.peer.cli", "join", *common, *flags]
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
-        processes.append(process)
+        with (
+            (tmp_path / f"peer{index}.jsonl").open("w") as out,
+            (tmp_path / f"peer{index}.err").open("w") as err,
+        ):
+            command = [sys.executable, "-m", "shoal.peer.cli", "join", *common, *flags]
+            processes.append(spawn(command, stdout=out, stderr=err))
 
     try:
         launch(0, "--start-time", repr(time.time() + STARTUP_S))
