@@ -32,7 +32,7 @@ announcements it took, stragglers and banned peers left out), and a candidate se
 a cycle (a peer joined, was banned or straggled) shifts the rotation for the rest of it. Under a
 coordinator with `--gather G`, the coordinator applies this rule to the participants it decided and
 lists only the chosen, with a tally of every participant's state for the vote
-(shoal.coordinator.server.result_reply); under one without, every peer applies it to the same list.
+(shoal.coordinator.replies.result_reply); under one without, every peer applies it to the same list.
 """
 
 import hashlib

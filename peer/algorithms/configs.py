@@ -206,3 +206,15 @@ DEFAULTS: dict[str, AlgorithmConfig] = {
 }
 """Each algorithm at its default hyperparameters, by its name (`config.name`): demo, demo-overlap,
 diloco-standard, diloco-delayed, diloco-eager. The alias `--algorithm diloco` is shoal.peer.settings'."""
+
+
+def outer_settings(mode: str, lr: float, momentum: float | None, nesterov: bool) -> dict:
+    """DiLoCo's outer SGD settings, checked; `momentum` None: the mode's (OUTER_MOMENTUM)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if not lr > 0:
+        raise ValueError(f"outer_lr must be > 0, got {lr}")
+    momentum = OUTER_MOMENTUM[mode] if momentum is None else momentum
+    if not 0 <= momentum < 1:
+        raise ValueError(f"outer_momentum must be in [0, 1), got {momentum}")
+    return {"lr": lr, "momentum": momentum, "nesterov": nesterov and momentum > 0}

@@ -53,7 +53,7 @@ from torch import nn
 
 from shoal.compression import Codec, DCTTopKCodec, DecodeLimits, MalformedPayloadError, decode_tensor
 from shoal.peer.algorithms.butterfly import Pieces
-from shoal.peer.algorithms.configs import MODES, OUTER_MOMENTUM
+from shoal.peer.algorithms.configs import outer_settings
 from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange
 from shoal.peer.algorithms.feedback import ErrorFeedback
 from shoal.peer.algorithms.in_flight import InFlight
@@ -118,18 +118,6 @@ class _Sent:
     samples: int
     phases: int = 1
     """Inner phases it averages: more than one when it carries phases a bounded fan-in left out."""
-
-
-def _outer_settings(mode: str, lr: float, momentum: float | None, nesterov: bool) -> dict:
-    """The outer SGD's settings, checked; momentum None: the mode's (OUTER_MOMENTUM)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-    if not lr > 0:
-        raise ValueError(f"outer_lr must be > 0, got {lr}")
-    momentum = OUTER_MOMENTUM[mode] if momentum is None else momentum
-    if not 0 <= momentum < 1:
-        raise ValueError(f"outer_momentum must be in [0, 1), got {momentum}")
-    return {"lr": lr, "momentum": momentum, "nesterov": nesterov and momentum > 0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +200,7 @@ class DiLoCo:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
         if not 0 <= error_decay <= 1:
             raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
-        settings = _outer_settings(mode, outer_lr, outer_momentum, nesterov)
+        settings = outer_settings(mode, outer_lr, outer_momentum, nesterov)
         self.carry = carry
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner_optimizer = inner_optimizer

@@ -1,10 +1,10 @@
 """A coordinator with a bounded fan-in (`shoal coordinator --gather G`) chooses the round's payloads
-itself: its result lists the G chosen and tallies every participant's state (server.result_reply),
+itself: its result lists the G chosen and tallies every participant's state (replies.result_reply),
 and a peer reads that tally back as the round's vote (coordinated.tally_of)."""
 
 from collections import Counter
 
-from shoal.coordinator.server import result_reply
+from shoal.coordinator.replies import result_reply
 from shoal.coordinator.state import PayloadReport, Round
 from shoal.peer.swarm.coordinated import tally_of
 from shoal.protocol import TALLY_HOLDERS
