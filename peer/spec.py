@@ -147,8 +147,17 @@ def _setting(flag: str, parse: Callable[[Any], Any], default: Any) -> Any:
 # --- the components -------------------------------------------------------------------------------
 
 
+class _Section:
+    """A component config: every field checked by its flag's parser when it is made."""
+
+    __slots__ = ()
+
+    def __post_init__(self) -> None:
+        _checked(self)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class NetworkSpec:
+class NetworkSpec(_Section):
     """How the peer reaches the swarm and is reached."""
 
     initial_peers: tuple[str, ...] = _setting("initial_peers", _peers, ())
@@ -166,12 +175,9 @@ class NetworkSpec:
     address_file: str | None = _setting("address_file", _text, None)
     """Where to write the address others join through, once listening."""
 
-    def __post_init__(self) -> None:
-        _checked(self)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CoordinatorSpec:
+class CoordinatorSpec(_Section):
     """The swarm's coordinator, if it has one."""
 
     address: str | None = _setting("coordinator", _address, None)
@@ -181,12 +187,9 @@ class CoordinatorSpec:
     ca: str | None = _setting("coordinator_ca", _text, None)
     """Talk TLS to it, trusting this CA file (or "system")."""
 
-    def __post_init__(self) -> None:
-        _checked(self)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RunSpec:
+class RunSpec(_Section):
     """The run this peer trains in, and how long it stays."""
 
     name: str = _setting("run", _run, "shoal")
@@ -210,12 +213,9 @@ class RunSpec:
     compute_delay: float = _setting("compute_delay", _float(0.0, 3600.0), 0.0)
     """Testing: sleep this long in every round's compute phase (a slow peer)."""
 
-    def __post_init__(self) -> None:
-        _checked(self)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AlgorithmSpec:
+class AlgorithmSpec(_Section):
     """The algorithm and its hyperparameters, as chosen; `config()` is what runs."""
 
     name: str = _setting("algorithm", _choice(ALGORITHMS), "demo")
@@ -240,7 +240,7 @@ class AlgorithmSpec:
     """DiLoCo: gather, or butterfly (piece by piece, with a coordinator)."""
 
     def __post_init__(self) -> None:
-        _checked(self)
+        _Section.__post_init__(self)
         self.config()  # the values that each check but do not fit together, named
 
     def config(self) -> AlgorithmConfig:
@@ -284,7 +284,7 @@ class AlgorithmSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ModelSpec:
+class ModelSpec(_Section):
     """The model, the device it trains on, and its micro-batches."""
 
     name: str = _setting("model", _text, "tiny")
@@ -296,23 +296,17 @@ class ModelSpec:
     max_micro_batches: int = _setting("max_micro_batches", _int(1, 4096), 64)
     """Most micro-batches accumulated per step."""
 
-    def __post_init__(self) -> None:
-        _checked(self)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DataSpec:
+class DataSpec(_Section):
     """What the peer trains on."""
 
     source: str = _setting("data", _text, "stdlib")
     """stdlib (the Python standard library's sources), a text directory, or a uint16 token file."""
 
-    def __post_init__(self) -> None:
-        _checked(self)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CheckpointSpec:
+class CheckpointSpec(_Section):
     """Where and how often the peer keeps its state."""
 
     dir: str | None = _setting("checkpoint_dir", _text, None)
@@ -320,21 +314,15 @@ class CheckpointSpec:
     every: int = _setting("checkpoint_every", _int(0), 10)
     """Rounds between checkpoints."""
 
-    def __post_init__(self) -> None:
-        _checked(self)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LoggingSpec:
+class LoggingSpec(_Section):
     """What the peer tells, and where."""
 
     format: str = _setting("log_format", _choice(("human", "json")), "human")
     """human (a live table) or json (one object per line)."""
     metrics_port: int | None = _setting("metrics_port", _int(0, 65535), None)
     """Serve Prometheus metrics on host:N/metrics (0: any free port; None: none)."""
-
-    def __post_init__(self) -> None:
-        _checked(self)
 
 
 SECTIONS: dict[str, type] = {

@@ -156,9 +156,13 @@ class Trainer:
         self._micro_seconds: float | None = None  # moving average of one micro-batch's compute time
         self.steps = 0
         """Optimizer steps taken; every round takes `inner_steps` of them."""
-        self.inner_steps = algorithm.inner_steps
         self.sync = synchronizer(model, exchange, algorithm, codec)
         """The algorithm over the exchange (shoal.peer.algorithms.synchronizer)."""
+
+    @property
+    def inner_steps(self) -> int:
+        """Optimizer steps a round (the synchronizer's: DiLoCo's H, DeMo's 1)."""
+        return self.sync.inner_steps
 
     @property
     def rounds_done(self) -> int:

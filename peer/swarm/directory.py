@@ -81,7 +81,6 @@ class RunDirectory:
         owner: this peer's public-key subkey.
         record: this peer's first record (`first_record`).
         counts: the exchange's counters (DHT bytes and writes, rejected records, rejoins).
-        coordinated: whether this peer follows a coordinator (its record is then only kept alive).
         rejoin: the initial peers' multiaddresses.
         relaying: whether this peer pulls through relays (`relays_of`).
     """
@@ -94,13 +93,11 @@ class RunDirectory:
         owner: bytes,
         record: PeerRecord,
         counts: SwarmCounters,
-        coordinated: bool,
         rejoin: Sequence[str] = (),
         relaying: bool = True,
     ):
         self.dht, self.run, self.owner, self.counts = dht, run, owner, counts
         self.record, self.relaying = record, relaying
-        self.coordinated = coordinated
         self.refused: dict[str, str] = {}
         """Incompatible peers seen (peer id: which settings differ)."""
         self.coordinators: dict[bytes, str] = {}
@@ -121,6 +118,12 @@ class RunDirectory:
         self._read_fully = False  # whether the last read asked every replica
         # key: this peer's last write there and the replicas it went to, until a read from every replica
         self._unconfirmed: dict[str, tuple[dict, float, frozenset[bytes]]] = {}
+
+    @property
+    def coordinated(self) -> bool:
+        """Whether this peer follows a coordinator (its record names it): the record is then only kept
+        alive."""
+        return bool(self.record.coordinator)
 
     async def store_record(
         self, round_number: int, schedule: RoundSchedule, *, refresh_s: float = 0.0

@@ -165,7 +165,6 @@ class SwarmExchange(Exchange):
             owner=self.owner,
             record=first_record(self.peer_id, config, device, schedule, coordinator, reachability),
             counts=self.counts,
-            coordinated=coordinator is not None,
             rejoin=rejoin,
             relaying=reachability.relaying,
         )

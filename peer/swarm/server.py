@@ -67,10 +67,6 @@ class PayloadServer:
     ):
         self.counts, self.max_payload_bytes = counts, max_payload_bytes
         self.keep_states, self.timeout_s = keep_states, timeout_s
-        self.payload_handler = handler(run, "payload")
-        self.channel_handler = handler(run, "payloads")
-        self.state_handler = handler(run, "state")
-        self.probe_handler = handler(run, "probe")
         self.run = run
         self.held: dict[tuple[int, bytes], bytes] = {}
         """(round, digest): payload, this peer's and those it pulled, of this round and the last."""
@@ -95,14 +91,19 @@ class PayloadServer:
         self._probed: dict[PeerID, float] = {}  # asking peer: monotonic time of its last probe
         self._channels: ChannelServer | None = None
 
+    @property
+    def channel_handler(self) -> str:
+        """The handler its payload channels are opened on (shoal.peer.swarm.channels)."""
+        return handler(self.run, "payloads")
+
     async def start(self, p2p: P2P) -> None:
         self._channels = ChannelServer(
             self.serve, p2p.peer_id, self.channel_handler, self.timeout_s, self.counts.rejected
         )
         await p2p.add_binary_stream_handler(self.channel_handler, self._channels.handle)
-        await p2p.add_protobuf_handler(self.payload_handler, self.serve, PayloadRequest, stream_output=True)
-        await p2p.add_protobuf_handler(self.state_handler, self.serve_state, StateRequest, stream_output=True)
-        await p2p.add_protobuf_handler(self.probe_handler, self.serve_probe, ProbeRequest, stream_output=True)
+        served = (("payload", self.serve, PayloadRequest), ("state", self.serve_state, StateRequest))
+        for kind, serve, request in (*served, ("probe", self.serve_probe, ProbeRequest)):
+            await p2p.add_protobuf_handler(handler(self.run, kind), serve, request, stream_output=True)
         await p2p.add_protobuf_handler(RUN_HANDLER, self.serve_run, RunRequest)
 
     async def stop(self, p2p: P2P, *, unregister: bool = True) -> None:
@@ -112,8 +113,8 @@ class PayloadServer:
         if self._channels is not None:
             self._channels.close()
         if unregister:
-            for name in (self.payload_handler, self.state_handler, self.probe_handler):
-                await p2p.remove_protobuf_handler(name, stream_output=True)
+            for kind in ("payload", "state", "probe"):
+                await p2p.remove_protobuf_handler(handler(self.run, kind), stream_output=True)
             await p2p.remove_protobuf_handler(RUN_HANDLER)
 
     # --- what is served ---

@@ -46,7 +46,6 @@ def directories():
             owner=owner_subkey(key),
             record=record(peer_id=dht.peer_id.to_base58()),
             counts=SwarmCounters(),
-            coordinated=False,
         )
         for dht, key in zip(dhts, keys, strict=True)
     ]

@@ -44,7 +44,6 @@ def directory(dht: Reads, round_seconds: float) -> RunDirectory:
         owner=b"me",
         record=record(0.0, round_seconds),
         counts=SwarmCounters(),
-        coordinated=False,
     )
 
 
@@ -95,7 +94,7 @@ def test_between_reads_of_the_peer_list_a_peer_whose_record_expired_is_dropped(c
         b"other": ValueWithExpiration(record(0.0, 12.0, config={"model": "other"}).dict(), 5100.0),
     }
     dht = Reads(ValueWithExpiration(held, 5100.0))
-    run = RunDirectory(dht, run="run", owner=b"me", record=mine, counts=SwarmCounters(), coordinated=False)
+    run = RunDirectory(dht, run="run", owner=b"me", record=mine, counts=SwarmCounters())
     assert asyncio.run(run.compatible_peers()) == {b"me", b"long", b"short"}
     assert run.counts.rejected["bad_record"] == 1 and len(run.refused) == 1
     now[0], clock[0] = 5011.0, clock[0] + 11.0
@@ -158,9 +157,7 @@ def test_an_announcement_is_pulled_from_the_peer_id_its_authors_record_names(clo
     monkeypatch.setattr(directory_module.time, "time", lambda: 5000.0)
     theirs = record(0.0, 12.0).copy(update={"peer_id": "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"})
     dht = Reads(ValueWithExpiration({b"them": ValueWithExpiration(theirs.dict(), 5100.0)}, 5100.0))
-    run = RunDirectory(
-        dht, run="run", owner=b"me", record=record(0.0, 12.0), counts=SwarmCounters(), coordinated=False
-    )
+    run = RunDirectory(dht, run="run", owner=b"me", record=record(0.0, 12.0), counts=SwarmCounters())
     assert asyncio.run(run.compatible_peers()) == {b"me", b"them"}
     value = [b"d" * 32, 10, 1]
     dht.held = ValueWithExpiration(
