@@ -96,7 +96,7 @@ def build_peer(
     `exchange_options` override SwarmExchange's (a test's fetch timeout or strike limit)."""
     device, loaded = workload.device, workload.model
     model = loaded.module.to(device)
-    numel = sum(p.numel() for p in model.parameters())
+    numel = loaded.parameters
     options = {
         "coordinator": coordinator,
         "device": str(device),
@@ -111,7 +111,7 @@ def build_peer(
     return peer.train(
         model,
         algorithm,
-        batches or round_batches(spec, workload, lambda: peer.trainer.inner_steps),
+        batches or round_batches(spec, workload),
         codec=codec_for(algorithm) if isinstance(algorithm, DiLoCoConfig) else None,
         checkpoints=store,
         checkpoint_every=spec.checkpoint.every,
@@ -123,17 +123,17 @@ def build_peer(
     )
 
 
-def round_batches(spec: PeerSpec, workload: Workload, inner_steps: Callable[[], int]) -> Batches:
+def round_batches(spec: PeerSpec, workload: Workload) -> Batches:
     """A swarm peer's batches: in round r, the peer in slot s of the round's peers trains on its own
     windows of the training stream (shoal.peer.data.RoundSlices), DiLoCo's inner steps of one round on
     successive micro-batch slots; `--compute-delay` sleeps before each round's first one."""
     slices = RoundSlices(seq_len=workload.model.seq_len, stride=spec.model.batch_size, seed=spec.run.seed)
     train, device, delay = workload.streams.train, workload.device, spec.run.compute_delay
-    most = spec.model.max_micro_batches
+    most, inner_steps = spec.model.max_micro_batches, spec.algorithm_config().inner_steps
 
     def batches(step: int, micro: int, size: int, plan: RoundPlan) -> tuple[torch.Tensor, torch.Tensor]:
         place, places = plan.slot
-        inner = step % inner_steps()
+        inner = step % inner_steps
         if delay and inner == 0 and micro == 0:
             time.sleep(delay)  # --compute-delay: a slow peer, on purpose
         inputs, targets = slices.batch(

@@ -53,14 +53,19 @@ from shoal.peer.swarm.server import PayloadServer
 from shoal.protocol import Payload
 from shoal.protocol.rules import choose
 
-POISONED = {"lie": "sign_flip", "sign_flip": "sign_flip", "random": "random", "topk": "topk"}
+POISONED = {
+    "lie": "sign_flip",
+    "sign_flip": "sign_flip",
+    "random": "random",
+    "topk": "topk",
+    "sample_lie": "sign_flip",  # and 2^40 samples claimed
+}
 """Faults that rewrite every payload with shoal.peer.bench.hostile.poison, and the attack each is."""
 KINDS = (
     "exit",
     "hang",
     "vanish",
     *POISONED,
-    "sample_lie",
     "claim_and_stale_digest",
     "unserved_and_replay",
     "attacks",
@@ -147,8 +152,6 @@ class FaultyExchange(SwarmExchange):
         for kind, attack in POISONED.items():
             if self.active(kind):
                 payload = hostile.poison(payload, attack, self.generator)
-        if self.active("sample_lie"):
-            payload = hostile.poison(payload, "sign_flip", self.generator)
         if self.active("sample_lie") or self.active("claim_and_stale_digest"):
             samples = hostile.LIED_SAMPLES
         if self.active("unserved_and_replay"):
@@ -167,10 +170,8 @@ class FaultyExchange(SwarmExchange):
         if len(self.sent) % 2 == 0:
             self.server.unserved.add(hashlib.sha256(payload).digest())
             return payload
-        if len(self.sent) > 1:
-            return (
-                self.sent[0] + b"\xf8\x07" + bytes([len(self.sent) % 128])
-            )  # field 127, not in payload.proto
+        if len(self.sent) > 1:  # the first again, with field 127 (not in payload.proto): new bytes
+            return self.sent[0] + b"\xf8\x07" + bytes([len(self.sent) % 128])
         return payload
 
     def _attack(self, payload: bytes) -> str | None:
