@@ -1,4 +1,4 @@
-"""The collection of an uncoordinated round of SwarmExchange (shoal.peer.swarm.exchange): until the round's
+"""The collect stage of an uncoordinated round (shoal.peer.swarm.stages): until the round's
 deadline, the announcements of compatible peers read from the DHT, and the chosen payloads pulled as
 they come (under a fan-in, once the chosen set is final: `Pulls`).
 
@@ -22,17 +22,15 @@ read: until every compatible peer was in last round.
 import asyncio
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-from shoal.peer.swarm.counters import SwarmCounters
-from shoal.peer.swarm.directory import RunDirectory
-from shoal.peer.swarm.ledger import Ledger
 from shoal.peer.swarm.names import round_key
-from shoal.peer.swarm.pull import Puller, abandon
-from shoal.peer.swarm.records import Announcement, RoundSchedule
-from shoal.peer.swarm.server import PayloadServer
+from shoal.peer.swarm.pull import abandon
+from shoal.peer.swarm.records import Announcement
+
+if TYPE_CHECKING:
+    from shoal.peer.swarm.stages import RoundStages
 
 
 @dataclass
@@ -143,52 +141,26 @@ class Pulls:
         return self.settled - round_started - (0.0 if self.missed else poll_s)
 
 
-class CollectHost(Protocol):
-    """What `collect` uses of its SwarmExchange."""
-
-    run: str
-    schedule: RoundSchedule
-    directory: RunDirectory
-    ledger: Ledger
-    counts: SwarmCounters
-    max_payload_bytes: int
-    gather_limit: int
-    fetch_timeout_s: float
-    poll_interval_s: float
-    settled_s: float | None
-    _members: list[bytes]
-    server: PayloadServer
-    _puller: Puller
-
-    def _strike(self, owner: bytes, reason: str, round_number: int | None) -> None: ...
-    def _count_and_strike(self, owner: bytes, reason: str, round_number: int | None) -> None: ...
-    def _chosen(self, number: int, announced: dict[bytes, Announcement]) -> dict[bytes, Announcement]: ...
-    async def _fetch(self, number: int, announcement: Announcement, holders: Mapping) -> None: ...
-
-
 async def collect(
-    swarm: CollectHost, round_number: int, mine: Announcement, deadline: float
+    stages: "RoundStages", round_number: int, mine: Announcement, deadline: float, round_seconds: float
 ) -> tuple[dict[bytes, Announcement], set[bytes]]:
     """Until `deadline`, the announcements of compatible peers in the DHT, their chosen payloads pulled
     (`pull_chosen`). Returns (the announcements taken, the compatible peers)."""
-    key = round_key(swarm.run, round_number)
-    announced = {mine.owner: mine}
-    announced_at: dict[bytes, float] = {}
-    ignored: set[bytes] = set()
+    limits, standing = stages.limits, stages.standing
+    reads = Reads(stages, round_number, mine)
     fetches: dict[bytes, asyncio.Task] = {}
-    compatible: set[bytes] = set()
-    polls = Polls(swarm.poll_interval_s, swarm.schedule.round_seconds)
-    pulls = Pulls(swarm.gather_limit, provisional_from=time.time() + (deadline - time.time()) / 2)
-    started = deadline - swarm.schedule.round_seconds
-    if swarm.settled_s is not None and 0 < swarm.gather_limit < len(swarm._members):
+    polls = Polls(limits.poll_interval_s, round_seconds)
+    pulls = Pulls(limits.gather_limit, provisional_from=time.time() + (deadline - time.time()) / 2)
+    started = deadline - round_seconds
+    if standing.settled_s is not None and 0 < limits.gather_limit < len(standing.members):
         # the pulls wait for every compatible peer: no read before they were all in last round
         # (`Pulls.settled_s`), where it would find some missing
-        await asyncio.sleep(max(0.0, min(started + swarm.settled_s, pulls.provisional_from) - time.time()))
+        await asyncio.sleep(max(0.0, min(started + standing.settled_s, pulls.provisional_from) - time.time()))
     while True:
-        waiting = not compatible <= announced.keys() | ignored
+        waiting = not reads.compatible <= reads.announced.keys() | reads.ignored
         busy = waiting or not all(task.done() for task in fetches.values())
         idle = polls.records_read and not busy and not polls.unknown
-        if idle and not polls.looks_on(len(compatible), len(swarm._members)):
+        if idle and not polls.looks_on(len(reads.compatible), len(standing.members)):
             await asyncio.sleep(max(0.0, deadline - time.time()))
             break
         if idle:
@@ -197,60 +169,91 @@ async def collect(
                 await asyncio.sleep(max(0.0, deadline - time.time()))
                 break
         if polls.records_due():
-            compatible = await swarm.directory.compatible_peers(fully=polls.unknown)
+            reads.compatible = await stages.directory.compatible_peers(fully=polls.unknown)
             polls.read_records()
-        taken, read_at = len(announced), time.time()
-        nearest = polls.nearest_only(idle)
-        for owner, announcement in await swarm.directory.announcements(
-            key, swarm.max_payload_bytes, nearest=nearest
-        ):
-            # compatible owners come from schema-checked records: signed public-key subkeys
-            if owner not in compatible:
-                polls.stranger(owner)
-                continue
-            if owner in announced or owner in ignored:
-                continue
-            reason = swarm.ledger.refusal(round_number, owner, announcement)
-            if reason is not None:
-                ignored.add(owner)
-                swarm.counts.rejected[reason] += 1
-                if reason != "banned":
-                    swarm._strike(owner, reason, round_number)
-                continue
-            announced[owner] = announcement
-            announced_at[owner] = time.time()
-        if pulls.due(compatible, announced.keys() | ignored, read_at):
-            pull_chosen(swarm, round_number, announced, fetches)
+        taken, read_at = len(reads.announced), time.time()
+        await reads.read(polls, idle)
+        if pulls.due(reads.compatible, reads.announced.keys() | reads.ignored, read_at):
+            pull_chosen(stages, round_number, reads.announced, fetches)
         # while pulls wait for the chosen set, a new announcement does not hasten the next read
-        poll_s = polls.next_poll_s(news=polls.unknown or (len(announced) > taken and pulls.started))
+        poll_s = polls.next_poll_s(news=polls.unknown or (len(reads.announced) > taken and pulls.started))
         remaining = deadline - time.time()
         if remaining <= 0:
             break
         await asyncio.sleep(min(poll_s, remaining))
-    # a payload nobody could pull by the deadline strikes its author if the author said it held nothing,
-    # or if it was announced (and pulled) a whole fetch timeout before: announcing without serving would
-    # otherwise cost nothing, and every peer would wait on it, round after round
-    for owner, task in fetches.items():
-        refused = (round_number, announced[owner].digest) in swarm._puller.refused_by_author
-        pulled_s = deadline - max(announced_at[owner], pulls.since)
-        if not task.done() and (refused or pulled_s >= swarm.fetch_timeout_s):
-            swarm._count_and_strike(owner, "unserved", round_number)
+    strike_unserved(stages, reads, fetches, deadline, pulls.since)
     await abandon(list(fetches.values()))
-    swarm.settled_s = pulls.settled_s(started, polls.shortest_s)
-    return announced, compatible
+    standing.settled_s = pulls.settled_s(started, polls.shortest_s)
+    return reads.announced, reads.compatible
+
+
+class Reads:
+    """What a round's reads of the DHT found: the compatible peers, the announcements taken (and
+    when), and the owners whose announcement was refused."""
+
+    def __init__(self, stages: "RoundStages", round_number: int, mine: Announcement):
+        self.stages, self.round_number = stages, round_number
+        self.key = round_key(stages.run, round_number)
+        self.announced = {mine.owner: mine}
+        self.announced_at: dict[bytes, float] = {}
+        self.ignored: set[bytes] = set()
+        self.compatible: set[bytes] = set()
+
+    async def read(self, polls: Polls, idle: bool) -> None:
+        """Reads the announcements, taking the new ones that pass the ledger; a refused one is counted
+        and strikes its author (unless banned already)."""
+        directory, ledger = self.stages.directory, self.stages.ledger
+        nearest = polls.nearest_only(idle)
+        max_bytes = self.stages.limits.max_payload_bytes
+        for owner, announcement in await directory.announcements(self.key, max_bytes, nearest=nearest):
+            # compatible owners come from schema-checked records: signed public-key subkeys
+            if owner not in self.compatible:
+                polls.stranger(owner)
+                continue
+            if owner in self.announced or owner in self.ignored:
+                continue
+            reason = ledger.refusal(self.round_number, owner, announcement)
+            if reason is not None:
+                self.ignored.add(owner)
+                if reason == "banned":
+                    self.stages.counts.rejected[reason] += 1
+                else:
+                    ledger.refuse(owner, reason, self.round_number)
+                continue
+            self.announced[owner] = announcement
+            self.announced_at[owner] = time.time()
+
+
+def strike_unserved(
+    stages: "RoundStages",
+    reads: Reads,
+    fetches: dict[bytes, asyncio.Task],
+    deadline: float,
+    pulls_since: float,
+) -> None:
+    """A payload nobody could pull by the `deadline` strikes its author if the author said it held
+    nothing, or if it was announced (and pulled: from `pulls_since`) a whole fetch timeout before:
+    announcing without serving would otherwise cost nothing, and every peer would wait on it, round
+    after round."""
+    number = reads.round_number
+    for owner, task in fetches.items():
+        refused = (number, reads.announced[owner].digest) in stages.puller.refused_by_author
+        pulled_s = deadline - max(reads.announced_at[owner], pulls_since)
+        if not task.done() and (refused or pulled_s >= stages.limits.fetch_timeout_s):
+            stages.ledger.refuse(owner, "unserved", number)
 
 
 def pull_chosen(
-    swarm: CollectHost,
+    stages: "RoundStages",
     round_number: int,
     announced: dict[bytes, Announcement],
     fetches: dict[bytes, asyncio.Task],
 ) -> None:
-    """Pulls the chosen payloads (`swarm._chosen`) not held yet, and stops pulling those a later
+    """Pulls the chosen payloads (`RoundStages.chosen`) not held yet, and stops pulling those a later
     announcement displaced from the chosen set (with no limit: every payload announced)."""
-    chosen = swarm._chosen(round_number, announced)
+    chosen = stages.chosen(round_number, announced)
     for owner in [owner for owner in fetches if owner not in chosen]:
         fetches.pop(owner).cancel()
     for owner, announcement in chosen.items():
-        if owner not in fetches and not swarm.server.holds(round_number, announcement.digest):
-            fetches[owner] = asyncio.create_task(swarm._fetch(round_number, announcement, announced))
+        if owner not in fetches and not stages.server.holds(round_number, announcement.digest):
+            fetches[owner] = asyncio.create_task(stages.fetch(round_number, announcement, announced))

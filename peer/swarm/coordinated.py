@@ -5,8 +5,8 @@ A peer reports its payload (digest, size, samples, state) to the coordinator ins
 in the DHT, waits for the round's decision, and pulls exactly the decided participants' payloads, so
 that every participant aggregates the same set. Should the coordinator stop answering, the round is
 announced in the DHT and finishes uncoordinated, and the plans fall back to the clock of its last
-round. A part of SwarmExchange (`exchange.rounds`), composed, not mixed in: `SwarmHost` declares
-what it uses of the exchange.
+round. A strategy over a round's stages (shoal.peer.swarm.stages), as the uncoordinated round is: it
+returns the round's `Outcome`.
 
 Butterfly averaging (`average`, DiLoCo's dense pseudo-gradients, shoal.peer.algorithms.butterfly): in a
 coordinated round of at least `butterfly.MIN_PARTICIPANTS`, pulling every payload becomes a reduce-
@@ -24,24 +24,29 @@ gather`, the default), where every peer clips every contribution itself.
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import Counter
 from datetime import timedelta
-from typing import Protocol
 
 import grpc
 import torch
 from hivemind.utils.logging import get_logger
 
 from shoal.peer.algorithms.butterfly import MIN_PARTICIPANTS, Part, Pieces
-from shoal.peer.algorithms.exchange import Averaged, Contribution
-from shoal.peer.swarm.coordinator_link import CallFailed, CoordinatorError, CoordinatorLink
-from shoal.peer.swarm.counters import SwarmCounters
-from shoal.peer.swarm.isolation import Isolation
-from shoal.peer.swarm.pull import Puller, abandon
-from shoal.peer.swarm.records import DIGEST_BYTES, Announcement, RoundPlan, RoundSchedule, is_peer_id
-from shoal.peer.swarm.server import PayloadServer
-from shoal.peer.swarm.state import StateSnapshot, Tally
+from shoal.peer.algorithms.exchange import Averaged
+from shoal.peer.swarm.coordinator_link import AnnouncedRound, CallFailed, CoordinatorError, CoordinatorLink
+from shoal.peer.swarm.pull import abandon
+from shoal.peer.swarm.records import (
+    DIGEST_BYTES,
+    Announcement,
+    RoundClock,
+    RoundPlan,
+    RoundSchedule,
+    is_peer_id,
+)
+from shoal.peer.swarm.stages import Outcome, RoundStages, Snapshot
+from shoal.peer.swarm.state import Tally
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.coordinator_pb2 import ReportReply, ReportRequest, RoundResultReply
 from shoal.protocol.rules import TALLY_HOLDERS
@@ -50,50 +55,22 @@ from shoal.protocol.swarm_pb2 import PayloadRequest
 logger = get_logger(__name__)
 
 
-class SwarmHost(Protocol):
-    """What CoordinatedRounds uses of its SwarmExchange (shoal.peer.swarm.exchange): its identity and
-    clock, its counters, the payloads it holds and serves, and the steps of an uncoordinated round that
-    a coordinated one shares (hold, fetch, collect, agree, settle)."""
-
-    peer_id: str
-    coordinator: CoordinatorLink | None
-    schedule: RoundSchedule
-    """Written too: plans follow the coordinator's pace, for use if it goes away."""
-    synced: bool
-    counts: SwarmCounters
-    max_payload_bytes: int
-    fetch_timeout_s: float
-    server: PayloadServer
-    isolation: Isolation
-    _next_round: int
-    _puller: Puller
-
-    def _take_round(self, planned: int | None, *, coordinated: bool = False) -> int: ...
-    def _strike(self, owner: bytes, reason: str, round_number: int | None) -> None: ...
-    async def _slot(self) -> tuple[int, int]: ...
-    async def _hold(self, *args, **kwargs) -> Announcement: ...
-    async def _announce(self, round_number: int, mine: Announcement) -> None: ...
-    async def _fetch(self, *args, **kwargs) -> None: ...
-    async def _collect(self, *args, **kwargs) -> tuple[dict[bytes, Announcement], set[bytes]]: ...
-    def _chosen(self, number: int, announced: dict[bytes, Announcement]) -> dict[bytes, Announcement]: ...
-    async def _agree(self, *args, **kwargs) -> list[bytes]: ...
-    async def _settle(self, *args, **kwargs) -> list[Contribution]: ...
-
-
 class CoordinatedRounds:
-    """A SwarmExchange's rounds under a coordinator (see the module docstring): `plan` and `round`.
+    """A SwarmExchange's rounds under a coordinator (see the module docstring): `plan` and `round`, a
+    strategy over the round's stages (shoal.peer.swarm.stages).
 
-    It holds only its own state (the round after the last coordinated plan) and reaches its exchange
-    through `swarm`, whose members it uses are declared by `SwarmHost`.
+    It holds only its own state (the round after the last coordinated plan) and works over the
+    stages, the exchange's round clock (whose pace it sets while a coordinator announces rounds) and
+    the coordinator's link.
     """
 
-    def __init__(self, swarm: "SwarmHost"):
-        self.swarm = swarm
+    def __init__(self, stages: RoundStages, clock: RoundClock, link: CoordinatorLink | None):
+        self.stages, self.clock, self.link = stages, clock, link
         self._planned = 0  # the round after the last coordinated plan
 
     async def plan(self, wait: float) -> RoundPlan | None:
         """The next round's plan; None if a reachable coordinator announced none within `wait`."""
-        link = self.swarm.coordinator
+        link = self.link
         if link is not None and not link.started:  # joins when ready to compute: round 0 waits for it
             await link.start()
             if not await link.wait_connected(timedelta(seconds=10)) and link.refusal is None:
@@ -101,102 +78,106 @@ class CoordinatedRounds:
         if link is not None and link.refusal is not None:
             raise CoordinatorError(link.refusal)
         if link is not None and link.connected:
-            announced = await link.next_announcement(max(self.swarm._next_round, self._planned), wait)
+            announced = await link.next_announcement(max(self.clock.untaken, self._planned), wait)
             if announced is None and link.connected:
                 return None
             if announced is not None:
-                self._planned = announced.round + 1
-                # should the coordinator go away, rounds go on at the pace of its last one
-                length = max(announced.exchange_deadline - announced.announced_at, 0.5)
-                start = announced.exchange_deadline - (announced.round + 1) * length
-                self.swarm.schedule = RoundSchedule(start_time=start, round_seconds=length)
-                if self.swarm.peer_id in announced.peers:
-                    slot = (announced.peers.index(self.swarm.peer_id), len(announced.peers))
-                else:  # not expected this round (just joined, or evicted): computes, and only applies it
-                    slot = await self.swarm._slot()
-                return RoundPlan(
-                    round=announced.round,
-                    coordinated=True,
-                    compute_seconds=max(0.0, announced.compute_deadline - time.time()) * link.compute_scale,
-                    data_seed=announced.data_seed,
-                    slot=slot,
-                    exchange_deadline=announced.exchange_deadline,
-                    expected=len(announced.peers),
-                )
+                return await self._coordinated_plan(announced, link.compute_scale)
         # the gather joins it, unless the computation runs past its deadline
-        number = self.swarm._take_round(None)
+        number = self.clock.take(None)
         if link is not None:  # busy with it uncoordinated: the coordinator, once back, continues after it
             link.progress.round = max(link.progress.round, number)
-        slot = await self.swarm._slot()
+        slot = await self.stages.slot()
         return RoundPlan(round=number, coordinated=False, compute_seconds=None, data_seed=None, slot=slot)
 
+    async def _coordinated_plan(self, announced: AnnouncedRound, compute_scale: float) -> RoundPlan:
+        self._planned = announced.round + 1
+        # should the coordinator go away, rounds go on at the pace of its last one
+        length = max(announced.exchange_deadline - announced.announced_at, 0.5)
+        start = announced.exchange_deadline - (announced.round + 1) * length
+        self.clock.schedule = RoundSchedule(start_time=start, round_seconds=length)
+        peer_id = self.stages.peer_id
+        if peer_id in announced.peers:
+            slot = (announced.peers.index(peer_id), len(announced.peers))
+        else:  # not expected this round (just joined, or evicted): computes, and only applies it
+            slot = await self.stages.slot()
+        return RoundPlan(
+            round=announced.round,
+            coordinated=True,
+            compute_seconds=max(0.0, announced.compute_deadline - time.time()) * compute_scale,
+            data_seed=announced.data_seed,
+            slot=slot,
+            exchange_deadline=announced.exchange_deadline,
+            expected=len(announced.peers),
+        )
+
     async def round(
-        self,
-        plan: RoundPlan,
-        payload: bytes,
-        samples: int,
-        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
-        pieces: Pieces | None = None,
-    ) -> list[Contribution] | Averaged:
+        self, plan: RoundPlan, payload: bytes, samples: int, snapshot: Snapshot, pieces: Pieces | None = None
+    ) -> Outcome:
         """Reports the payload to the coordinator, then aggregates exactly the participant set it decides,
         pulling each payload from its author or any participant that holds it, until the round's exchange
         deadline; with `pieces` and enough participants, averages it piece by piece instead (`_butterfly`).
         If the coordinator stops answering, the round finishes uncoordinated (it is announced in the DHT as
         well)."""
-        link, number = self.swarm.coordinator, plan.round
-        mine = await self.swarm._hold(number, payload, samples, snapshot, coordinated=True)
+        stages, link, number = self.stages, self.link, plan.round
+        mine = await stages.hold(number, payload, samples, snapshot, self.clock.schedule, coordinated=True)
         if pieces is not None:  # owners may ask for their piece as soon as the round is decided
-            self.swarm.server.cuttable_from(number, mine.digest)
-        request = ReportRequest(
-            round=number,
-            digest=mine.digest,
-            size=mine.size,
-            samples=samples,
-            state=mine.state,
-            synced=self.swarm.synced,
-        )
-        if self.swarm.isolation.sits_out(number):  # nobody could pull it: the others would only wait for it
-            report = ReportReply(included=False)
-        else:
-            report = await link.report(request)
-        unreachable = isinstance(report, CallFailed) and report.unreachable
-        result = report if unreachable else await link.result(number, plan.exchange_deadline)
+            stages.server.cuttable_from(number, mine.digest)
+        report, result = await self._report(number, mine, plan.exchange_deadline)
         if not isinstance(result, RoundResultReply):
             logger.warning(
                 f"round {number}: no participant set from the coordinator ({result}); finishing the round "
                 "with the payloads announced in the DHT"
             )
-            await self.swarm._announce(number, mine)
-            announced, _ = await self.swarm._collect(number, mine, plan.exchange_deadline)
-            return await self.swarm._settle(number, announced, mine, snapshot)
+            await stages.announce(number, mine, self.clock.schedule)
+            announced, _ = await stages.collect(
+                number, mine, plan.exchange_deadline, self.clock.schedule.round_seconds
+            )
+            return await stages.settle(number, announced, mine, snapshot)
         if isinstance(report, ReportReply) and not report.included:
-            self.swarm.counts.late += not self.swarm.isolation.sits_out(number)
+            stages.counts.late += not stages.isolation.sits_out(number)
         elif not isinstance(report, ReportReply):
             logger.warning(
                 f"round {number}: the coordinator left this peer's payload out ({report}); applying the "
                 "others' update, and taking part from a later round"
             )
         started = time.time()
-        me = self.swarm.peer_id.encode()
-        announced = decided(result, self.swarm.max_payload_bytes, self.swarm.counts.rejected)
+        announced = decided(result, stages.limits.max_payload_bytes, stages.counts.rejected)
         tally = tally_of(result)
         reported = result.reported if tally is not None else len(result.participants)
-        mine = Announcement(me, mine.peer, mine.digest, mine.size, mine.samples, mine.state, mine.synced)
+        mine = dataclasses.replace(mine, owner=stages.peer_id.encode())
         if pieces is not None and len(announced) >= MIN_PARTICIPANTS:
-            contributions = await self._butterfly(
+            outcome = await self._butterfly(
                 number, plan.exchange_deadline, announced, mine, snapshot, pieces, tally
             )
             exchange_s = time.time() - started
         else:
-            contributions, exchange_s = await self._gather(
+            outcome, exchange_s = await self._gather(
                 number, plan.exchange_deadline, announced, mine, snapshot, tally, reported
             )
-        self.swarm.counts.coordinated_rounds += 1
-        self.swarm.counts.count_round(max(plan.expected, reported), reported)
+        stages.counts.coordinated_rounds += 1
+        stages.counts.count_round(max(plan.expected, reported), reported)
         link.progress.round, link.progress.exchange_s = number, exchange_s
         with contextlib.suppress(grpc.aio.AioRpcError):
             await link.heartbeat()  # finished: the coordinator may start the next round
-        return contributions
+        return outcome
+
+    async def _report(
+        self, number: int, mine: Announcement, deadline: float
+    ) -> tuple[ReportReply | CallFailed, RoundResultReply | CallFailed]:
+        """Reports this peer's payload (unless it sits out: nobody could pull it, and the others would
+        only wait for it), then waits for the round's result until `deadline`."""
+        request = ReportRequest(
+            round=number, digest=mine.digest, size=mine.size, samples=mine.samples, state=mine.state,
+            synced=self.stages.standing.synced,
+        )  # fmt: skip
+        if self.stages.isolation.sits_out(number):
+            report = ReportReply(included=False)
+        else:
+            report = await self.link.report(request)
+        unreachable = isinstance(report, CallFailed) and report.unreachable
+        result = report if unreachable else await self.link.result(number, deadline)
+        return report, result
 
     async def _gather(
         self,
@@ -204,19 +185,20 @@ class CoordinatedRounds:
         deadline: float,
         announced: dict[bytes, Announcement],
         mine: Announcement,
-        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
+        snapshot: Snapshot,
         tally: Tally | None,
         reported: int,
-    ) -> tuple[list[Contribution], float]:
+    ) -> tuple[Outcome, float]:
         """Pulls every decided payload this peer lacks (with `--gather`: the chosen ones, the same on every
         peer; with a `tally`, the coordinator chose them) until `deadline` and settles the round; returns
-        its contributions and the exchange time to report (`measured_exchange`)."""
+        its outcome and the exchange time to report (`measured_exchange`)."""
+        stages = self.stages
         started = time.time()
-        chosen = announced if tally is not None else self.swarm._chosen(number, announced)
+        chosen = announced if tally is not None else stages.chosen(number, announced)
         fetches = {
-            asyncio.create_task(self.swarm._fetch(number, a, announced)): a.digest
+            asyncio.create_task(stages.fetch(number, a, announced)): a.digest
             for a in pull_order(list(chosen.values()), mine.owner)
-            if not self.swarm.server.holds(number, a.digest)
+            if not stages.server.holds(number, a.digest)
         }
         finished = [started]
         for fetch in fetches:
@@ -224,16 +206,16 @@ class CoordinatedRounds:
         pending = set()
         if fetches:
             _, pending = await asyncio.wait(fetches, timeout=max(0.0, deadline - time.time()))
-            self.swarm.counts.rejected["missing"] += len(pending)
-        slow = self.swarm._puller.transferring([fetches[task] for task in pending])
+            stages.counts.rejected["missing"] += len(pending)
+        slow = stages.puller.transferring([fetches[task] for task in pending])
         exchange_s = measured_exchange(started, time.time(), max(finished), bool(pending), slow)
         await abandon(list(fetches))
         settling = time.time()
-        contributions = await self.swarm._settle(number, announced, mine, snapshot, tally)
+        outcome = await stages.settle(number, announced, mine, snapshot, tally)
         exchange_s += time.time() - settling
         sent = mine.size * (reported - 1) if mine.owner in chosen else 0
-        self.swarm.counts.codec_bytes_sent += sent
-        return contributions, exchange_s
+        stages.counts.codec_bytes_sent += sent
+        return outcome, exchange_s
 
     async def _butterfly(
         self,
@@ -241,40 +223,29 @@ class CoordinatedRounds:
         deadline: float,
         announced: dict[bytes, Announcement],
         mine: Announcement,
-        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
+        snapshot: Snapshot,
         pieces: Pieces,
         tally: Tally | None,
-    ) -> Averaged:
+    ) -> Outcome:
         """Averages the decided round piece by piece (shoal.peer.algorithms.butterfly): the participants whose
-        contributions count (`_agree`, the same list on every peer) own one piece each, in their order.
+        contributions count (`agree`, the same list on every peer) own one piece each, in their order.
         This peer, if it owns piece i, pulls piece i of every other one's payload from its author and
-        serves their mean; then it pulls every other owner's mean. A mean that has not come by the
-        deadline is averaged here from its parts (`_recompute`), so a lost owner costs time, not the
-        piece."""
-        owners = await self.swarm._agree(announced, mine, snapshot, tally)
+        serves their mean (`_own_piece`); then it pulls every other owner's mean. A mean that has not
+        come by the deadline is averaged here from its parts (`_recompute`), so a lost owner costs time,
+        not the piece."""
+        stages = self.stages
+        agreement = await stages.agree(announced, mine, snapshot, tally)
+        owners = agreement.counted
         count = len(owners)
         index = owners.index(mine.owner) if mine.owner in owners else None
-        cuts = self.swarm.server.cut(number, count) or []  # ready before the owners ask
-        self.swarm.server.averaging(number)
+        cuts = stages.server.cut(number, count) or []  # ready before the owners ask
+        stages.server.averaging(number)
         slices: dict[int, list[torch.Tensor]] = {}
         clipped = 0
         if index is not None:
-            others = [
-                a for a in pull_order([announced[o] for o in owners], mine.owner) if a.owner != mine.owner
-            ]
-            parts = await self._parts(number, index, count, others, deadline, pieces)
-            sent = sum(len(piece) for k, piece in enumerate(cuts) if k != index)
-            self.swarm.counts.codec_bytes_sent += sent
-            parts.append(Part(mine.owner, mine.samples, cuts[index]))
-            parts.sort(key=lambda part: owners.index(part.sender))
-            mean = await asyncio.to_thread(pieces.mean, index, count, parts, feedback=True)
-            for sender, reason in mean.rejected:
-                self.swarm.counts.rejected[reason] += 1
-                self.swarm._strike(sender, reason, number)
-            others = {a.peer for o, a in announced.items() if o != mine.owner}
-            self.swarm.server.publish_mean(number, index, mean.data, others)
-            self.swarm.counts.codec_bytes_sent += len(mean.data) * (len(announced) - 1)
-            slices[index], clipped = mean.tensors, mean.clipped
+            slices[index], clipped = await self._own_piece(
+                number, index, owners, announced, mine, cuts, pieces, deadline
+            )
         order = [(index + step) % count for step in range(1, count)] if index is not None else range(count)
         pulls = {
             k: asyncio.create_task(self._owner_mean(number, k, count, announced[owners[k]], pieces))
@@ -288,15 +259,43 @@ class CoordinatedRounds:
         await abandon(list(pulls.values()))
         for k in range(count):
             if k not in slices:  # its owner's mean did not come: average it here
-                self.swarm.counts.pieces_recomputed += 1
+                stages.counts.pieces_recomputed += 1
                 mean = await self._recompute(number, k, count, owners, announced, mine, pieces)
                 slices[k] = mean.tensors
-        self.swarm.counts.butterfly_rounds += 1
-        return Averaged(
+        stages.counts.butterfly_rounds += 1
+        averaged = Averaged(
             pieces=[slices[k] for k in range(count)],
             samples=sum(announced[o].samples for o in owners),
             clipped=clipped,
         )
+        return Outcome(averaged, owners, mine.owner, agreement.adopted)
+
+    async def _own_piece(
+        self,
+        number: int,
+        index: int,
+        owners: list[bytes],
+        announced: dict[bytes, Announcement],
+        mine: Announcement,
+        cuts: list[bytes],
+        pieces: Pieces,
+        deadline: float,
+    ) -> tuple[list[torch.Tensor], int]:
+        """The mean of piece `index`, which this peer owns, from every owner's part of it: served to
+        the others. Returns its tensors and how many parts were clipped."""
+        stages, count = self.stages, len(owners)
+        others = [a for a in pull_order([announced[o] for o in owners], mine.owner) if a.owner != mine.owner]
+        parts = await self._parts(number, index, count, others, deadline, pieces)
+        stages.counts.codec_bytes_sent += sum(len(piece) for k, piece in enumerate(cuts) if k != index)
+        parts.append(Part(mine.owner, mine.samples, cuts[index]))
+        parts.sort(key=lambda part: owners.index(part.sender))
+        mean = await asyncio.to_thread(pieces.mean, index, count, parts, feedback=True)
+        for sender, reason in mean.rejected:
+            stages.ledger.refuse(sender, reason, number)
+        pullers = {a.peer for o, a in announced.items() if o != mine.owner}
+        stages.server.publish_mean(number, index, mean.data, pullers)
+        stages.counts.codec_bytes_sent += len(mean.data) * (len(announced) - 1)
+        return mean.tensors, mean.clipped
 
     async def _parts(
         self,
@@ -312,7 +311,7 @@ class CoordinatedRounds:
 
         async def pull(author: Announcement) -> Part:
             request = PayloadRequest(round=number, digest=author.digest, shard=index, shards=count)
-            data = await self.swarm._puller.piece(author.peer, request, pieces.max_bytes(index, count))
+            data = await self.stages.puller.piece(author.peer, request, pieces.max_bytes(index, count))
             return Part(author.owner, author.samples, data)
 
         tasks = [asyncio.create_task(pull(a)) for a in authors]
@@ -325,10 +324,9 @@ class CoordinatedRounds:
                 continue
             error = None if not task.done() or task.cancelled() else task.exception()
             if isinstance(error, MalformedPayloadError):
-                self.swarm.counts.rejected[error.reason] += 1
-                self.swarm._strike(author.owner, error.reason, number)
+                self.stages.ledger.refuse(author.owner, error.reason, number)
             else:
-                self.swarm.counts.rejected["missing"] += 1
+                self.stages.counts.rejected["missing"] += 1
         await abandon(tasks)
         return parts
 
@@ -339,12 +337,11 @@ class CoordinatedRounds:
         here instead (raises)."""
         request = PayloadRequest(round=number, digest=owner.digest, shard=index, shards=count, reduced=True)
         limit = pieces.max_bytes(index, count)
-        data = await self.swarm._puller.piece(owner.peer, request, limit, observe=False)
+        data = await self.stages.puller.piece(owner.peer, request, limit, observe=False)
         try:
             return await asyncio.to_thread(pieces.decode, index, count, data)
         except MalformedPayloadError as error:
-            self.swarm.counts.rejected[error.reason] += 1
-            self.swarm._strike(owner.owner, error.reason, number)
+            self.stages.ledger.refuse(owner.owner, error.reason, number)
             raise
 
     async def _recompute(
@@ -360,9 +357,9 @@ class CoordinatedRounds:
         """Piece `index`'s mean, averaged here from the parts that come within the fetch timeout (the
         owner's mean did not come)."""
         authors = [announced[o] for o in owners if o != mine.owner]
-        deadline = time.time() + self.swarm.fetch_timeout_s
+        deadline = time.time() + self.stages.limits.fetch_timeout_s
         parts = await self._parts(number, index, count, authors, deadline, pieces)
-        if mine.owner in owners and (cuts := self.swarm.server.cut(number, count)) is not None:
+        if mine.owner in owners and (cuts := self.stages.server.cut(number, count)) is not None:
             parts.append(Part(mine.owner, mine.samples, cuts[index]))
         parts.sort(key=lambda part: owners.index(part.sender))
         return await asyncio.to_thread(pieces.mean, index, count, parts)

@@ -38,9 +38,11 @@ Under a coordinator, step 2's announcement goes to it instead, and it decides th
 for everyone; with butterfly averaging (`average`), steps 3-4 become a reduce-scatter and an
 all-gather (shoal.peer.swarm.coordinated). Should it stop answering, the round finishes as above.
 
-Its parts, in shoal.peer.swarm: what it serves (`server`), its view of the run in the DHT (`directory`),
-what it holds against other peers (`ledger`), its downloads (pull), the reads of an uncoordinated round
-(`collect`) and coordinated rounds (`rounds`).
+A round's stages (hold, announce or report, collect, settle, agree) run over explicit parts
+(shoal.peer.swarm.stages): what it serves (`server`), its view of the run in the DHT (`directory`), what it
+holds against other peers (`ledger`) and its downloads (`pull`). The uncoordinated round
+(`RoundStages.uncoordinated`) and the coordinated one (`CoordinatedRounds`, shoal.peer.swarm.coordinated) are
+two strategies over them, and each returns the round's `Outcome`. The rounds' clock is a `RoundClock`.
 
 The DHT is the caller's (created before any thread: hivemind forks a process for it). This object
 runs one event loop on a thread of its own for the handlers and downloads; `close()` stops it.
@@ -62,26 +64,20 @@ from hivemind.utils.logging import get_logger
 from shoal.peer.algorithms.butterfly import Pieces
 from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, Gathered, mean_by_gather
 from shoal.peer.swarm.channels import Channels
-from shoal.peer.swarm.collect import collect
 from shoal.peer.swarm.coordinated import CoordinatedRounds
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
 from shoal.peer.swarm.counters import SwarmCounters
-from shoal.peer.swarm.directory import RECORD_REFRESH_S, RunDirectory, first_record
+from shoal.peer.swarm.directory import RunDirectory, first_record
 from shoal.peer.swarm.isolation import Isolation
 from shoal.peer.swarm.ledger import Ledger
 from shoal.peer.swarm.membership import PeerRecord, owner_subkey
-from shoal.peer.swarm.names import final_key, round_key
+from shoal.peer.swarm.names import final_key
 from shoal.peer.swarm.pull import Puller
-from shoal.peer.swarm.records import Announcement, RoundPlan, RoundSchedule
+from shoal.peer.swarm.records import Announcement, RoundClock, RoundPlan, RoundSchedule
 from shoal.peer.swarm.relay import UNCHECKED, Reachability
-from shoal.peer.swarm.server import PayloadServer, round_pullers
-from shoal.peer.swarm.state import (
-    StateSnapshot,
-    Tally,
-    decide,
-    majority,
-)
-from shoal.protocol.rules import choose
+from shoal.peer.swarm.server import PayloadServer
+from shoal.peer.swarm.stages import Outcome, RoundLimits, RoundStages, Snapshot
+from shoal.peer.swarm.state import StateSnapshot, majority
 
 logger = get_logger(__name__)
 
@@ -116,6 +112,8 @@ class SwarmExchange(Exchange):
 
     server_type: type[PayloadServer] = PayloadServer
     """What serves this peer's payloads, pieces, means and states (a hostile test peer's lies there)."""
+    stages_type: type[RoundStages] = RoundStages
+    """The stages of its rounds (a hostile test peer's announcement lies there)."""
 
     def __init__(
         self,
@@ -141,59 +139,41 @@ class SwarmExchange(Exchange):
         if gather_limit < 0:
             raise ValueError(f"gather_limit must be >= 0, got {gather_limit}")
         self.gather_limit = gather_limit
-        self.dht = dht
-        self.run = run
-        self.schedule = schedule
-        self.max_payload_bytes = max_payload_bytes
-        self.fetch_timeout_s = fetch_timeout.total_seconds()
-        self.poll_interval_s = poll_interval.total_seconds()
-        self.settled_s: float | None = None  # how far into its last round every compatible peer announced
+        self.dht, self.run, self.coordinator = dht, run, coordinator
+        self.clock = RoundClock(schedule)
+        """The rounds this peer takes, on the run's clock (or its coordinator's pace)."""
         self.peer_id = dht.peer_id.to_base58()
         self.owner = owner_subkey(identity)
         self.counts = SwarmCounters()
-        self.synced = False
-        """Whether this peer held (or adopted) the majority's state in its last round."""
         self.last_payload_bytes = 0
         """Size of this peer's payload in its last round."""
         self.last_round: int | None = None
         """The round of the last `gather`."""
-        self.coordinator = coordinator
-        # touched only on the loop thread (`record` too, by `set_progress`):
-        self.directory = RunDirectory(
-            dht,
-            run=run,
-            owner=self.owner,
-            record=first_record(self.peer_id, config, device, schedule, coordinator, reachability),
-            counts=self.counts,
-            rejoin=rejoin,
-            relaying=reachability.relaying,
-        )
-        """This peer's view of its run in the DHT (shoal.peer.swarm.directory)."""
-        self.ledger = Ledger(self.owner, self.counts, strike_limit=strike_limit, ban_rounds=ban_rounds)
-        """Strikes, bans and replays (shoal.peer.swarm.ledger)."""
-        self.isolation = Isolation()  # whether it reaches anyone (shoal.peer.swarm.isolation)
-        self.server = self.server_type(
-            run=run,
-            counts=self.counts,
-            max_payload_bytes=max_payload_bytes,
-            keep_states=keep_states,
-            timeout_s=self.fetch_timeout_s,
-        )
-        """What this peer serves (shoal.peer.swarm.server)."""
-        self.server.relays = set(reachability.relays)
-        self._adopted: list[torch.Tensor] | None = None
-        self._own_counted = True  # whether the fan-in chose this peer's payload in its last round
-        self._next_round = 0  # rounds before it are taken by a plan or a gather (`_take_round`)
-        self._rounds_lock = threading.Lock()
-        self.rounds = CoordinatedRounds(self)
-        """The rounds under a coordinator (shoal.peer.swarm.coordinated)."""
-        self._participants = [self.owner]
+        self._participants = [self.owner]  # whose contributions counted in the last round (the ranks)
         self._me = self.owner  # this peer's key among the participants (its peer id under a coordinator)
-        self._members: list[bytes] = []  # compatible peers seen in the last round, by public key
+        # touched only on the loop thread (`record` too, by `set_progress`):
+        record = first_record(self.peer_id, config, device, schedule, coordinator, reachability)
+        directory = RunDirectory(
+            dht, run=run, owner=self.owner, record=record, counts=self.counts, rejoin=rejoin,
+            relaying=reachability.relaying,
+        )  # fmt: skip
+        fetch_timeout_s = fetch_timeout.total_seconds()
+        server = self.server_type(
+            run=run, counts=self.counts, max_payload_bytes=max_payload_bytes, keep_states=keep_states,
+            timeout_s=fetch_timeout_s,
+        )  # fmt: skip
+        server.relays = set(reachability.relays)
+        ledger = Ledger(self.owner, self.counts, strike_limit=strike_limit, ban_rounds=ban_rounds)
+        limits = RoundLimits(max_payload_bytes, fetch_timeout_s, poll_interval.total_seconds(), gather_limit)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-swarm", daemon=True)
         self._thread.start()
-        self._p2p = self._call(self._start(max_concurrent_fetches))
+        self.stages: RoundStages = self._call(
+            self._start(server, directory, ledger, limits, max_concurrent_fetches)
+        )
+        """The round's stages over its parts (shoal.peer.swarm.stages)."""
+        self.rounds = CoordinatedRounds(self.stages, self.clock, coordinator)
+        """The rounds under a coordinator (shoal.peer.swarm.coordinated)."""
 
     def counters(self) -> dict:
         """A consistent copy of the counters, for another thread (the metrics endpoint)."""
@@ -208,6 +188,41 @@ class SwarmExchange(Exchange):
         return self.directory.record
 
     @property
+    def server(self) -> PayloadServer:
+        """What this peer serves (shoal.peer.swarm.server)."""
+        return self.stages.server
+
+    @property
+    def directory(self) -> RunDirectory:
+        """This peer's view of its run in the DHT (shoal.peer.swarm.directory)."""
+        return self.stages.directory
+
+    @property
+    def ledger(self) -> Ledger:
+        """Strikes, bans and replays (shoal.peer.swarm.ledger)."""
+        return self.stages.ledger
+
+    @property
+    def puller(self) -> Puller:
+        """Its downloads (shoal.peer.swarm.pull)."""
+        return self.stages.puller
+
+    @property
+    def isolation(self) -> Isolation:
+        """Whether it reaches anyone (shoal.peer.swarm.isolation)."""
+        return self.stages.isolation
+
+    @property
+    def schedule(self) -> RoundSchedule:
+        """The clock its rounds follow."""
+        return self.clock.schedule
+
+    @property
+    def synced(self) -> bool:
+        """Whether this peer held (or adopted) the majority's state in its last round."""
+        return self.stages.standing.synced
+
+    @property
     def refused(self) -> dict[str, str]:
         """Incompatible peers seen (peer id: which settings differ)."""
         return self.directory.refused
@@ -220,7 +235,7 @@ class SwarmExchange(Exchange):
     @property
     def relayed(self) -> int:
         """Payloads pulled from a peer other than their author."""
-        return self._puller.relayed
+        return self.puller.relayed
 
     @property
     def rank(self) -> int:
@@ -233,20 +248,7 @@ class SwarmExchange(Exchange):
     @property
     def next_round(self) -> int:
         """The round the next plan, or a `gather` without one, would take if called now."""
-        return max(self._next_round, self.schedule.round_at(time.time()))
-
-    def _take_round(self, planned: int | None, *, coordinated: bool = False) -> int:
-        """Takes a round for a computation: the coordinator's `planned` one; uncoordinated, `planned` (None:
-        the next round not taken) or, if the clock is past it, the round in progress (a late peer joins
-        it). No later plan or gather takes it or an earlier one. The training thread plans while an
-        overlapped optimizer gathers on its own thread: the lock keeps either from undoing the other's
-        step, which would plan one round twice."""
-        with self._rounds_lock:
-            round_number = self._next_round if planned is None else planned
-            if not coordinated:
-                round_number = max(round_number, self.schedule.round_at(time.time()))
-            self._next_round = max(self._next_round, round_number + 1)
-            return round_number
+        return self.clock.next_round
 
     def plan_round(self, last_round: int | None = None) -> RoundPlan | None:
         """The round the next computation is for. With a reachable coordinator: the next round it
@@ -294,23 +296,22 @@ class SwarmExchange(Exchange):
     ) -> Gathered | Averaged:
         """The round `plan` names (None: the next on the clock, uncoordinated)."""
         coordinated = plan is not None and plan.coordinated
-        round_number = self._take_round(None if plan is None else plan.round, coordinated=coordinated)
+        round_number = self.clock.take(None if plan is None else plan.round, coordinated=coordinated)
         self.last_round = round_number
         self.last_payload_bytes = len(payload)
-        self._adopted = None
         snapshot = None if state is None else (StateSnapshot.capture(state, round_number), list(state))
         if coordinated:
-            result = self._call(self.rounds.round(plan, bytes(payload), samples, snapshot, pieces))
+            outcome = self._call(self.rounds.round(plan, bytes(payload), samples, snapshot, pieces))
         else:
-            result = self._call(self._round(round_number, bytes(payload), samples, snapshot))
+            outcome = self._call(self._uncoordinated(round_number, bytes(payload), samples, snapshot))
             if self.coordinator is not None:  # once it is back, the coordinator continues after this round
                 self.coordinator.progress.round = max(self.coordinator.progress.round, round_number)
-        # what the round's coroutines decided besides its contributions, handed over as one value
-        adopted, self._adopted = self._adopted, None
-        counted, self._own_counted = self._own_counted, True
-        if isinstance(result, Averaged):
-            return dataclasses.replace(result, adopted=adopted, counted=counted)
-        return Gathered(tuple(result), adopted=adopted, counted=counted, round=round_number)
+        self._participants, self._me = outcome.participants, outcome.me
+        if isinstance(outcome.result, Averaged):
+            return dataclasses.replace(outcome.result, adopted=outcome.adopted, counted=outcome.counted)
+        return Gathered(
+            tuple(outcome.result), adopted=outcome.adopted, counted=outcome.counted, round=round_number
+        )
 
     def compatible_peers(self, *, fully: bool = False) -> set[bytes]:
         """Public-key subkeys of the peers whose record is compatible with this one's (itself included);
@@ -355,9 +356,9 @@ class SwarmExchange(Exchange):
             final_key(self.run, last_round),
             mine,
             wait_s=FINAL_WAIT_ROUNDS * self.schedule.round_seconds,
-            poll_s=self.poll_interval_s,
+            poll_s=self.stages.limits.poll_interval_s,
             ignored=set(self.banned),
-            max_payload_bytes=self.max_payload_bytes,
+            max_payload_bytes=self.stages.limits.max_payload_bytes,
         )
         agreed = majority({owner: (a.state, a.synced) for owner, a in announced.items()})
         if agreed == mine.state:
@@ -367,20 +368,16 @@ class SwarmExchange(Exchange):
             return None
         sources = [a.peer for owner, a in announced.items() if a.state == agreed and owner != self.owner]
         logger.warning(f"ended the run on another state than {len(sources)} peer(s): re-syncing to theirs")
-        return await self._resync(agreed, sources, like)
+        return await self.stages.resync(agreed, sources, like)
 
     def reject(self, contribution: Contribution, reason: str) -> None:
         """Counts and strikes what the optimizer left out: malformed, `config_mismatch`, or screened
         (`opposed`, `outlier`: shoal.peer.algorithms.robust)."""
-        number = contribution.round if contribution.round >= 0 else self.last_round
-        self._loop.call_soon_threadsafe(self._count_and_strike, contribution.sender, reason, number)
+        number = contribution.round if contribution.round >= 0 else self.last_round or 0
+        self._loop.call_soon_threadsafe(self.ledger.refuse, contribution.sender, reason, number)
 
     def refuse(self, reason: str) -> None:
         self._loop.call_soon_threadsafe(self.counts.rejected.update, (reason,))
-
-    def _count_and_strike(self, owner: bytes, reason: str, round_number: int | None) -> None:
-        self.counts.rejected[reason] += 1
-        self._strike(owner, reason, round_number)
 
     def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         return mean_by_gather(self, tensor, weight, self.counts.rejected)
@@ -418,52 +415,47 @@ class SwarmExchange(Exchange):
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    async def _start(self, max_concurrent_fetches: int):
+    async def _start(
+        self,
+        server: PayloadServer,
+        directory: RunDirectory,
+        ledger: Ledger,
+        limits: RoundLimits,
+        max_concurrent_fetches: int,
+    ) -> RoundStages:
         p2p = await self.dht.replicate_p2p()
-        self._puller = Puller(
+        puller = Puller(
             p2p,
             run=self.run,
-            channels=Channels(p2p, self.server.channel_handler, self.fetch_timeout_s),
+            channels=Channels(p2p, server.channel_handler, limits.fetch_timeout_s),
             owner=self.owner,
-            timeout_s=self.fetch_timeout_s,
+            timeout_s=limits.fetch_timeout_s,
             max_concurrent=max_concurrent_fetches,
-            strike=self._strike,
+            strike=ledger.strike,
             counts=self.counts,
-            relays_of=self.directory.relays_of,
-            claims_reachable=self.directory.claims_reachable,
+            relays_of=directory.relays_of,
+            claims_reachable=directory.claims_reachable,
         )
-        await self.server.start(p2p)
+        await server.start(p2p)
         # the record goes out before the first round, so that the others count this peer in their
         # data slots (and `shoal status` lists it) while it computes
-        await self.directory.store_record(self.schedule.round_at(time.time()), self.schedule)
-        return p2p
+        await directory.store_record(self.clock.next_round, self.clock.schedule)
+        return self.stages_type(
+            run=self.run, owner=self.owner, peer_id=self.peer_id, server=server, directory=directory,
+            ledger=ledger, puller=puller, counts=self.counts, limits=limits,
+        )  # fmt: skip
 
     async def _stop(self, unregister: bool) -> None:
         if self.coordinator is not None and self.coordinator.started:
             await self.coordinator.stop()
-        await self.server.stop(self._p2p, unregister=unregister)
-        self._puller.channels.close()
-        await self._p2p.shutdown()
+        await self.server.stop(self.puller.p2p, unregister=unregister)
+        self.puller.channels.close()
+        await self.puller.p2p.shutdown()
 
-    def _strike(self, owner: bytes, reason: str, round_number: int | None) -> None:
-        """A strike (shoal.peer.swarm.ledger) for what `owner` sent in `round_number` (None: the last)."""
-        self.ledger.strike(owner, reason, round_number if round_number is not None else self.last_round or 0)
-
-    async def _round(
-        self,
-        round_number: int,
-        payload: bytes,
-        samples: int,
-        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
-    ) -> list[Contribution]:
-        mine = await self._hold(round_number, payload, samples, snapshot)
-        announced, compatible = await self._collect(round_number, mine, self.schedule.deadline(round_number))
-        self._members = sorted(compatible)
-        held = sum(self.server.holds(round_number, a.digest) for a in announced.values())
-        self.counts.count_round(len(compatible | {self.owner}), held)
-        contributions = await self._settle(round_number, announced, mine, snapshot)
+    async def _uncoordinated(self, number: int, payload: bytes, samples: int, snapshot: Snapshot) -> Outcome:
+        outcome = await self.stages.uncoordinated(number, payload, samples, snapshot, self.clock.schedule)
         self._follow_run_clock()
-        return contributions
+        return outcome
 
     def _follow_run_clock(self) -> None:
         """From the next round, the rounds of the run's clock, if peers that started the run at the same
@@ -471,129 +463,4 @@ class SwarmExchange(Exchange):
         coordinated = self.coordinator is not None and self.coordinator.connected
         schedule = None if coordinated else self.directory.take_run_clock()
         if schedule is not None:
-            with self._rounds_lock:
-                self.schedule = schedule
-                self._next_round = schedule.round_at(time.time())  # joins the round in progress
-
-    async def _hold(
-        self,
-        round_number: int,
-        payload: bytes,
-        samples: int,
-        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
-        *,
-        coordinated: bool = False,
-    ) -> Announcement:
-        """Serves this peer's payload (and state snapshot) for the round and, uncoordinated, announces
-        it in the DHT. A coordinator is told of it instead (`CoordinatedRounds.round`), and the record is
-        then only kept alive: it serves `shoal status` and the fallback's data slots, and rewriting it
-        and an announcement every round was most of a small payload's wire traffic (BENCHMARKS.md)."""
-        digest = self.server.hold(round_number, payload, None if snapshot is None else snapshot[0])
-        state = b"" if snapshot is None else snapshot[0].digest
-        self.ledger.new_round(round_number)
-        self._puller.new_round(round_number)
-        refresh_s = RECORD_REFRESH_S if coordinated else 0.0
-        await self.directory.store_record(round_number, self.schedule, refresh_s=refresh_s)
-        self.directory.rejoin_if_alone(1 if self.isolation.isolated else self.counts.peers_seen)
-        mine = Announcement(self.owner, self.peer_id, digest, len(payload), samples, state, self.synced)
-        if not coordinated and not self.isolation.sits_out(round_number):
-            await self._announce(round_number, mine)
-        self.ledger.announced(digest, round_number)
-        return mine
-
-    async def _announce(self, round_number: int, mine: Announcement) -> None:
-        key = round_key(self.run, round_number)
-        await self.directory.store(key, mine.value(), self.schedule.deadline(round_number) + 60)
-
-    async def _collect(
-        self, round_number: int, mine: Announcement, deadline: float
-    ) -> tuple[dict[bytes, Announcement], set[bytes]]:
-        """Uncoordinated: until `deadline`, the announcements of compatible peers in the DHT and their
-        payloads (shoal.peer.swarm.collect). Returns (the announcements taken, the compatible peers)."""
-        return await collect(self, round_number, mine, deadline)
-
-    def _chosen(self, round_number: int, announced: dict[bytes, Announcement]) -> dict[bytes, Announcement]:
-        """The announcements whose payloads count in the round: at most `gather_limit` of them, in the
-        rotation of shoal.protocol.rules, the same on every peer that took the same."""
-        chosen = choose(self.run.encode(), round_number, announced.keys(), self.gather_limit)
-        return {owner: a for owner, a in announced.items() if owner in chosen}
-
-    async def _settle(
-        self,
-        round_number: int,
-        announced: dict[bytes, Announcement],
-        mine: Announcement,
-        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
-        tally: Tally | None = None,
-    ) -> list[Contribution]:
-        """The round's contributions from the chosen payloads held, in key order: one per distinct
-        payload, only those computed on the majority's state (this peer re-syncs to it if its own
-        differs). A payload the fan-in left out (this peer's too) does not count, but its announcement
-        votes on the round's state with every other one. With a `tally` (a coordinator that chose the
-        round's payloads itself), `announced` holds only the chosen, and the tally is the vote."""
-        if tally is not None:
-            voters, counted = tally, mine.owner in announced
-        else:
-            voters = announced if self.gather_limit else None
-            announced = self._chosen(round_number, announced)
-            counted = mine.owner in announced or not self.gather_limit
-        self._own_counted = counted
-        self.counts.left_out += not self._own_counted
-        held = [owner for owner, a in announced.items() if self.server.holds(round_number, a.digest)]
-        served = self.counts.sent["payload"] + self.counts.sent["state"]
-        self.isolation.observe(len(announced.keys() - {mine.owner}), len(set(held) - {mine.owner}), served)
-        held = await self._agree({owner: announced[owner] for owner in held}, mine, snapshot, voters)
-        self.server.expect_pulls(*round_pullers(mine.owner, announced, voters))
-        payloads = [self.server.held[(round_number, announced[owner].digest)] for owner in held]
-        return [
-            Contribution(rank, payload, announced[owner].samples, sender=owner, round=round_number)
-            for rank, (owner, payload) in enumerate(zip(held, payloads, strict=True))
-        ]
-
-    async def _agree(
-        self,
-        announced: dict[bytes, Announcement],
-        mine: Announcement,
-        snapshot: tuple[StateSnapshot, list[torch.Tensor]] | None,
-        voters: dict[bytes, Announcement] | Tally | None = None,
-    ) -> list[bytes]:
-        """The owners of `announced` whose contributions count, in key order: one per distinct payload,
-        only those computed on the majority's state (this peer re-syncs to it if its own differs); the
-        majority is that of `voters` when given (`state.decide`)."""
-        decision = decide(announced, mine, compare_states=snapshot is not None, voters=voters)
-        if decision.copies:
-            self.counts.rejected["duplicate"] += len(decision.copies)
-        if decision.stale:
-            self.counts.rejected["stale_state"] += len(decision.stale)
-        if decision.behind:
-            self._adopted = await self._resync(decision.agreed, decision.sources, snapshot[1])
-        if decision.compared:
-            self.synced = not decision.behind or self._adopted is not None
-        self._participants, self._me = decision.counted, mine.owner
-        return decision.counted
-
-    async def _slot(self) -> tuple[int, int]:
-        """(this peer's place, count) among the compatible peers, ordered by public key, as last seen:
-        its data slice in an uncoordinated round (shoal.peer.data.RoundSlices)."""
-        members = self._members or sorted(await self.directory.compatible_peers())
-        members = sorted(set(members) | {self.owner})
-        return members.index(self.owner), len(members)
-
-    async def _resync(self, digest: bytes, sources: list[str], like: list[torch.Tensor]) -> list | None:
-        """The majority's state, pulled from `sources`; None (counted) if it could not be had."""
-        adopted = await self._puller.state(digest, sources, like)
-        if adopted is not None:
-            self.counts.resyncs += 1
-        return adopted
-
-    async def _fetch(
-        self, round_number: int, announcement: Announcement, holders: Mapping[bytes, Announcement]
-    ) -> None:
-        """Pulls one payload into `server.held` (shoal.peer.swarm.pull), until it is had or the round's task
-        is cancelled."""
-        data = await self._puller.payload(round_number, announcement, holders)
-        if self.ledger.replayed_content(data, round_number):
-            self.counts.rejected["replayed"] += 1
-            self._strike(announcement.owner, "replayed", round_number)
-            return
-        self.server.held[(round_number, announcement.digest)] = data
+            self.clock.follow(schedule)

@@ -55,6 +55,11 @@ class Ledger:
             self.banned[owner] = round_number + 1 + self.ban_rounds
             del self.strikes[owner]
 
+    def refuse(self, owner: bytes, reason: str, round_number: int) -> None:
+        """Counts a refusal of what `owner` sent in `round_number` (`reason`), and strikes it."""
+        self.counts.rejected[reason] += 1
+        self.strike(owner, reason, round_number)
+
     def new_round(self, round_number: int) -> None:
         """Lifts the bans that end by `round_number`; forgets digests too old to be replayed."""
         for seen in (self._seen, self._seen_content):

@@ -3,12 +3,14 @@ untrusted ones parsed with limits (shoal.peer.swarm.exchange uses them; `shoal j
 
 - `RoundSchedule`: clock-synchronous rounds (start time, round length), discovered from the run's
   peer records by a peer that joins;
+- `RoundClock`: the rounds a peer takes on that clock;
 - `RoundPlan`: the round a peer is about to compute for (its coordinator's, or the clock's);
 - `Announcement`: one participant's payload for a round, validated from an untrusted DHT entry;
 - `peer_records`: the valid peer records of a DHT read, and how many were not.
 """
 
 import math
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -88,6 +90,41 @@ class RoundSchedule:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no live peer of run {run!r} found in the DHT within {timeout}")
             time.sleep(0.5)
+
+
+class RoundClock:
+    """The rounds a peer takes on its run's `schedule`. The training thread plans while an overlapped
+    optimizer gathers on its own thread: a lock keeps either from undoing the other's step, which
+    would plan one round twice."""
+
+    def __init__(self, schedule: RoundSchedule):
+        self.schedule = schedule
+        """The clock the rounds follow: the run's, or a coordinator's last pace."""
+        self.untaken = 0
+        """Rounds before this one are taken by a plan or a gather."""
+        self._lock = threading.Lock()
+
+    @property
+    def next_round(self) -> int:
+        """The round a plan, or a gather without one, would take if called now."""
+        return max(self.untaken, self.schedule.round_at(time.time()))
+
+    def take(self, planned: int | None, *, coordinated: bool = False) -> int:
+        """Takes a round for a computation: the coordinator's `planned` one; uncoordinated, `planned`
+        (None: the next round not taken) or, if the clock is past it, the round in progress (a late
+        peer joins it). No later plan or gather takes it or an earlier one."""
+        with self._lock:
+            number = self.untaken if planned is None else planned
+            if not coordinated:
+                number = max(number, self.schedule.round_at(time.time()))
+            self.untaken = max(self.untaken, number + 1)
+            return number
+
+    def follow(self, schedule: RoundSchedule) -> None:
+        """From now, the rounds of `schedule`, joining the round in progress."""
+        with self._lock:
+            self.schedule = schedule
+            self.untaken = schedule.round_at(time.time())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

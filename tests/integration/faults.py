@@ -50,6 +50,7 @@ import zstandard
 from shoal.peer.bench import hostile
 from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.server import PayloadServer
+from shoal.peer.swarm.stages import RoundStages
 from shoal.protocol import Payload
 from shoal.protocol.rules import choose
 
@@ -117,23 +118,56 @@ class FaultyServer(PayloadServer):
         return b"\xff" * len(data) if self.lying_pieces and request.reduced and data else data
 
 
+class FaultyStages(RoundStages):
+    """Announces as its exchange's faults say (`peer`): with a random state digest
+    (`claim_and_stale_digest`), or its payload and then its end (`vanish`)."""
+
+    peer: "FaultyExchange"
+    candidates: frozenset[bytes] = frozenset()
+    """The announcers of the last round the fan-in chose among."""
+
+    def chosen(self, number, announced):
+        self.candidates = frozenset(announced)
+        return super().chosen(number, announced)
+
+    async def announce(self, number, mine, schedule):
+        vanishing = self._vanishes(number)
+        if vanishing:
+            # it serves nothing from here on: the DHT store returns once every replica acknowledged it,
+            # so a quick peer that read the announcement from the first one could otherwise pull the
+            # payload before the kill
+            self.server.held.pop((number, mine.digest), None)
+        if self.peer.active("claim_and_stale_digest") and mine.state:
+            mine = dataclasses.replace(mine, state=os.urandom(len(mine.state)))
+        await super().announce(number, mine, schedule)
+        if vanishing:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _vanishes(self, number: int) -> bool:
+        fault = self.peer.active("vanish")
+        if fault is None or number < fault.round:
+            return False
+        return self.owner in choose(self.run.encode(), number, self.candidates, self.limits.gather_limit)
+
+
 class FaultyExchange(SwarmExchange):
     """A SwarmExchange that carries out `faults` (set on the subclass `exchange_type` makes)."""
 
     faults: tuple[Fault, ...] = ()
     server_type = FaultyServer
+    stages_type = FaultyStages
 
     def __init__(self, *args, **kwargs):
         if any(f.kind == "claim_reachable" for f in self.faults):
             kwargs["reachability"] = dataclasses.replace(kwargs["reachability"], reachable=True)
         super().__init__(*args, **kwargs)
+        self.stages.peer = self
         self.server.unserved = set()
         self.now = -1  # the round planned last
         self.generator = torch.Generator().manual_seed(7)
         self.sent: list[bytes] = []  # unserved_and_replay: the payloads since its round
         self.honest = b""  # attacks: its first payload from its round, honest, replayed later
         self.attacked = 0  # attacks: payloads since its round
-        self.candidates: frozenset[bytes] = frozenset()
 
     def active(self, kind: str) -> Fault | None:
         return next((f for f in self.faults if f.kind == kind and self.now >= f.round), None)
@@ -199,29 +233,6 @@ class FaultyExchange(SwarmExchange):
         else:
             return payload
         return message.SerializeToString()
-
-    def _chosen(self, round_number, announced):
-        self.candidates = frozenset(announced)
-        return super()._chosen(round_number, announced)
-
-    async def _announce(self, round_number, mine):
-        vanishing = self._vanishes(round_number)
-        if vanishing:
-            # it serves nothing from here on: the DHT store returns once every replica acknowledged it,
-            # so a quick peer that read the announcement from the first one could otherwise pull the
-            # payload before the kill
-            self.server.held.pop((round_number, mine.digest), None)
-        if self.active("claim_and_stale_digest") and mine.state:
-            mine = dataclasses.replace(mine, state=os.urandom(len(mine.state)))
-        await super()._announce(round_number, mine)
-        if vanishing:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def _vanishes(self, round_number: int) -> bool:
-        fault = self.active("vanish")
-        if fault is None or round_number < fault.round:
-            return False
-        return self.owner in choose(self.run.encode(), round_number, self.candidates, self.gather_limit)
 
 
 def exchange_type(faults: Iterable[Fault]) -> type[SwarmExchange]:

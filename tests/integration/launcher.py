@@ -81,10 +81,25 @@ class Launched:
         self.send_signal(signal.SIGKILL)
 
     def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
-        out = self.stdout.read() if self.stdout else None
-        err = self.stderr.read() if self.stderr else None
-        self.wait(timeout)
-        return out, err
+        """Its output and errors, both pipes read at once (a child that fills one while the other is
+        read would block on it), then its exit status, all within `timeout`."""
+        read: dict[str, str] = {}
+        pipes = {name: pipe for name, pipe in (("out", self.stdout), ("err", self.stderr)) if pipe}
+        readers = [
+            threading.Thread(
+                target=lambda name=name, pipe=pipe: read.update({name: pipe.read()}), daemon=True
+            )
+            for name, pipe in pipes.items()
+        ]
+        for reader in readers:
+            reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return read.get("out"), read.get("err")
 
 
 class _Zygote:

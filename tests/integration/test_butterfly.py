@@ -120,7 +120,7 @@ def test_piece_requests_out_of_bounds_get_nothing_and_are_counted():
 
         def ask(**fields) -> bytes:
             request = PayloadRequest(round=number, digest=digest, **fields)
-            return asker._call(asker._puller.pull(author.peer_id, "shoal.r.payload", request, 1 << 20))
+            return asker._call(asker.puller.pull(author.peer_id, "shoal.r.payload", request, 1 << 20))
 
         assert ask(shard=0, shards=3) == b""  # not a butterfly round: no pieces
         author.server.cuttable_from(number, digest)  # as a coordinated round with butterfly averaging does

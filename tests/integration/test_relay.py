@@ -54,7 +54,7 @@ def test_a_payload_served_once_by_its_origin_reaches_every_peer_through_relays()
         # the bandwidth probe (`shoal check`) is capped and rate-limited per asking peer
         def probe(asker: SwarmExchange) -> bytes:
             request = ProbeRequest(size=2**32 - 1)
-            return asker._call(asker._puller.pull(exchanges[0].peer_id, "shoal.r.probe", request, 64 << 20))
+            return asker._call(asker.puller.pull(exchanges[0].peer_id, "shoal.r.probe", request, 64 << 20))
 
         assert len(probe(exchanges[1])) == PROBE_MAX_BYTES
         assert probe(exchanges[1]) == b""
@@ -77,7 +77,7 @@ def test_a_leaving_peer_serves_its_last_payload_until_the_others_pulled_it_or_it
 
         def pull() -> bytes:
             request = PayloadRequest(round=number, digest=digest)
-            return staying._call(staying._puller.pull(leaving.peer_id, "shoal.r.payload", request, 1 << 20))
+            return staying._call(staying.puller.pull(leaving.peer_id, "shoal.r.payload", request, 1 << 20))
 
         with ThreadPoolExecutor(1) as pool:
             started = time.monotonic()

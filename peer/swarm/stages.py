@@ -1,0 +1,246 @@
+"""The stages of a SwarmExchange round (shoal.peer.swarm.exchange), over the parts a round works with.
+
+A round is five stages:
+1. hold: serve this peer's payload and state snapshot, keep its record alive (`RoundStages.hold`);
+2. announce it in the DHT (`announce`), or report it to a coordinator (shoal.peer.swarm.coordinated);
+3. collect the others' announcements and pull the chosen payloads until the deadline
+   (shoal.peer.swarm.collect; under a coordinator, the decided set's payloads);
+4. settle: the chosen payloads held, one per distinct payload (`settle`);
+5. agree: the state vote, and a re-sync to the majority's state when this peer's differs (`agree`).
+
+The parts are explicit: what the peer serves (`server`), its view of the run in the DHT (`directory`),
+what it holds against the others (`ledger`), its downloads (`puller`), whether it reaches anyone
+(`isolation`), and what one round leaves for the next (`Standing`). The uncoordinated round
+(`RoundStages.uncoordinated`) and the coordinated one (`CoordinatedRounds.round`) are two strategies
+over these stages, and each returns an `Outcome`: the round's result as one value.
+
+Runs on the exchange's event loop thread.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.peer.algorithms.exchange import Averaged, Contribution
+from shoal.peer.swarm.collect import collect
+from shoal.peer.swarm.counters import SwarmCounters
+from shoal.peer.swarm.directory import RECORD_REFRESH_S, RunDirectory
+from shoal.peer.swarm.isolation import Isolation
+from shoal.peer.swarm.ledger import Ledger
+from shoal.peer.swarm.names import round_key
+from shoal.peer.swarm.pull import Puller
+from shoal.peer.swarm.records import Announcement, RoundSchedule
+from shoal.peer.swarm.server import PayloadServer, round_pullers
+from shoal.peer.swarm.state import StateSnapshot, Tally, decide
+from shoal.protocol.rules import choose
+
+Snapshot = tuple[StateSnapshot, list[torch.Tensor]] | None
+"""A round's state: its digest and manifest, and the tensors (None: no state compared)."""
+
+
+@dataclass(frozen=True)
+class RoundLimits:
+    """The settings every round's stages share (see SwarmExchange's arguments)."""
+
+    max_payload_bytes: int
+    fetch_timeout_s: float
+    poll_interval_s: float
+    gather_limit: int
+    """At most this many payloads count in a round (`--gather`, shoal.protocol.rules); 0: every one."""
+
+
+@dataclass
+class Standing:
+    """What one round leaves for the next."""
+
+    synced: bool = False
+    """Whether this peer held (or adopted) the majority's state in its last round."""
+    members: list[bytes] = field(default_factory=list)
+    """Compatible peers seen in the last round, by public key."""
+    settled_s: float | None = None
+    """How far into its last round every compatible peer announced (`collect`)."""
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The `agree` stage's decision."""
+
+    counted: list[bytes]
+    """The owners whose contributions count, in key order."""
+    adopted: list[torch.Tensor] | None
+    """The majority's state, when this peer's differed and it could be pulled."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A round's result: its contributions (or a butterfly round's means) and what else it decided."""
+
+    result: list[Contribution] | Averaged
+    participants: list[bytes]
+    """The owners whose contributions count, in order (the exchange's ranks)."""
+    me: bytes
+    """This peer's key among them."""
+    adopted: list[torch.Tensor] | None = None
+    counted: bool = True
+    """Whether the fan-in chose this peer's own payload."""
+
+
+class RoundStages:
+    """The stages of a round (see the module docstring) over its parts."""
+
+    def __init__(
+        self,
+        *,
+        run: str,
+        owner: bytes,
+        peer_id: str,
+        server: PayloadServer,
+        directory: RunDirectory,
+        ledger: Ledger,
+        puller: Puller,
+        counts: SwarmCounters,
+        limits: RoundLimits,
+    ):
+        self.run, self.owner, self.peer_id = run, owner, peer_id
+        self.server, self.directory, self.ledger, self.puller = server, directory, ledger, puller
+        self.counts, self.limits = counts, limits
+        self.isolation = Isolation()
+        self.standing = Standing()
+
+    async def uncoordinated(
+        self, number: int, payload: bytes, samples: int, snapshot: Snapshot, schedule: RoundSchedule
+    ) -> Outcome:
+        """A round with no coordinator: every stage, until the round's deadline on `schedule`."""
+        mine = await self.hold(number, payload, samples, snapshot, schedule)
+        if not self.isolation.sits_out(number):
+            await self.announce(number, mine, schedule)
+        deadline = schedule.deadline(number)
+        announced, compatible = await self.collect(number, mine, deadline, schedule.round_seconds)
+        self.standing.members = sorted(compatible)
+        held = sum(self.server.holds(number, a.digest) for a in announced.values())
+        self.counts.count_round(len(compatible | {self.owner}), held)
+        return await self.settle(number, announced, mine, snapshot)
+
+    async def hold(
+        self,
+        number: int,
+        payload: bytes,
+        samples: int,
+        snapshot: Snapshot,
+        schedule: RoundSchedule,
+        *,
+        coordinated: bool = False,
+    ) -> Announcement:
+        """Serves this peer's payload (and state snapshot) for the round; returns its announcement.
+        Under a coordinator the record is only kept alive: it serves `shoal status` and the fallback's
+        data slots, and rewriting it and an announcement every round was most of a small payload's
+        wire traffic (BENCHMARKS.md)."""
+        digest = self.server.hold(number, payload, None if snapshot is None else snapshot[0])
+        state = b"" if snapshot is None else snapshot[0].digest
+        self.ledger.new_round(number)
+        self.puller.new_round(number)
+        refresh_s = RECORD_REFRESH_S if coordinated else 0.0
+        await self.directory.store_record(number, schedule, refresh_s=refresh_s)
+        self.directory.rejoin_if_alone(1 if self.isolation.isolated else self.counts.peers_seen)
+        self.ledger.announced(digest, number)
+        return Announcement(
+            self.owner, self.peer_id, digest, len(payload), samples, state, self.standing.synced
+        )
+
+    async def announce(self, number: int, mine: Announcement, schedule: RoundSchedule) -> None:
+        """Writes this peer's announcement under the round's key, until a minute past its deadline."""
+        await self.directory.store(round_key(self.run, number), mine.value(), schedule.deadline(number) + 60)
+
+    async def collect(
+        self, number: int, mine: Announcement, deadline: float, round_seconds: float
+    ) -> tuple[dict[bytes, Announcement], set[bytes]]:
+        """Until `deadline`, the announcements of compatible peers in the DHT and their chosen payloads
+        (shoal.peer.swarm.collect). Returns (the announcements taken, the compatible peers)."""
+        return await collect(self, number, mine, deadline, round_seconds)
+
+    def chosen(self, number: int, announced: dict[bytes, Announcement]) -> dict[bytes, Announcement]:
+        """The announcements whose payloads count in the round: at most `gather_limit` of them, in the
+        rotation of shoal.protocol.rules, the same on every peer that took the same."""
+        picked = choose(self.run.encode(), number, announced.keys(), self.limits.gather_limit)
+        return {owner: a for owner, a in announced.items() if owner in picked}
+
+    async def fetch(
+        self, number: int, announcement: Announcement, holders: Mapping[bytes, Announcement]
+    ) -> None:
+        """Pulls one payload into `server.held` (shoal.peer.swarm.pull), until it is had or the round's
+        task is cancelled; a payload an earlier round sent, re-encoded, is refused."""
+        data = await self.puller.payload(number, announcement, holders)
+        if self.ledger.replayed_content(data, number):
+            self.ledger.refuse(announcement.owner, "replayed", number)
+            return
+        self.server.held[(number, announcement.digest)] = data
+
+    async def settle(
+        self,
+        number: int,
+        announced: dict[bytes, Announcement],
+        mine: Announcement,
+        snapshot: Snapshot,
+        tally: Tally | None = None,
+    ) -> Outcome:
+        """The round's contributions from the chosen payloads held, in key order: one per distinct
+        payload, only those computed on the majority's state (`agree`). A payload the fan-in left out
+        (this peer's too) does not count, but its announcement votes on the round's state with every
+        other one. With a `tally` (a coordinator that chose the round's payloads itself), `announced`
+        holds only the chosen, and the tally is the vote."""
+        gather_limit = self.limits.gather_limit
+        if tally is not None:
+            voters, counted = tally, mine.owner in announced
+        else:
+            voters = announced if gather_limit else None
+            announced = self.chosen(number, announced)
+            counted = mine.owner in announced or not gather_limit
+        self.counts.left_out += not counted
+        held = [owner for owner, a in announced.items() if self.server.holds(number, a.digest)]
+        served = self.counts.sent["payload"] + self.counts.sent["state"]
+        self.isolation.observe(len(announced.keys() - {mine.owner}), len(set(held) - {mine.owner}), served)
+        agreement = await self.agree({owner: announced[owner] for owner in held}, mine, snapshot, voters)
+        self.server.expect_pulls(*round_pullers(mine.owner, announced, voters))
+        payloads = [self.server.held[(number, announced[owner].digest)] for owner in agreement.counted]
+        contributions = [
+            Contribution(rank, payload, announced[owner].samples, sender=owner, round=number)
+            for rank, (owner, payload) in enumerate(zip(agreement.counted, payloads, strict=True))
+        ]
+        return Outcome(contributions, agreement.counted, mine.owner, agreement.adopted, counted)
+
+    async def agree(
+        self,
+        announced: dict[bytes, Announcement],
+        mine: Announcement,
+        snapshot: Snapshot,
+        voters: dict[bytes, Announcement] | Tally | None = None,
+    ) -> Agreement:
+        """Which of `announced` count, in key order: one per distinct payload, only those computed on the
+        majority's state; this peer re-syncs to that state if its own differs. The majority is that of
+        `voters` when given (`state.decide`)."""
+        decision = decide(announced, mine, compare_states=snapshot is not None, voters=voters)
+        if decision.copies:
+            self.counts.rejected["duplicate"] += len(decision.copies)
+        if decision.stale:
+            self.counts.rejected["stale_state"] += len(decision.stale)
+        adopted = None
+        if decision.behind:
+            adopted = await self.resync(decision.agreed, decision.sources, snapshot[1])
+        if decision.compared:
+            self.standing.synced = not decision.behind or adopted is not None
+        return Agreement(decision.counted, adopted)
+
+    async def resync(self, digest: bytes, sources: list[str], like: list[torch.Tensor]) -> list | None:
+        """The majority's state, pulled from `sources`; None (counted) if it could not be had."""
+        adopted = await self.puller.state(digest, sources, like)
+        if adopted is not None:
+            self.counts.resyncs += 1
+        return adopted
+
+    async def slot(self) -> tuple[int, int]:
+        """(this peer's place, count) among the compatible peers, ordered by public key, as last seen:
+        its data slice in an uncoordinated round (shoal.peer.data.RoundSlices)."""
+        members = self.standing.members or sorted(await self.directory.compatible_peers())
+        members = sorted(set(members) | {self.owner})
+        return members.index(self.owner), len(members)
