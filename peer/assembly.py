@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from shoal.peer.algorithms.feedback import codec_for
 from shoal.peer.algorithms.robust import finite
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data import RoundSlices, TokenStreams, load_data
+from shoal.peer.data.tokenizer import load_tokenizer
 from shoal.peer.hardware import autocast_for, choose_device
 from shoal.peer.models import LoadedModel, load_model
 from shoal.peer.runtime import SwarmPeer
@@ -52,11 +54,15 @@ def load_workload(spec: PeerSpec) -> Workload:
     flag when one cannot be used, or when the data holds tokens the model cannot read."""
     device = choose_device(spec.model.device)
     loaded = load_model(spec.model.name, seed=spec.run.seed)
-    streams = load_data(spec.data.source)
+    data = spec.data
+    tokenizer = load_tokenizer(data.tokenizer, spec.model.name)
+    cache = Path(data.cache) if data.cache else None
+    streams = load_data(data.source, tokenizer=tokenizer, text_field=data.text_field, cache=cache)
     if loaded.vocab_size is not None and streams.vocab_size > loaded.vocab_size:
         raise ValueError(
-            f"--data {spec.data.source} has token ids up to {streams.vocab_size - 1}, but --model "
-            f"{spec.model.name} reads only {loaded.vocab_size} distinct tokens"
+            f"--data {data.source} has token ids up to {streams.vocab_size - 1} (tokenizer "
+            f"{streams.tokenizer}), but --model {spec.model.name} reads only {loaded.vocab_size} distinct "
+            "tokens: give the model's own tokenizer (--tokenizer), or a model of its vocabulary"
         )
     return Workload(device, loaded, streams)
 
@@ -105,7 +111,8 @@ def build_peer(
         "gather_limit": spec.run.gather,
     }
     exchange_type = exchange_type or SwarmExchange  # the module's: tests.integration.faults replaces it
-    peer.connect(schedule, spec.run_config(), exchange_type=exchange_type, **(options | exchange_options))
+    config = spec.run_config(data=workload.streams)
+    peer.connect(schedule, config, exchange_type=exchange_type, **(options | exchange_options))
     algorithm = spec.algorithm_config()
     store = CheckpointStore(spec.checkpoint.dir, warn=warn) if spec.checkpoint.dir else None
     return peer.train(

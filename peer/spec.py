@@ -302,7 +302,14 @@ class DataSpec(_Section):
     """What the peer trains on."""
 
     source: str = _setting("data", _text, "stdlib")
-    """stdlib (the Python standard library's sources), a text directory, or a uint16 token file."""
+    """stdlib, a text corpus (jsonl, parquet, csv, arrow folder, text files), a prepared corpus
+    (shoal data prepare), or token files (.npy, .bin): shoal.peer.data.sources."""
+    tokenizer: str | None = _setting("tokenizer", _text, None)
+    """A tokenizer.json, a folder holding one, or bytes (None: the model directory's own, else bytes)."""
+    text_field: str = _setting("text_field", _text, "text")
+    """The field of a dataset's rows that holds the text."""
+    cache: str | None = _setting("data_cache", _text, None)
+    """Where text corpora are prepared (None: ~/.cache/shoal/data)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -396,11 +403,15 @@ class PeerSpec:
         """The algorithm this peer runs (AlgorithmSpec.config)."""
         return self.algorithm.config()
 
-    def run_config(self) -> dict[str, str]:
-        """What every peer of a run must share (shoal.peer.algorithms.configs.run_config)."""
-        return run_config(
+    def run_config(self, data: Any = None) -> dict[str, str]:
+        """What every peer of a run must share (shoal.peer.algorithms.configs.run_config); with the
+        loaded `data` (TokenStreams), the digest it pins and the tokenizer that made it."""
+        config = run_config(
             self.model.name, self.algorithm_config(), seed=self.run.seed, gather=self.run.gather
         )
+        if data is not None and data.digest is not None:  # the standard library pins nothing, as before
+            config |= {"data": data.digest, "tokenizer": data.tokenizer}
+        return config
 
 
 def _first(value: Any, default: Any) -> Any:

@@ -28,8 +28,16 @@ JOIN_FLAGS = {
     ),
     "data": (
         "SOURCE",
-        "stdlib (the Python standard library's sources), a text directory, or a uint16 token file",
+        "stdlib (the Python standard library's sources), a text corpus (a .jsonl, .parquet or .csv file, a "
+        "save_to_disk folder, text files; a folder or glob of them; tokenized once into --data-cache), a "
+        "folder of shoal data prepare, or token files (.npy, .bin)",
     ),
+    "tokenizer": (
+        "PATH",
+        "a tokenizer.json or a folder holding one, or bytes (default: --model's own, else bytes)",
+    ),
+    "text_field": ("NAME", "the field of a dataset's rows that holds the text"),
+    "data_cache": ("DIR", "where text corpora are tokenized (default: ~/.cache/shoal/data)"),
     "algorithm": (
         "ALGO",
         "demo, demo-overlap (exchanges while the next step computes), diloco (eager), diloco-standard, "

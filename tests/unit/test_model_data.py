@@ -2,18 +2,10 @@
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
-from shoal.peer.data import (
-    BatchPlan,
-    stdlib_corpus,
-    text_directory,
-    token_file,
-    validation_batches,
-    validation_loss,
-)
+from shoal.peer.data import BatchPlan, stdlib_corpus, validation_batches, validation_loss
 from shoal.peer.model import GPTConfig, TinyGPT
 
 
@@ -61,22 +53,10 @@ def test_workers_get_disjoint_deterministic_windows():
 
 def test_stdlib_corpus_is_split_by_file_and_is_bytes():
     streams = stdlib_corpus(max_bytes=2 << 20)
-    assert streams.train.numel() > 1_000_000 and streams.validation.numel() > 10_000
-    assert streams.train.max() < 256 and streams.vocab_size == 256
-    assert torch.equal(stdlib_corpus(max_bytes=2 << 20).validation, streams.validation)
-
-
-def test_text_directory_and_token_file(tmp_path):
-    for i in range(40):
-        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 50)
-    streams = text_directory(tmp_path)
-    assert streams.train.numel() > 0 and streams.validation.numel() > 0
-    tokens = np.arange(5000, dtype="<u2") % 1000
-    tokens.tofile(tmp_path / "tokens.bin")
-    from_file = token_file(tmp_path / "tokens.bin")
-    assert from_file.vocab_size == 1000 and from_file.train.numel() + from_file.validation.numel() == 5000
-    with pytest.raises(ValueError, match="not a directory"):
-        text_directory(tmp_path / "missing")
+    assert len(streams.train) > 1_000_000 and len(streams.validation) > 10_000
+    assert streams.train.max_id() < 256 and streams.vocab_size == 256
+    assert stdlib_corpus(max_bytes=2 << 20).validation.digest() == streams.validation.digest()
+    assert streams.digest is None  # the default corpus pins nothing in the run configuration
 
 
 def test_validation_batches_are_fixed():

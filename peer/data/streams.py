@@ -1,11 +1,11 @@
-"""Training data: token streams and deterministic, disjoint per-worker batches.
+"""Token streams and deterministic, disjoint per-worker batches.
 
-Sources:
+- `TokenStreams`: a training and a validation stream (`Tokens`, shoal.peer.data.tokens), with the
+  vocabulary they need and, for a prepared corpus, the digest a run pins (shoal.peer.data.sources).
 - `stdlib_corpus()`: the default, no download: the Python standard library's own `.py` files, read
-  from the running interpreter's install, as bytes. Files go to validation by a hash of their
+  from the running interpreter's install, as bytes, joined by newlines, at most its first 16 MiB (the
+  embedded demo corpus; any other source is read whole). Files go to validation by a hash of their
   relative path (1 in 20), so the split does not depend on file order or size.
-- `text_directory(path)`: every file under a directory, as bytes.
-- `token_file(path)`: pre-tokenized little-endian uint16 token ids (nanoGPT's `.bin` format).
 
 Batches: the training stream is cut into non-overlapping windows of `seq_len + 1` tokens; an epoch
 is a permutation of the windows drawn from (seed, epoch). Step `s` gives worker `w` of `W` the
@@ -23,17 +23,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shoal.peer.data.order import permuted
+from shoal.peer.data.tokens import Tokens
+
 VALIDATION_SHARE = 20  # one file in VALIDATION_SHARE goes to validation
 
 
 @dataclass(frozen=True, slots=True)
 class TokenStreams:
-    """A training and a validation token stream (int64 tensors of ids < vocab_size)."""
+    """A training and a validation token stream of ids < vocab_size."""
 
-    train: torch.Tensor
-    validation: torch.Tensor
+    train: Tokens
+    validation: Tokens
     vocab_size: int
     name: str
+    digest: str | None = None
+    """What a run pins of its data: a prepared corpus's manifest digest (None: the standard library)."""
+    tokenizer: str = "bytes"
+    """The tokenizer that made the ids (its name and digest: shoal.peer.data.tokenizer)."""
 
 
 def _split_files(files: list[Path], root: Path, max_bytes: int | None) -> TokenStreams:
@@ -57,37 +64,24 @@ def _split_files(files: list[Path], root: Path, max_bytes: int | None) -> TokenS
     )
 
 
-def _bytes_to_ids(data: bytes) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
+def _bytes_to_ids(data: bytes) -> Tokens:
+    return Tokens([np.frombuffer(data, dtype=np.uint8)])
 
 
-def stdlib_corpus(max_bytes: int | None = 16 << 20) -> TokenStreams:
-    """The standard library's `.py` sources (test suites and site-packages excluded), as bytes."""
+def stdlib_files() -> list[Path]:
+    """The standard library's `.py` sources, test suites and site-packages excluded."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
+    return sorted(
         p
         for p in root.rglob("*.py")
         if not {"site-packages", "dist-packages", "test", "tests", "idlelib"} & set(p.relative_to(root).parts)
-    ]
-    return _split_files(files, root, max_bytes)
+    )
 
 
-def text_directory(path: str | Path, max_bytes: int | None = None) -> TokenStreams:
-    """Every regular file under `path`, as bytes."""
-    root = Path(path)
-    if not root.is_dir():
-        raise ValueError(f"--data {path}: not a directory")
-    return _split_files([p for p in root.rglob("*") if p.is_file()], root, max_bytes)
-
-
-def token_file(path: str | Path, validation_fraction: float = 0.05) -> TokenStreams:
-    """uint16 token ids; the last `validation_fraction` of the file is validation."""
-    tokens = np.fromfile(path, dtype="<u2")
-    if tokens.size < 1000:
-        raise ValueError(f"--data {path}: {tokens.size} tokens is too few to train on")
-    cut = int(tokens.size * (1 - validation_fraction))
-    ids = torch.from_numpy(tokens.astype(np.int64))
-    return TokenStreams(ids[:cut], ids[cut:], int(tokens.max()) + 1, str(path))
+def stdlib_corpus(max_bytes: int | None = 16 << 20) -> TokenStreams:
+    """The standard library's sources, as bytes: at most `max_bytes` of them (see the module
+    docstring)."""
+    return _split_files(stdlib_files(), Path(sysconfig.get_paths()["stdlib"]), max_bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,12 +97,14 @@ class BatchPlan:
     seed: int = 0
     """Seed of the window order."""
 
-    def batch(self, stream: torch.Tensor, step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, stream: Tokens | torch.Tensor, step: int, worker: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each (batch_size, seq_len), for `worker` at `step`."""
         if not 0 <= worker < self.workers:
             raise ValueError(f"worker {worker} outside [0, {self.workers})")
-        window = self.seq_len + 1
-        windows = stream.numel() // window
+        stream, window = Tokens.of(stream), self.seq_len + 1
+        windows = stream.windows(window)
         per_step = self.batch_size * self.workers
         if windows < per_step:
             raise ValueError(f"{windows} windows of {window} tokens cannot feed {per_step} samples per step")
@@ -116,8 +112,7 @@ class BatchPlan:
         epoch, position = divmod(step, steps_per_epoch)
         order = _window_order(self.seed, epoch, windows)
         start = (position * self.workers + worker) * self.batch_size
-        chosen = order[start : start + self.batch_size]
-        rows = stream[: windows * window].view(windows, window)[chosen]
+        rows = stream.rows(order[start : start + self.batch_size], window)
         return rows[:, :-1], rows[:, 1:]
 
 
@@ -128,12 +123,12 @@ def _window_order(seed: int, epoch: int, windows: int) -> torch.Tensor:
 
 
 def validation_batches(
-    stream: torch.Tensor, seq_len: int, batch_size: int, batches: int
+    stream: Tokens | torch.Tensor, seq_len: int, batch_size: int, batches: int
 ) -> list[torch.Tensor]:
     """The first `batches` batches of consecutive validation windows: fixed, so losses compare."""
-    window = seq_len + 1
-    windows = min(stream.numel() // window, batches * batch_size)
-    rows = stream[: windows * window].view(windows, window)
+    stream, window = Tokens.of(stream), seq_len + 1
+    windows = min(stream.windows(window), batches * batch_size)
+    rows = stream.rows(np.arange(windows), window)
     return [rows[i : i + batch_size] for i in range(0, windows, batch_size)]
 
 
@@ -141,7 +136,7 @@ def validation_batches(
 def validation_loss(
     model: torch.nn.Module,
     loss_fn,
-    stream: torch.Tensor,
+    stream: Tokens | torch.Tensor,
     seq_len: int,
     windows: int = 64,
     batch_size: int = 8,
@@ -162,26 +157,12 @@ def validation_loss(
         model.train(training)
 
 
-def load_data(spec: str, max_bytes: int | None = 16 << 20) -> TokenStreams:
-    """`stdlib`, a text directory, or a uint16 token file."""
-    path = Path(spec)
-    try:
-        if spec == "stdlib":
-            return stdlib_corpus(max_bytes)
-        if path.is_dir():
-            return text_directory(path, max_bytes)
-        if path.is_file():
-            return token_file(path)
-    except OSError as error:  # a file that cannot be read: the setting's to fix, like a missing one
-        raise ValueError(f"--data {spec}: cannot read {error.filename or spec}: {error.strerror}") from None
-    raise ValueError(f"--data {spec}: neither 'stdlib', a directory of text, nor a uint16 token file")
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoundSlices:
     """Which windows each peer of a swarm trains on in a round, when peers come and go.
 
-    Round r draws a permutation of the stream's windows from (seed, r). The peer in `slot` s of `slots`
+    Round r draws a permutation of the stream's windows from (seed, r), computed position by position
+    (shoal.peer.data.order: a corpus's windows are never listed). The peer in `slot` s of `slots`
     (its place among the round's peers: RoundPlan.slot of SwarmExchange.plan_round) takes, for its
     micro-batch m, the `stride` positions starting at `(m * slots + s) * stride` (wrapping around):
     within a round no two peers that agree on the peer list share a window, however many
@@ -195,7 +176,7 @@ class RoundSlices:
 
     def batch(
         self,
-        stream: torch.Tensor,
+        stream: Tokens | torch.Tensor,
         *,
         round_number: int,
         slot: int,
@@ -210,12 +191,12 @@ class RoundSlices:
             raise ValueError(f"slot {slot} outside [0, {slots})")
         if not 1 <= batch_size <= self.stride:
             raise ValueError(f"batch size {batch_size} outside [1, {self.stride}]")
-        window = self.seq_len + 1
-        windows = stream.numel() // window
+        stream, window = Tokens.of(stream), self.seq_len + 1
+        windows = stream.windows(window)
         if windows < self.stride:
             raise ValueError(f"{windows} windows of {window} tokens cannot fill a batch of {self.stride}")
-        order = _window_order(self.seed if seed is None else seed, round_number, windows)
         start = (micro * slots + slot) * self.stride
-        chosen = order[(start + torch.arange(batch_size)) % windows]
-        rows = stream[: windows * window].view(windows, window)[chosen]
+        positions = (start + np.arange(batch_size)) % windows
+        key = ((self.seed if seed is None else seed) * 1_000_003 + round_number) % (1 << 63)
+        rows = stream.rows(permuted(positions, windows, key), window)
         return rows[:, :-1], rows[:, 1:]

@@ -1,0 +1,188 @@
+"""`shoal data prepare`: a corpus tokenized once into shards (shoal.peer.data.shards), resumably.
+
+Documents are read in order (shoal.peer.data.text), encoded a batch at a time (a fast tokenizer
+spreads a batch over every core), each followed by the tokenizer's separator. A document goes to
+validation when the SHA-256 of its text says so (1 in VALIDATION_SHARE), so the split depends on
+neither order nor size. Training tokens are cut into shards of at least `shard_tokens` (whole
+documents); each time a training shard is full, it and the validation tokens so far are written.
+
+Nothing is left half-written that could pass for complete: a shard is written under a `.partial`
+name and renamed once whole; `progress.json` (also renamed into place) lists the shards written and
+the documents they hold; `manifest.json` is written last. A prepare stopped at any point (Ctrl-C)
+resumes from its last shard with the same command: the documents already written are skipped.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from shoal.peer.data.shards import MANIFEST, Manifest, Shard, file_digest
+from shoal.peer.data.streams import VALIDATION_SHARE
+from shoal.peer.data.text import DataError, TextSource
+from shoal.peer.data.tokenizer import Tokenizer
+
+PROGRESS = "progress.json"
+SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB of uint16
+BATCH_DOCUMENTS = 512
+
+
+@dataclass
+class Progress:
+    """What a prepare has written so far (`PROGRESS`); `key` names what it prepares."""
+
+    key: str
+    shards: list[Shard] = field(default_factory=list)
+    documents: dict[str, int] = field(default_factory=lambda: {"train": 0, "validation": 0})
+    max_id: int = -1
+
+    @property
+    def done(self) -> int:
+        return sum(self.documents.values())
+
+    def save(self, folder: Path) -> None:
+        partial = folder / (PROGRESS + ".partial")
+        partial.write_text(json.dumps(asdict(self)))
+        os.replace(partial, folder / PROGRESS)
+
+    @staticmethod
+    def load(folder: Path, key: str) -> "Progress":
+        """The progress of an interrupted prepare of the same `key`, else a fresh one."""
+        try:
+            raw = json.loads((folder / PROGRESS).read_text())
+            if raw.get("key") == key:
+                return Progress(key, [Shard(**s) for s in raw["shards"]], raw["documents"], raw["max_id"])
+        except (OSError, ValueError, TypeError, KeyError):
+            pass
+        return Progress(key)
+
+
+def prepare(
+    source: TextSource,
+    out: Path,
+    tokenizer: Tokenizer,
+    *,
+    shard_tokens: int = SHARD_TOKENS,
+    report: Callable[[int, int], None] | None = None,
+) -> Manifest:
+    """Tokenizes `source` into `out` (see the module docstring) and returns its manifest; one that is
+    there already, from the same source and tokenizer, is returned as it is. `report(documents,
+    tokens)` hears of each batch. DataError for a corpus that cannot be read, or an `out` that holds
+    another corpus."""
+    if shard_tokens < 1:
+        raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    key = hashlib.sha256(f"{source.fingerprint()}|{tokenizer.digest}|{shard_tokens}".encode()).hexdigest()
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).exists():
+        return _finished(out, key)
+    progress = Progress.load(out, key)
+    dtype = np.dtype("<u2" if tokenizer.vocab_size <= 1 << 16 else "<u4")
+    buffers: dict[str, list[np.ndarray]] = {"train": [], "validation": []}
+    held = 0  # training tokens in the buffer
+    documents = _skipped(source.documents(), progress.done)
+    for batch in _batches(documents, BATCH_DOCUMENTS):
+        encoded = tokenizer.encode(batch)
+        for text, ids in zip(batch, encoded, strict=True):
+            split = "validation" if _held_out(text) else "train"
+            buffers[split].append(np.concatenate([ids, tokenizer.separator]).astype(np.int64))
+            progress.documents[split] += 1
+            held += len(buffers["train"][-1]) if split == "train" else 0
+            if held >= shard_tokens:
+                _flush(out, buffers, dtype, progress, tokenizer)
+                held = 0
+        if report is not None:
+            report(len(batch), sum(len(ids) + len(tokenizer.separator) for ids in encoded))
+    _flush(out, buffers, dtype, progress, tokenizer)
+    if not progress.documents["train"]:
+        raise DataError(f"--data {source.spec}: no training documents (every one went to validation)")
+    manifest = Manifest(
+        tokenizer=tokenizer.name,
+        tokenizer_digest=tokenizer.digest,
+        vocab_size=tokenizer.vocab_size,
+        separator=list(tokenizer.separator),
+        dtype=dtype.name,
+        shards=progress.shards,
+        documents=progress.documents,
+    )
+    (out / "source.json").write_text(json.dumps({"key": key, "source": source.spec}) + "\n")
+    manifest.write(out)
+    (out / PROGRESS).unlink(missing_ok=True)
+    return manifest
+
+
+def _finished(out: Path, key: str) -> Manifest:
+    try:
+        same = json.loads((out / "source.json").read_text()).get("key") == key
+    except (OSError, ValueError, AttributeError):
+        same = False
+    if not same:
+        raise DataError(
+            f"{out} holds a prepared corpus of another source or tokenizer; choose another folder"
+        )
+    return Manifest.read(out)
+
+
+def _held_out(text: str) -> bool:
+    digest = hashlib.sha256(text.encode("utf-8", errors="surrogateescape")).digest()
+    return int.from_bytes(digest[:8], "big") % VALIDATION_SHARE == 0
+
+
+def _flush(
+    out: Path, buffers: dict[str, list[np.ndarray]], dtype: np.dtype, progress: Progress, tokenizer: Tokenizer
+) -> None:
+    """Writes each split's buffered tokens as a shard, then the progress that counts them."""
+    for split, pieces in buffers.items():
+        if not pieces:
+            continue
+        ids = np.concatenate(pieces)
+        largest = int(ids.max())
+        if ids.min() < 0 or largest >= tokenizer.vocab_size:
+            raise DataError(f"--tokenizer {tokenizer.name}: made id {largest}, outside its own vocabulary")
+        name = f"{split}-{len(progress.shards):05d}.npy"
+        partial = out / (name + ".partial")
+        with open(partial, "wb") as file:
+            np.save(file, ids.astype(dtype))
+        os.replace(partial, out / name)
+        progress.shards.append(Shard(name, split, int(ids.size), largest, file_digest(out / name)))
+        progress.max_id = max(progress.max_id, largest)
+        pieces.clear()
+    progress.save(out)
+
+
+def _skipped(documents: Iterator[str], count: int) -> Iterator[str]:
+    for _ in range(count):
+        if next(documents, None) is None:
+            raise DataError("the corpus is shorter than the interrupted prepare it resumes (changed?)")
+    yield from documents
+
+
+def _batches(documents: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for document in documents:
+        batch.append(document)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def progress_bar() -> Callable[[int, int], None] | None:
+    """A progress bar on stderr (tqdm's, from the hf extra), when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    bar = tqdm(unit=" documents", desc="tokenizing", file=sys.stderr)
+
+    def report(documents: int, _tokens: int) -> None:
+        bar.update(documents)
+
+    return report

@@ -1,0 +1,57 @@
+"""A researcher's corpus end to end: two `shoal join` processes train a Hugging Face model directory
+on a parquet corpus, tokenized with the model's own tokenizer (a BPE trained here), each preparing it
+into its own cache, and end on one model; the run pins the corpus and the tokenizer."""
+
+import json
+
+import pytest
+import torch
+
+from shoal.peer.data.tokenizer import HFTokenizer
+from tests import corpora
+from tests.integration.harness import kill, start, wait_for
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.timeout(240)
+def test_two_peers_train_a_hugging_face_model_with_its_tokenizer_on_parquet(tmp_path):
+    texts = corpora.documents(600)
+    model = corpora.train_bpe(tmp_path / "model", texts, vocab_size=300)
+    vocab = HFTokenizer(model).vocab_size
+    eot = HFTokenizer(model).separator[0]
+    config = transformers.GPT2Config(
+        vocab_size=vocab, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=eot, eos_token_id=eot
+    )
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(model)
+    corpus = corpora.write_parquet(tmp_path / "corpus.parquet", texts)
+    common = ["--host", "127.0.0.1", "--run", "corpus", "--log-format", "json", "--round-seconds", "4"]
+    common += ["--model", str(model), "--data", str(corpus), "--until-round", "5"]
+    outs = [tmp_path / "first.jsonl", tmp_path / "second.jsonl"]
+    peers = []
+    try:
+        first = ["--data-cache", str(tmp_path / "cache1")]
+        peers.append(start("join", *common, *first, stdout=outs[0].open("w"), stderr=_err(tmp_path, "first")))
+        started = wait_for(outs[0], lambda e: e.get("event") == "started", 120)
+        second = ["--data-cache", str(tmp_path / "cache2"), "--initial-peers", started["initial_peers"][0]]
+        peers.append(
+            start("join", *common, *second, stdout=outs[1].open("w"), stderr=_err(tmp_path, "second"))
+        )
+        for peer, name in zip(peers, ("first", "second"), strict=True):
+            assert peer.wait(timeout=150) == 0, (tmp_path / f"{name}.err").read_text()[-3000:]
+    finally:
+        for peer in peers:
+            kill(peer)
+    summaries = [wait_for(out, lambda e: e.get("event") == "summary", 1) for out in outs]
+    assert summaries[0]["param_hash"] == summaries[1]["param_hash"]
+    assert all(s["validation_loss"] < s["initial_loss"] for s in summaries)
+    rounds = [e for e in map(json.loads, outs[1].read_text().splitlines()) if e.get("event") == "round"]
+    assert any(e["participants"] == 2 for e in rounds)  # they trained together, not side by side
+    # each prepared the corpus into its own cache, to the same shards
+    manifests = [next((tmp_path / c).rglob("manifest.json")).read_text() for c in ("cache1", "cache2")]
+    assert manifests[0] == manifests[1] and json.loads(manifests[0])["tokenizer"] == str(model)
+
+
+def _err(folder, name):
+    return (folder / f"{name}.err").open("w")
