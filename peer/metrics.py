@@ -52,6 +52,12 @@ class PeerMetrics:
         self.round = Gauge("shoal_round", "The swarm round this peer finished last.", registry=r)
         self.rounds = Counter("shoal_rounds", "Rounds this peer finished.", registry=r)
         self.loss = Gauge("shoal_training_loss", "Mean training loss of the last round.", registry=r)
+        self.validation_loss = Gauge(
+            "shoal_validation_loss",
+            "Loss on the held-out batches at the last validation (--validate-every; the same batches on "
+            "every peer).",
+            registry=r,
+        )
         self.tokens = Counter("shoal_tokens", "Target tokens trained on.", registry=r)
         self.samples = Counter("shoal_samples", "Samples (sequences) trained on.", registry=r)
         self.tokens_per_second = Gauge(

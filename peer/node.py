@@ -292,6 +292,7 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
             tokens=report.tokens,
             phases=report.phases,
         )
+        _validate(settings, progress, workload, peer.trainer.batch_size, report.round, metrics)
         if exchange.counts.clocks_adopted > adopted:  # a restart keeps the run's clock, not the one it left
             adopted = exchange.counts.clocks_adopted
             _save_clock(settings, exchange.schedule)
@@ -302,6 +303,25 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
     held_out = (loaded.module, loaded.loss_fn, workload.streams.validation, loaded.seq_len)
     validation = validation_loss(*held_out, batch_size=batch_size) if reports else None
     return _summary(settings, progress, peer, reports, final_resync, validation)
+
+
+def _validate(settings, progress, workload: Workload, batch_size: int, round_number: int, metrics) -> None:
+    """Every --validate-every swarm rounds (the same rounds on every peer), the loss on the held-out
+    batches, in the log and the metrics."""
+    every = settings.data.validate_every
+    if not every or (round_number + 1) % every:
+        return
+    loaded = workload.model
+    loss = validation_loss(
+        loaded.module, loaded.loss_fn, workload.streams.validation, loaded.seq_len, batch_size=batch_size
+    )
+    if loss is None:
+        return
+    progress.event("validation", round=round_number, loss=loss)
+    if progress.log_format != "json":
+        progress.message(f"Round {round_number}: validation loss {loss:.4f} (held-out batches)")
+    if metrics is not None:
+        metrics.validation_loss.set(loss)
 
 
 def _tell_alone(progress: Progress, alone: bool, report) -> None:

@@ -310,6 +310,8 @@ class DataSpec(_Section):
     """The field of a dataset's rows that holds the text."""
     cache: str | None = _setting("data_cache", _text, None)
     """Where text corpora are prepared (None: ~/.cache/shoal/data)."""
+    validate_every: int = _setting("validate_every", _int(0), 10)
+    """Rounds between two validation losses on the held-out batches (0: only at the end)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -38,6 +38,10 @@ JOIN_FLAGS = {
     ),
     "text_field": ("NAME", "the field of a dataset's rows that holds the text"),
     "data_cache": ("DIR", "where text corpora are tokenized (default: ~/.cache/shoal/data)"),
+    "validate_every": (
+        "N",
+        "rounds between validation losses on the held-out batches, the same on every peer (0: at the end)",
+    ),
     "algorithm": (
         "ALGO",
         "demo, demo-overlap (exchanges while the next step computes), diloco (eager), diloco-standard, "

@@ -9,9 +9,12 @@ documents); each time a training shard is full, it and the validation tokens so 
 Nothing is left half-written that could pass for complete: a shard is written under a `.partial`
 name and renamed once whole; `progress.json` (also renamed into place) lists the shards written and
 the documents they hold; `manifest.json` is written last. A prepare stopped at any point (Ctrl-C)
-resumes from its last shard with the same command: the documents already written are skipped.
+resumes from its last shard with the same command: the documents already written are skipped. Two
+processes preparing into one folder (peers of one machine sharing a cache) take turns on a lock: the
+second finds the first's corpus.
 """
 
+import fcntl
 import hashlib
 import json
 import os
@@ -22,12 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-from shoal.peer.data.shards import MANIFEST, Manifest, Shard, file_digest
+from shoal.peer.data.shards import MANIFEST, Manifest, Shard, file_digest, record_verified
 from shoal.peer.data.streams import VALIDATION_SHARE
 from shoal.peer.data.text import DataError, TextSource
 from shoal.peer.data.tokenizer import Tokenizer
 
 PROGRESS = "progress.json"
+LOCK = ".lock"
 SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB of uint16
 BATCH_DOCUMENTS = 512
 
@@ -78,8 +82,23 @@ def prepare(
         raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
     key = hashlib.sha256(f"{source.fingerprint()}|{tokenizer.digest}|{shard_tokens}".encode()).hexdigest()
     out.mkdir(parents=True, exist_ok=True)
-    if (out / MANIFEST).exists():
-        return _finished(out, key)
+    with open(
+        out / LOCK, "w"
+    ) as lock:  # peers of one machine that share a cache: one prepares, the rest wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / MANIFEST).exists():
+            return _finished(out, key)
+        return _prepare(source, out, tokenizer, key, shard_tokens, report)
+
+
+def _prepare(
+    source: TextSource,
+    out: Path,
+    tokenizer: Tokenizer,
+    key: str,
+    shard_tokens: int,
+    report: Callable[[int, int], None] | None,
+) -> Manifest:
     progress = Progress.load(out, key)
     dtype = np.dtype("<u2" if tokenizer.vocab_size <= 1 << 16 else "<u4")
     buffers: dict[str, list[np.ndarray]] = {"train": [], "validation": []}
@@ -110,6 +129,7 @@ def prepare(
         documents=progress.documents,
     )
     (out / "source.json").write_text(json.dumps({"key": key, "source": source.spec}) + "\n")
+    record_verified(out, manifest.shards)  # their digests were taken as they were written
     manifest.write(out)
     (out / PROGRESS).unlink(missing_ok=True)
     return manifest

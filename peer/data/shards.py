@@ -6,13 +6,16 @@ A prepared corpus is a folder of `.npy` shards (uint16 when the vocabulary fits,
 and `manifest.json`: the tokenizer (name and digest), the separator, each shard's name, split, token
 count, largest id and SHA-256, and the document counts. Its `digest` (of the manifest's canonical
 JSON) is what a run pins. Opening it checks every shard against the manifest, so a shard that was
-changed, cut short or swapped is refused before anything trains on it.
+changed, cut short or swapped is refused before anything trains on it. A shard whose digest matched
+is recorded with its size and modification time (`verified.json`, where the folder can be written) and
+not read again while they stay the same: a large corpus starts in seconds.
 
 Token files: a `.npy` holds one 1-D array of integers; a `.bin` is llm.c's (a 256-int32 header, magic
 20240520, version 1 for uint16 or 2 for uint32 ids, then its token count) or nanoGPT's raw uint16.
 Their last VALIDATION_FRACTION of tokens (of the last file) is held out.
 """
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -27,6 +30,7 @@ from shoal.peer.data.text import DataError
 from shoal.peer.data.tokens import FileArray, Tokens
 
 MANIFEST = "manifest.json"
+VERIFIED = "verified.json"
 FORMAT = 1
 VALIDATION_FRACTION = 0.05
 LLMC_MAGIC, LLMC_HEADER_INTS = 20240520, 256
@@ -84,10 +88,11 @@ class Manifest:
 
 
 def open_prepared(folder: Path) -> TokenStreams:
-    """A prepared corpus, every shard checked against the manifest (size, SHA-256); DataError if one
-    does not match."""
+    """A prepared corpus, every shard checked against the manifest (size, SHA-256, or the record of an
+    earlier check: see the module docstring); DataError if one does not match."""
     manifest = Manifest.read(folder)
     arrays: dict[str, list[FileArray]] = {"train": [], "validation": []}
+    verified = _verified(folder)
     for shard in manifest.shards:
         path = folder / shard.name
         if Path(shard.name).name != shard.name or shard.split not in arrays:
@@ -97,9 +102,10 @@ def open_prepared(folder: Path) -> TokenStreams:
             raise DataError(
                 f"--data {path}: {array.length} {array.dtype} ids, the manifest says {shard.tokens}"
             )
-        if file_digest(path) != shard.sha256:
+        if verified.get(shard.name) != [shard.sha256, *_stamp(path)] and file_digest(path) != shard.sha256:
             raise DataError(f"--data {path}: its content does not match the manifest's digest (changed?)")
         arrays[shard.split].append(array)
+    record_verified(folder, manifest.shards)
     train = Tokens(arrays["train"])
     if len(train) < MIN_TOKENS:
         raise DataError(f"--data {folder}: {len(train)} training tokens is too few to train on")
@@ -112,21 +118,64 @@ def open_prepared(folder: Path) -> TokenStreams:
     )
 
 
+def _scanned(record: Path | None) -> tuple[int, str] | None:
+    try:
+        largest, digest = json.loads(record.read_text())  # type: ignore[union-attr]
+    except (AttributeError, OSError, ValueError, TypeError):
+        return None
+    return (largest, digest) if isinstance(largest, int) and isinstance(digest, str) else None
+
+
+def _stamp(path: Path) -> list[int]:
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def _verified(folder: Path) -> dict:
+    try:
+        record = json.loads((folder / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def record_verified(folder: Path, shards: list[Shard]) -> None:
+    """Records the shards, whose digests matched, with their size and modification time; nothing
+    where the folder cannot be written (a read-only corpus is then checked at each start)."""
+    record = {shard.name: [shard.sha256, *_stamp(folder / shard.name)] for shard in shards}
+    try:
+        partial = folder / (VERIFIED + ".partial")
+        partial.write_text(json.dumps(record))
+        os.replace(partial, folder / VERIFIED)
+    except OSError:
+        pass
+
+
 def _tokenizer_name(manifest: Manifest) -> str:
     return f"{manifest.tokenizer} ({manifest.tokenizer_digest[:12]})"
 
 
-def open_token_files(spec: str) -> TokenStreams:
-    """`.npy` or `.bin` token files: one, a folder of them, or a glob (see the module docstring)."""
+def open_token_files(spec: str, scans: Path | None = None) -> TokenStreams:
+    """`.npy` or `.bin` token files: one, a folder of them, or a glob (see the module docstring). Their
+    largest id and digest take a read of every file: kept in `scans` (a folder) under the files' names,
+    sizes and modification times, and read from there while they stay the same."""
     files = token_files(spec)
     arrays = [npy_array(f) if f.suffix == ".npy" else bin_array(f) for f in files]
     tokens = Tokens(arrays)
     if len(tokens) < MIN_TOKENS:
         raise DataError(f"--data {spec}: {len(tokens)} tokens is too few to train on")
+    stamps = json.dumps([[str(f.resolve()), *_stamp(f)] for f in files])
+    record = (
+        None if scans is None else scans / f"scan-{hashlib.sha256(stamps.encode()).hexdigest()[:24]}.json"
+    )
     try:
-        largest, digest = tokens.scan()
+        largest, digest = _scanned(record) or tokens.scan()
     except ValueError as error:
         raise DataError(f"--data {spec}: {error}") from None
+    if record is not None:
+        with contextlib.suppress(OSError):
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps([largest, digest]))
     train, validation = tokens.split(VALIDATION_FRACTION)
     return TokenStreams(train, validation, largest + 1, spec, digest, "pre-tokenized")
 

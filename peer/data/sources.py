@@ -46,7 +46,7 @@ def load_data(
         if path.is_dir() and (path / MANIFEST).is_file():
             return _same_tokenizer(open_prepared(path), tokenizer, spec)
         if spec != "stdlib" and token_files(spec):
-            return open_token_files(spec)
+            return open_token_files(spec, cache or default_cache())
         if spec == "stdlib":
             source = TextSource("stdlib", tuple(stdlib_files()), "plain")
         else:

@@ -1,6 +1,6 @@
 """A researcher's corpus end to end: two `shoal join` processes train a Hugging Face model directory
 on a parquet corpus, tokenized with the model's own tokenizer (a BPE trained here), each preparing it
-into its own cache, and end on one model; the run pins the corpus and the tokenizer."""
+into its own cache, report the held-out loss every second round, and end on one model."""
 
 import json
 
@@ -27,7 +27,7 @@ def test_two_peers_train_a_hugging_face_model_with_its_tokenizer_on_parquet(tmp_
     transformers.GPT2LMHeadModel(config).save_pretrained(model)
     corpus = corpora.write_parquet(tmp_path / "corpus.parquet", texts)
     common = ["--host", "127.0.0.1", "--run", "corpus", "--log-format", "json", "--round-seconds", "4"]
-    common += ["--model", str(model), "--data", str(corpus), "--until-round", "5"]
+    common += ["--model", str(model), "--data", str(corpus), "--until-round", "5", "--validate-every", "2"]
     outs = [tmp_path / "first.jsonl", tmp_path / "second.jsonl"]
     peers = []
     try:
@@ -46,8 +46,11 @@ def test_two_peers_train_a_hugging_face_model_with_its_tokenizer_on_parquet(tmp_
     summaries = [wait_for(out, lambda e: e.get("event") == "summary", 1) for out in outs]
     assert summaries[0]["param_hash"] == summaries[1]["param_hash"]
     assert all(s["validation_loss"] < s["initial_loss"] for s in summaries)
-    rounds = [e for e in map(json.loads, outs[1].read_text().splitlines()) if e.get("event") == "round"]
-    assert any(e["participants"] == 2 for e in rounds)  # they trained together, not side by side
+    events = [[json.loads(line) for line in out.read_text().splitlines()] for out in outs]
+    assert any(e.get("event") == "round" and e["participants"] == 2 for e in events[1])  # together
+    # the held-out loss every second round, on the same batches on both peers
+    validations = [{e["round"]: e["loss"] for e in peer if e.get("event") == "validation"} for peer in events]
+    assert validations[0].keys() == validations[1].keys() == {1, 3, 5}, validations
     # each prepared the corpus into its own cache, to the same shards
     manifests = [next((tmp_path / c).rglob("manifest.json")).read_text() for c in ("cache1", "cache2")]
     assert manifests[0] == manifests[1] and json.loads(manifests[0])["tokenizer"] == str(model)

@@ -263,3 +263,35 @@ def test_the_window_order_is_a_seeded_permutation_never_listed(n):
         assert np.abs(np.corrcoef(np.arange(n), order)[0, 1]) < 0.1  # shuffled, not shifted
     huge = 80_000_000_000  # windows of a 10-trillion-token corpus: one position costs the same
     assert 0 <= permuted(np.array([huge - 1]), huge, seed=3)[0] < huge
+
+
+def test_a_token_file_s_scan_is_kept_until_the_file_changes(tmp_path):
+    path = tmp_path / "tokens.npy"
+    np.save(path, (np.arange(5000) % 700).astype("<u2"))
+    first = load_data(str(path), cache=tmp_path / "cache")
+    (record,) = (tmp_path / "cache").glob("scan-*.json")
+    assert json.loads(record.read_text()) == [699, first.digest]
+    assert load_data(str(path), cache=tmp_path / "cache").digest == first.digest
+    np.save(path, (np.arange(5000) % 900).astype("<u2"))  # another file: scanned again
+    assert load_data(str(path), cache=tmp_path / "cache").vocab_size == 900
+
+
+def test_two_processes_preparing_into_one_folder_take_turns(tmp_path, texts, bpe):
+    import threading
+
+    source = text_source(str(corpora.write_jsonl(tmp_path / "c.jsonl", texts)))
+    made, errors = [], []
+
+    def run():
+        try:
+            made.append(prepare(source, tmp_path / "shared", bpe, shard_tokens=4000).digest)
+        except Exception as error:  # pragma: no cover - the failure the test looks for
+            errors.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and len(made) == 2 and made[0] == made[1]
+    assert open_prepared(tmp_path / "shared").digest == made[0]
