@@ -65,7 +65,11 @@ def test_a_port_in_use_is_told_at_once(listening, flag):
     [
         (["--model", "huge"], "--model huge: expected one of tiny, small, base"),
         (["--model", "no_such_module:build"], "--model no_such_module:build: No module named"),
-        (["--data", "/nonexistent"], "--data /nonexistent: neither 'stdlib', a directory of text"),
+        (["--data", "/nonexistent"], "--data /nonexistent: no such file or directory"),
+        (
+            ["--data", "/etc/hostname", "--tokenizer", "/etc"],
+            "--tokenizer /etc: the folder holds no tokenizer.json",
+        ),
         (["--coordinator-token-file", "/nonexistent", "--coordinator", "127.0.0.1:9"], "--coordinator-token"),
         (["--initial-peers", "127.0.0.1:31337"], "--initial-peers '127.0.0.1:31337' is not a multiaddress"),
         (
