@@ -3,6 +3,7 @@ their manifest), the model's own tokenizer, and a clear refusal of every bad inp
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -295,3 +296,14 @@ def test_two_processes_preparing_into_one_folder_take_turns(tmp_path, texts, bpe
         thread.join(60)
     assert not errors and len(made) == 2 and made[0] == made[1]
     assert open_prepared(tmp_path / "shared").digest == made[0]
+
+
+def test_without_the_hf_extra_dataset_files_and_tokenizers_name_it(tmp_path, monkeypatch, texts):
+    source = corpora.write_jsonl(tmp_path / "c.jsonl", texts[:5])
+    tokenizer = corpora.train_bpe(tmp_path / "bpe", texts)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets: ImportError
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(DataError, match=r"pip install 'shoal\[hf\]'"):
+        load_data(str(source), cache=tmp_path / "cache")
+    with pytest.raises(TokenizerError, match=r"pip install 'shoal\[hf\]'"):
+        load_tokenizer(str(tokenizer), "tiny")
