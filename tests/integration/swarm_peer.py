@@ -107,27 +107,38 @@ def main() -> None:
             schedule = RoundSchedule.discover(peer.dht, "test")
         else:
             schedule = RoundSchedule(start_time=args.start, round_seconds=args.round_seconds)
-        trainer = build_peer(
-            peer,
-            spec,
-            schedule,
-            workload,
-            fill_window=False,
-            exchange_type=faults.exchange_type(args.fault),
-            fetch_timeout=timedelta(seconds=5),
-            max_payload_bytes=MAX_PAYLOAD_BYTES,
-            strike_limit=args.strike_limit,
-        )
+        trainer = build(peer, spec, schedule, workload, args.fault, args.strike_limit)
         resumed = trainer.resume() if args.resume else False
-        reports, resynced = [], []
-        for done in peer.rounds(until_round=args.until_round, stop=stop):
-            reports.append(done.report)
-            resynced.append(peer.exchange.counts.resyncs - sum(resynced))
-        peer.finish()  # the last round applied (no end-of-run agreement: the tests compare the rounds')
-        report = report_of(peer, schedule, reports, resumed=resumed)
-        report["resynced"] = resynced  # re-syncs in each of its rounds
+        report = train(peer, schedule, args.until_round, stop, resumed=resumed)
         with open(args.out, "w") as out:
             json.dump(report, out)
+
+
+def build(peer, spec: PeerSpec, schedule, workload: Workload, fault_list=(), strike_limit: int = 3):
+    """The test peer's trainer: as `shoal join` builds it, one micro-batch a step, short fetches."""
+    return build_peer(
+        peer,
+        spec,
+        schedule,
+        workload,
+        fill_window=False,
+        exchange_type=faults.exchange_type(fault_list),
+        fetch_timeout=timedelta(seconds=5),
+        max_payload_bytes=MAX_PAYLOAD_BYTES,
+        strike_limit=strike_limit,
+    )
+
+
+def train(peer, schedule, until_round: int, stop=None, *, resumed: bool = False) -> dict:
+    """Its rounds until `until_round`, then its report (`report_of`)."""
+    reports, resynced = [], []
+    for done in peer.rounds(until_round=until_round, stop=stop):
+        reports.append(done.report)
+        resynced.append(peer.exchange.counts.resyncs - sum(resynced))
+    peer.finish()  # the last round applied (no end-of-run agreement: the tests compare the rounds')
+    report = report_of(peer, schedule, reports, resumed=resumed)
+    report["resynced"] = resynced  # re-syncs in each of its rounds
+    return report
 
 
 if __name__ == "__main__":

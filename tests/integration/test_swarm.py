@@ -13,6 +13,7 @@ import pytest
 
 from shoal.peer.checkpoint import CheckpointStore
 from tests.integration.harness import HIVEMIND_DHT, bootstrap_address, kill, shoal, spawn
+from tests.integration.in_process import run_in_process
 
 
 def run_swarm(
@@ -131,9 +132,9 @@ def test_four_peers_train_demo_a_fifth_joins_and_a_restarted_one_resyncs(tmp_pat
         assert report["rounds"] == list(range(rounds))
         assert set(report["rejected"]) <= {"stale_state"}  # the newcomers' first rounds, nothing else
         assert report["received"] > 0 and resyncs_explained(report, reports[:3]), report
-        # every round ends at its deadline: none waits for the stopped peer (that would be a whole round
-        # late); decoding and applying take up to 0.5 s while the two newcomers import torch on 2 cores
-        assert max(report["lateness"]) < 0.8
+        # every round ends at its deadline: none waits for the stopped peer (that would be a whole round,
+        # 2 s, late); decoding and applying took up to 0.87 s while another test's swarm shared the cores
+        assert max(report["lateness"]) < 1.0
         assert max(report["participants"]) == 5 and report["participants"][-1] == 5
     assert mean_loss(reports[:3], -1) < mean_loss(reports[:3], 0) - 0.5
     stopped = json.loads((tmp_path / "peer3-stopped.json").read_text())
@@ -277,10 +278,9 @@ def test_a_round_that_counts_nothing_leaves_eager_diloco_as_it_was(tmp_path):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("mode", "peers", "rounds"), [("standard", 3, 5), ("eager", 4, 10)])
-def test_peers_train_diloco_over_the_swarm_and_agree(tmp_path, mode, peers, rounds):
-    reports = run_swarm(
-        tmp_path, peers, rounds, extra={i: ["--algorithm", f"diloco-{mode}"] for i in range(peers)}
-    )
+def test_peers_train_diloco_over_the_swarm_and_agree(mode, peers, rounds):
+    """Peers as threads of this process (tests.integration.in_process): nothing here kills one."""
+    reports = run_in_process(peers, rounds, round_seconds=1.5, timeout_s=200, algorithm=f"diloco-{mode}")
     for report in reports:
         # world_size is that of the last completed round: in eager mode the round just started is in flight
         seen = report["participants"] if mode == "standard" else report["participants"][1:]
