@@ -17,7 +17,9 @@ from shoal.peer.data import stdlib_corpus
 from shoal.peer.models import load_model
 from shoal.peer.spec import PeerSpec
 from shoal.peer.swarm.records import RoundSchedule
+from tests.integration import faults as faults_module
 from tests.integration import swarm_peer
+from tests.integration.faults import Fault
 
 STARTUP_S = 2.0  # and a second a peer, from the last DHT to round 0: every exchange and trainer built
 SPEC = {
@@ -31,10 +33,25 @@ SPEC = {
 """The test peers' settings (as tests.integration.swarm_peer.spec_of)."""
 
 
-def run_in_process(peers: int, rounds: int, round_seconds: float, timeout_s: float, **flags) -> list[dict]:
+def run_in_process(
+    peers: int,
+    rounds: int,
+    round_seconds: float,
+    timeout_s: float,
+    *,
+    faults: dict[int, str] | None = None,
+    own: dict[int, dict] | None = None,
+    strike_limit: int = 3,
+    **flags,
+) -> list[dict]:
     """`peers` peers with the spec of swarm_peer (and `flags`, by `shoal join` flag name) train rounds
     0 .. rounds - 1 on one clock, each in a thread of its own; returns their reports
-    (swarm_peer.report_of), in order. Raises what a peer raised, or TimeoutError."""
+    (swarm_peer.report_of), in order. `faults`: a peer's fault, KIND@ROUND (tests.integration.faults;
+    not those that end its process); `own`: a peer's own flags. Raises what a peer raised, or
+    TimeoutError."""
+    faults, own = faults or {}, own or {}
+    if any(faults_module.gone([Fault.parse(fault)]) for fault in faults.values()):
+        raise ValueError("a fault that ends the process needs a process peer (test_swarm.run_swarm)")
     corpus = stdlib_corpus(max_bytes=2 << 20)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -43,13 +60,15 @@ def run_in_process(peers: int, rounds: int, round_seconds: float, timeout_s: flo
     try:
         started.append(start_peer(spec))  # the DHTs first: hivemind forks for each
         address = str(started[0].dht.get_visible_maddrs()[0])
-        for _ in range(peers - 1):
-            specs.append(spec.changed(initial_peers=(address,)))
+        specs[0] = spec.changed(**own.get(0, {}))
+        for i in range(1, peers):
+            specs.append(spec.changed(initial_peers=(address,), **own.get(i, {})))
             started.append(start_peer(specs[-1]))
         schedule = RoundSchedule(start_time=time.time() + STARTUP_S + peers, round_seconds=round_seconds)
-        for peer, peer_spec in zip(started, specs, strict=True):
+        for i, (peer, peer_spec) in enumerate(zip(started, specs, strict=True)):
             workload = Workload(torch.device("cpu"), load_model("tiny"), corpus)
-            swarm_peer.build(peer, peer_spec, schedule, workload)
+            fault = [Fault.parse(faults[i])] if i in faults else []
+            swarm_peer.build(peer, peer_spec, schedule, workload, fault, strike_limit)
         reports: list[dict | BaseException | None] = [None] * peers
 
         def run(i: int) -> None:

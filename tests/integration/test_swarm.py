@@ -166,10 +166,11 @@ def test_a_peer_killed_and_one_frozen_mid_run_stall_none_of_the_others(tmp_path)
 
 
 @pytest.mark.timeout(240)
-def test_a_peer_that_starts_lying_mid_run_is_found_out_and_banned(tmp_path):
-    """Peer 3 trains honestly for three rounds, then flips the signs of every payload it sends."""
+def test_a_peer_that_starts_lying_mid_run_is_found_out_and_banned():
+    """Peer 3 trains honestly for three rounds, then flips the signs of every payload it sends (peers in
+    this process: tests.integration.in_process)."""
     rounds = 10
-    reports = run_swarm(tmp_path, peers=4, rounds=rounds, round_seconds=2.0, faults={3: "lie@3"})
+    reports = run_in_process(4, rounds, round_seconds=2.0, timeout_s=200, faults={3: "lie@3"})
     honest = reports[:3]
     assert len({r["param_hash"] for r in honest}) == 1 and all(r["finite"] for r in honest)
     for report in honest:
@@ -180,9 +181,9 @@ def test_a_peer_that_starts_lying_mid_run_is_found_out_and_banned(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_a_peer_with_another_run_configuration_is_refused_naming_the_setting(tmp_path):
+def test_a_peer_with_another_run_configuration_is_refused_naming_the_setting():
     rounds = 5
-    reports = run_swarm(tmp_path, peers=3, rounds=rounds, extra={2: ["--topk", "4"]})
+    reports = run_in_process(3, rounds, round_seconds=1.5, timeout_s=150, own={2: {"topk": 4}})
     for report in reports[:2]:
         assert report["participants"] == [2] * rounds
         (reason,) = report["refused"].values()
@@ -193,15 +194,12 @@ def test_a_peer_with_another_run_configuration_is_refused_naming_the_setting(tmp
 
 
 @pytest.mark.timeout(240)
-def test_a_hostile_peer_is_rejected_counted_and_banned(tmp_path):
+def test_a_hostile_peer_is_rejected_counted_and_banned():
     """Peer 3 sends, round after round, a payload of the wrong structure, NaN values, an oversized
     payload, bytes that do not match their digest, and a replay of an old payload; then honest ones."""
     rounds = 9
-    reports = run_swarm(
-        tmp_path,
-        peers=4,
-        rounds=rounds,
-        extra={i: ["--strike-limit", "5"] + (["--fault", "attacks@0"] if i == 3 else []) for i in range(4)},
+    reports = run_in_process(
+        4, rounds, round_seconds=1.5, timeout_s=200, faults={3: "attacks@0"}, strike_limit=5
     )
     honest = reports[:3]
     assert len({r["param_hash"] for r in honest}) == 1 and all(r["finite"] for r in honest)
