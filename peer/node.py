@@ -230,9 +230,11 @@ def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, cr
     try:
         if trainer.resume():
             progress.message(f"resumed from the checkpoint of round {trainer.checkpoints.loaded_round}")
+        data = workload.streams
         progress.message(
             f"training {settings.model.name} ({numel:,} parameters) with {settings.algorithm.name} on "
-            f"{workload.device}, data {workload.streams.name}; rounds of {schedule.round_seconds:g} s"
+            f"{workload.device}, data {data.name} ({len(data.train):,} training tokens, tokenizer "
+            f"{data.tokenizer}); rounds of {schedule.round_seconds:g} s"
         )
         return _loop(settings, progress, peer, workload, metrics)
     except OutOfMemory as error:

@@ -12,6 +12,7 @@ A prepared corpus or token files pin their digest in the run's configuration (`d
 tokenizer's name): a peer with other data or another tokenizer is refused, and the refusal names both.
 """
 
+import dataclasses
 import hashlib
 import os
 from pathlib import Path
@@ -55,7 +56,7 @@ def load_data(
         key = hashlib.sha256(f"{source.fingerprint()}|{tokenizer.digest}".encode()).hexdigest()[:24]
         folder = (cache or default_cache()) / key
         prepare(source, folder, tokenizer, report=progress_bar())
-        return open_prepared(folder)
+        return dataclasses.replace(open_prepared(folder), name=f"{spec} (tokenized into {folder})")
     except OSError as error:  # a file that cannot be read: the setting's to fix, like a missing one
         raise DataError(f"--data {spec}: cannot read {error.filename or spec}: {error.strerror}") from None
 
