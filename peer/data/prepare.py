@@ -82,10 +82,13 @@ def prepare(
         raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
     key = hashlib.sha256(f"{source.fingerprint()}|{tokenizer.digest}|{shard_tokens}".encode()).hexdigest()
     out.mkdir(parents=True, exist_ok=True)
-    with open(
-        out / LOCK, "w"
-    ) as lock:  # peers of one machine that share a cache: one prepares, the rest wait
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    # peers of one machine that share a cache: one prepares, the others wait for it
+    with open(out / LOCK, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"another process is preparing {source.spec} into {out}: waiting for it", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / MANIFEST).exists():
             return _finished(out, key)
         return _prepare(source, out, tokenizer, key, shard_tokens, report)
