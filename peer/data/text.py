@@ -15,6 +15,7 @@ where text is expected (a NUL byte or invalid UTF-8), which is refused, never tr
 """
 
 import glob
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,7 @@ class TextSource:
 
 
 def _rows(file: Path, kind: str) -> Iterator[dict]:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: nothing is asked of the hub
     try:
         import datasets
     except ImportError:

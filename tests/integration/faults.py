@@ -20,6 +20,8 @@ What it sends, well-formed (shoal.peer.bench.hostile.poison), from round r on:
 - `lie@r` or `sign_flip@r`: its update's signs flipped at the largest scale the defences allow;
   `random@r`: a random direction; `topk@r`: 4x the run's top-k (a config_mismatch);
 - `sample_lie@r`: a sign flip claiming 2^40 samples;
+- `alie@r`: "a little is enough" (Baruch et al., 2019): its own update plus its own norm along one
+  fixed direction, every round (inside the honest spread of cosines);
 - `claim_and_stale_digest@r`: its honest payload claiming 2^40 samples, announced with a random digest
   of the state it was computed on;
 - `unserved_and_replay@r`: one round in two it announces its payload and answers every pull with
@@ -60,6 +62,7 @@ POISONED = {
     "random": "random",
     "topk": "topk",
     "sample_lie": "sign_flip",  # and 2^40 samples claimed
+    "alie": "alie",  # "a little is enough": its update plus its own norm along one fixed direction
 }
 """Faults that rewrite every payload with shoal.peer.bench.hostile.poison, and the attack each is."""
 KINDS = (
