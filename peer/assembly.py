@@ -57,7 +57,15 @@ def load_workload(spec: PeerSpec) -> Workload:
     data = spec.data
     tokenizer = load_tokenizer(data.tokenizer, spec.model.name)
     cache = Path(data.cache) if data.cache else None
-    streams = load_data(data.source, tokenizer=tokenizer, text_field=data.text_field, cache=cache)
+    own = Path(spec.model.name)
+    bare = str(own) if tokenizer is None and own.is_dir() and not (own / "tokenizer.json").is_file() else None
+    streams = load_data(
+        data.source,
+        tokenizer=tokenizer,
+        text_field=data.text_field,
+        cache=cache,
+        model_without_tokenizer=bare,
+    )
     if loaded.vocab_size is not None and streams.vocab_size > loaded.vocab_size:
         raise ValueError(
             f"--data {data.source} has token ids up to {streams.vocab_size - 1} (tokenizer "

@@ -45,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:  # DataError, TokenizerError, a bad --shard-tokens
         print(f"shoal data prepare: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # an OUT it cannot write, a disk full, a file gone
+        print(f"shoal data prepare: error: {error.filename or args.out}: {error.strerror}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("\nshoal data prepare: interrupted; the same command resumes it", file=sys.stderr)
         return 130

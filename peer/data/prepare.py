@@ -103,6 +103,8 @@ def _prepare(
     report: Callable[[int, int], None] | None,
 ) -> Manifest:
     progress = Progress.load(out, key)
+    if not all(_intact(out, shard) for shard in progress.shards):  # changed since: start over
+        progress = Progress(key)
     dtype = np.dtype("<u2" if tokenizer.vocab_size <= 1 << 16 else "<u4")
     buffers: dict[str, list[np.ndarray]] = {"train": [], "validation": []}
     held = 0  # training tokens in the buffer
@@ -111,17 +113,24 @@ def _prepare(
         encoded = tokenizer.encode(batch)
         for text, ids in zip(batch, encoded, strict=True):
             split = "validation" if _held_out(text) else "train"
-            buffers[split].append(np.concatenate([ids, tokenizer.separator]).astype(np.int64))
+            ids = np.concatenate(
+                [ids.astype(np.int64, copy=False), np.asarray(tokenizer.separator, np.int64)]
+            )
+            if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+                raise DataError(
+                    f"--tokenizer {tokenizer.name}: made id {ids.max()}, outside its own vocabulary"
+                )
+            buffers[split].append(ids.astype(dtype))  # stored narrow: a buffer costs what its shard will
             progress.documents[split] += 1
-            held += len(buffers["train"][-1]) if split == "train" else 0
+            held += ids.size if split == "train" else 0
             if held >= shard_tokens:
                 _flush(out, buffers, dtype, progress, tokenizer)
                 held = 0
         if report is not None:
             report(len(batch), sum(len(ids) + len(tokenizer.separator) for ids in encoded))
     _flush(out, buffers, dtype, progress, tokenizer)
-    if not progress.documents["train"]:
-        raise DataError(f"--data {source.spec}: no training documents (every one went to validation)")
+    if not progress.done:
+        raise DataError(f"--data {source.spec}: no documents")
     manifest = Manifest(
         tokenizer=tokenizer.name,
         tokenizer_digest=tokenizer.digest,
@@ -132,7 +141,12 @@ def _prepare(
         documents=progress.documents,
     )
     (out / "source.json").write_text(json.dumps({"key": key, "source": source.spec}) + "\n")
-    record_verified(out, manifest.shards)  # their digests were taken as they were written
+    record_verified(out, manifest.shards)  # their digests were taken as they were written, or checked
+    fd = os.open(out, os.O_RDONLY)  # the shards' names on disk before the manifest that lists them
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     manifest.write(out)
     (out / PROGRESS).unlink(missing_ok=True)
     return manifest
@@ -150,6 +164,11 @@ def _finished(out: Path, key: str) -> Manifest:
     return Manifest.read(out)
 
 
+def _intact(out: Path, shard: Shard) -> bool:
+    path = out / shard.name
+    return path.is_file() and file_digest(path) == shard.sha256
+
+
 def _held_out(text: str) -> bool:
     digest = hashlib.sha256(text.encode("utf-8", errors="surrogateescape")).digest()
     return int.from_bytes(digest[:8], "big") % VALIDATION_SHARE == 0
@@ -164,12 +183,12 @@ def _flush(
             continue
         ids = np.concatenate(pieces)
         largest = int(ids.max())
-        if ids.min() < 0 or largest >= tokenizer.vocab_size:
-            raise DataError(f"--tokenizer {tokenizer.name}: made id {largest}, outside its own vocabulary")
         name = f"{split}-{len(progress.shards):05d}.npy"
         partial = out / (name + ".partial")
         with open(partial, "wb") as file:
-            np.save(file, ids.astype(dtype))
+            np.save(file, ids)
+            file.flush()
+            os.fsync(file.fileno())  # whole on disk before its name says so
         os.replace(partial, out / name)
         progress.shards.append(Shard(name, split, int(ids.size), largest, file_digest(out / name)))
         progress.max_id = max(progress.max_id, largest)

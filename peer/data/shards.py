@@ -70,7 +70,10 @@ class Manifest:
     def write(self, folder: Path) -> None:
         """Writes manifest.json atomically: a folder without one is not a prepared corpus."""
         partial = folder / (MANIFEST + ".partial")
-        partial.write_text(json.dumps(asdict(self), indent=1, sort_keys=True) + "\n")
+        with open(partial, "w") as file:
+            file.write(json.dumps(asdict(self), indent=1, sort_keys=True) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(partial, folder / MANIFEST)
 
     @staticmethod
@@ -84,6 +87,10 @@ class Manifest:
             raise DataError(f"--data {folder}: {MANIFEST} is not a shoal manifest ({error})") from None
         if manifest.format != FORMAT or manifest.dtype not in ("uint16", "uint32"):
             raise DataError(f"--data {folder}: {MANIFEST} of format {manifest.format}, {manifest.dtype} ids")
+        for shard in manifest.shards:
+            kinds = (shard.name, shard.split, shard.sha256, shard.tokens, shard.max_id)
+            if not all(isinstance(v, str) for v in kinds[:3]) or not all(type(v) is int for v in kinds[3:]):
+                raise DataError(f"--data {folder}: {MANIFEST} lists a shard with fields of the wrong types")
         return manifest
 
 
@@ -106,10 +113,11 @@ def open_prepared(folder: Path) -> TokenStreams:
             raise DataError(f"--data {path}: its content does not match the manifest's digest (changed?)")
         arrays[shard.split].append(array)
     record_verified(folder, manifest.shards)
-    train = Tokens(arrays["train"])
+    train, validation = Tokens(arrays["train"]), Tokens(arrays["validation"])
+    if not len(train):  # every document went to validation (one document, say): they are the corpus
+        train, validation = validation, Tokens([])
     if len(train) < MIN_TOKENS:
         raise DataError(f"--data {folder}: {len(train)} training tokens is too few to train on")
-    validation = Tokens(arrays["validation"])
     if not len(validation):  # no document went to validation: hold out the tail
         train, validation = train.split(VALIDATION_FRACTION)
     largest = max(shard.max_id for shard in manifest.shards)
@@ -127,8 +135,9 @@ def _scanned(record: Path | None) -> tuple[int, str] | None:
 
 
 def _stamp(path: Path) -> list[int]:
+    """What changes when a file is replaced or written (ctime: no user can set it back)."""
     stat = path.stat()
-    return [stat.st_size, stat.st_mtime_ns]
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
 
 
 def _verified(folder: Path) -> dict:
@@ -142,8 +151,8 @@ def _verified(folder: Path) -> dict:
 def record_verified(folder: Path, shards: list[Shard]) -> None:
     """Records the shards, whose digests matched, with their size and modification time; nothing
     where the folder cannot be written (a read-only corpus is then checked at each start)."""
-    record = {shard.name: [shard.sha256, *_stamp(folder / shard.name)] for shard in shards}
     try:
+        record = {shard.name: [shard.sha256, *_stamp(folder / shard.name)] for shard in shards}
         partial = folder / (VERIFIED + ".partial")
         partial.write_text(json.dumps(record))
         os.replace(partial, folder / VERIFIED)

@@ -15,6 +15,7 @@ tokenizer's name): a peer with other data or another tokenizer is refused, and t
 import dataclasses
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 from shoal.peer.data.prepare import prepare, progress_bar
@@ -36,14 +37,24 @@ def load_data(
     tokenizer: Tokenizer | None = None,
     text_field: str = "text",
     cache: Path | None = None,
+    model_without_tokenizer: str | None = None,
 ) -> TokenStreams:
     """The token streams `spec` names (see the module docstring). `tokenizer`: the one the user or
-    the model named (None: bytes, for the embedded model). DataError (a ValueError) naming the file
-    when the data cannot be used, or was made by another tokenizer than the one named."""
+    the model named (None: bytes, for the embedded model). `model_without_tokenizer`: a model
+    directory that has none, whose text must not silently become byte ids. DataError (a ValueError)
+    naming the file when the data cannot be used, or was made by another tokenizer than the one named."""
     try:
+        path = Path(spec)
+        text = not (path.is_dir() and (path / MANIFEST).is_file()) and not (
+            spec != "stdlib" and token_files(spec)
+        )
+        if text and tokenizer is None and model_without_tokenizer is not None:
+            raise DataError(
+                f"--model {model_without_tokenizer} has no tokenizer.json to tokenize --data {spec} with: "
+                "give --tokenizer (the model's tokenizer.json, or bytes for byte ids)"
+            )
         if spec == "stdlib" and tokenizer is None:
             return stdlib_corpus()
-        path = Path(spec)
         if path.is_dir() and (path / MANIFEST).is_file():
             return _same_tokenizer(open_prepared(path), tokenizer, spec)
         if spec != "stdlib" and token_files(spec):
@@ -56,7 +67,13 @@ def load_data(
         key = hashlib.sha256(f"{source.fingerprint()}|{tokenizer.digest}".encode()).hexdigest()[:24]
         folder = (cache or default_cache()) / key
         prepare(source, folder, tokenizer, report=progress_bar())
-        return dataclasses.replace(open_prepared(folder), name=f"{spec} (tokenized into {folder})")
+        try:
+            streams = open_prepared(folder)
+        except DataError:  # the cache's copy was damaged (a disk fault, a hand): made again
+            shutil.rmtree(folder)
+            prepare(source, folder, tokenizer, report=progress_bar())
+            streams = open_prepared(folder)
+        return dataclasses.replace(streams, name=f"{spec} (tokenized into {folder})")
     except OSError as error:  # a file that cannot be read: the setting's to fix, like a missing one
         raise DataError(f"--data {spec}: cannot read {error.filename or spec}: {error.strerror}") from None
 

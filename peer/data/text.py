@@ -6,7 +6,7 @@
 - an `.arrow` folder written by `Dataset.save_to_disk` (its `train` split, if it holds several);
 - a folder, or a glob, of such files, all of one format;
 - a text file (any other suffix: `.txt`, `.md`, `.py`...), or a folder of them: each file is one
-  document.
+  document (one larger than PIECE_BYTES: pieces of that size, cut after a newline).
 
 Everything is checked before a token is trained on, and a problem names its file: a missing file or
 an empty dataset, one that does not parse, a row whose `text_field` is missing or not a string (the
@@ -14,6 +14,7 @@ whole source is refused: a corpus with holes is better fixed than half-trained o
 where text is expected (a NUL byte or invalid UTF-8), which is refused, never trained on.
 """
 
+import codecs
 import glob
 import os
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from pathlib import Path
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """Dataset formats by suffix, as `datasets.load_dataset` names its builders."""
 SNIFF_BYTES = 8192  # a plain text file with a NUL byte in its first SNIFF_BYTES is binary
+PIECE_BYTES = 1 << 20  # a text file larger than this is read as documents of about this size
 
 
 class DataError(ValueError):
@@ -45,13 +47,15 @@ class TextSource:
             yield from self._read(file)
 
     def fingerprint(self) -> str:
-        """What changes when a file does (name, size, modification time): a prepared cache's key."""
-        stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in self.files]
+        """What changes when a file does (name, size, modification time; every file of an arrow
+        folder): a prepared cache's key."""
+        files = [f for top in self.files for f in (sorted(top.rglob("*")) if top.is_dir() else [top])]
+        stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
         return repr((self.kind, self.text_field, stats))
 
     def _read(self, file: Path) -> Iterator[str]:
         if self.kind == "plain":
-            yield _plain_text(file)
+            yield from _plain_text(file)
             return
         rows = 0
         for row in _rows(file, self.kind):
@@ -93,16 +97,34 @@ def _rows(file: Path, kind: str) -> Iterator[dict]:
         raise DataError(f"--data {file}: cannot be read as {kind}: {_first_line(error)}") from None
 
 
-def _plain_text(file: Path) -> str:
-    data = file.read_bytes()
-    if b"\0" in data[:SNIFF_BYTES]:
-        raise DataError(f"--data {file}: a binary file (a NUL byte) where text is expected; remove it")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise DataError(
-            f"--data {file}: not UTF-8 text (byte {error.start}); remove it, or convert it to UTF-8"
-        ) from None
+def _plain_text(file: Path) -> Iterator[str]:
+    """The file as one document; a file past PIECE_BYTES as pieces of about that size, cut after a
+    newline, read one block at a time."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    text, offset, pieces = "", 0, 0
+    with open(file, "rb") as reader:
+        while True:
+            block = reader.read(PIECE_BYTES)
+            if offset == 0 and b"\0" in block[:SNIFF_BYTES]:
+                raise DataError(
+                    f"--data {file}: a binary file (a NUL byte) where text is expected; remove it"
+                )
+            try:
+                text += decoder.decode(block, final=not block)
+            except UnicodeDecodeError as error:
+                where = offset + error.start
+                raise DataError(
+                    f"--data {file}: not UTF-8 text (byte {where}); remove it, or convert it"
+                ) from None
+            offset += len(block)
+            if not block:
+                break
+            if len(text) >= PIECE_BYTES:
+                cut = text.rfind("\n") + 1 or len(text)
+                yield text[:cut]
+                text, pieces = text[cut:], pieces + 1
+    if text or not pieces:
+        yield text
 
 
 def _first_line(error: Exception) -> str:

@@ -81,7 +81,10 @@ class HFTokenizer:
                 f"eos_token of tokenizer_config.json, then {', '.join(END_OF_TEXT)})"
             )
         self.separator = (eot,)
-        self.digest = hashlib.sha256(self._fast.to_str().encode() + b"\0" + str(eot).encode()).hexdigest()
+        # of the file's JSON, canonical (not of the library's re-serialization, which may change with
+        # its version): two machines with one tokenizer.json pin one digest
+        canonical = json.dumps(json.loads(file.read_text()), sort_keys=True, separators=(",", ":"))
+        self.digest = hashlib.sha256(canonical.encode() + b"\0" + str(eot).encode()).hexdigest()
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         encoded = self._fast.encode_batch_fast(texts, add_special_tokens=False)  # threads on every core

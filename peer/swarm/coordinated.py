@@ -95,7 +95,7 @@ class CoordinatedRounds:
         # should the coordinator go away, rounds go on at the pace of its last one
         length = max(announced.exchange_deadline - announced.announced_at, 0.5)
         start = announced.exchange_deadline - (announced.round + 1) * length
-        self.clock.schedule = RoundSchedule(start_time=start, round_seconds=length)
+        self.clock.pace(RoundSchedule(start_time=start, round_seconds=length))
         peer_id = self.stages.peer_id
         if peer_id in announced.peers:
             slot = (announced.peers.index(peer_id), len(announced.peers))
@@ -268,7 +268,7 @@ class CoordinatedRounds:
             samples=sum(announced[o].samples for o in owners),
             clipped=clipped,
         )
-        return Outcome(averaged, owners, mine.owner, agreement.adopted)
+        return Outcome(averaged, owners, mine.owner, agreement.adopted, counted=mine.owner in announced)
 
     async def _own_piece(
         self,

@@ -120,6 +120,11 @@ class RoundClock:
             self.untaken = max(self.untaken, number + 1)
             return number
 
+    def pace(self, schedule: RoundSchedule) -> None:
+        """Rounds at a coordinator's pace from now (used if it goes away), the rounds taken kept."""
+        with self._lock:
+            self.schedule = schedule
+
     def follow(self, schedule: RoundSchedule) -> None:
         """From now, the rounds of `schedule`, joining the round in progress."""
         with self._lock:

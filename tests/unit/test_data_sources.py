@@ -307,3 +307,38 @@ def test_without_the_hf_extra_dataset_files_and_tokenizers_name_it(tmp_path, mon
         load_data(str(source), cache=tmp_path / "cache")
     with pytest.raises(TokenizerError, match=r"pip install 'shoal\[hf\]'"):
         load_tokenizer(str(tokenizer), "tiny")
+
+
+def test_one_text_file_is_a_corpus_whichever_split_its_hash_names(tmp_path):
+    for name in ("a", "b", "c", "d"):  # one document each: about 1 in 20 hash to validation
+        path = tmp_path / f"{name}.txt"
+        path.write_text(f"{name}: " + "a line of text, not short\n" * 400)
+        streams = load_data(str(path), cache=tmp_path / "cache")
+        assert len(streams.train) > 0 and len(streams.validation) > 0
+
+
+def test_a_model_directory_without_a_tokenizer_does_not_train_on_bytes_unasked(tmp_path, texts):
+    from shoal.peer.assembly import load_workload
+
+    transformers = pytest.importorskip("transformers")
+    model = tmp_path / "model"  # config and weights, no tokenizer.json (a sentencepiece-only model)
+    config = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(model)
+    corpus = corpora.write_jsonl(tmp_path / "c.jsonl", texts)
+    spec = PeerSpec.of(model=str(model), data=str(corpus), data_cache=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"has no tokenizer\.json to tokenize"):
+        load_workload(spec)
+
+
+def test_a_resumed_prepare_whose_shards_changed_starts_over(tmp_path, texts, bpe):
+    source = text_source(str(corpora.write_jsonl(tmp_path / "c.jsonl", texts)))
+    whole = prepare(source, tmp_path / "whole", bpe, shard_tokens=3000)
+
+    def interrupt(_documents, _tokens):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare(source, tmp_path / "cut", bpe, shard_tokens=3000, report=interrupt)
+    shard = next((tmp_path / "cut").glob("train-*.npy"))
+    shard.write_bytes(shard.read_bytes()[:-2] + b"\x00\x00")  # changed between the two runs
+    assert prepare(source, tmp_path / "cut", bpe, shard_tokens=3000).digest == whole.digest
