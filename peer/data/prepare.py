@@ -6,18 +6,17 @@ validation when the SHA-256 of its text says so (1 in VALIDATION_SHARE), so the 
 neither order nor size. Training tokens are cut into shards of at least `shard_tokens` (whole
 documents); each time a training shard is full, it and the validation tokens so far are written.
 
-Nothing is left half-written that could pass for complete: a shard is written under a `.partial`
-name and renamed once whole; `progress.json` (also renamed into place) lists the shards written and
-the documents they hold; `manifest.json` is written last. A prepare stopped at any point (Ctrl-C)
-resumes from its last shard with the same command: the documents already written are skipped. Two
-processes preparing into one folder (peers of one machine sharing a cache) take turns on a lock: the
-second finds the first's corpus.
+Nothing is left half-written that could pass for complete: each file is written whole and durably
+(shoal.peer.files.write_atomically: a temporary file renamed into place, fsynced with its folder);
+`progress.json` lists the shards written and the documents they hold; `manifest.json` comes last.
+A prepare stopped at any point (Ctrl-C) resumes from its last shard with the same command: the
+documents already written are skipped. Two processes preparing into one folder (peers of one machine
+sharing a cache) take turns on a lock: the second finds the first's corpus.
 """
 
 import fcntl
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -29,6 +28,7 @@ from shoal.peer.data.shards import MANIFEST, Manifest, Shard, file_digest, recor
 from shoal.peer.data.streams import VALIDATION_SHARE
 from shoal.peer.data.text import DataError, TextSource
 from shoal.peer.data.tokenizer import Tokenizer
+from shoal.peer.files import replace_text, write_atomically
 
 PROGRESS = "progress.json"
 LOCK = ".lock"
@@ -50,9 +50,7 @@ class Progress:
         return sum(self.documents.values())
 
     def save(self, folder: Path) -> None:
-        partial = folder / (PROGRESS + ".partial")
-        partial.write_text(json.dumps(asdict(self)))
-        os.replace(partial, folder / PROGRESS)
+        replace_text(folder / PROGRESS, json.dumps(asdict(self)))
 
     @staticmethod
     def load(folder: Path, key: str) -> "Progress":
@@ -142,11 +140,6 @@ def _prepare(
     )
     (out / "source.json").write_text(json.dumps({"key": key, "source": source.spec}) + "\n")
     record_verified(out, manifest.shards)  # their digests were taken as they were written, or checked
-    fd = os.open(out, os.O_RDONLY)  # the shards' names on disk before the manifest that lists them
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
     manifest.write(out)
     (out / PROGRESS).unlink(missing_ok=True)
     return manifest
@@ -184,12 +177,7 @@ def _flush(
         ids = np.concatenate(pieces)
         largest = int(ids.max())
         name = f"{split}-{len(progress.shards):05d}.npy"
-        partial = out / (name + ".partial")
-        with open(partial, "wb") as file:
-            np.save(file, ids)
-            file.flush()
-            os.fsync(file.fileno())  # whole on disk before its name says so
-        os.replace(partial, out / name)
+        write_atomically(out / name, lambda file, ids=ids: np.save(file, ids), durable=True)
         progress.shards.append(Shard(name, split, int(ids.size), largest, file_digest(out / name)))
         progress.max_id = max(progress.max_id, largest)
         pieces.clear()

@@ -19,7 +19,6 @@ import contextlib
 import glob
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import numpy as np
 from shoal.peer.data.streams import TokenStreams
 from shoal.peer.data.text import DataError
 from shoal.peer.data.tokens import FileArray, Tokens
+from shoal.peer.files import replace_text
 
 MANIFEST = "manifest.json"
 VERIFIED = "verified.json"
@@ -69,12 +69,9 @@ class Manifest:
 
     def write(self, folder: Path) -> None:
         """Writes manifest.json atomically: a folder without one is not a prepared corpus."""
-        partial = folder / (MANIFEST + ".partial")
-        with open(partial, "w") as file:
-            file.write(json.dumps(asdict(self), indent=1, sort_keys=True) + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(partial, folder / MANIFEST)
+        replace_text(
+            folder / MANIFEST, json.dumps(asdict(self), indent=1, sort_keys=True) + "\n", durable=True
+        )
 
     @staticmethod
     def read(folder: Path) -> "Manifest":
@@ -153,9 +150,7 @@ def record_verified(folder: Path, shards: list[Shard]) -> None:
     where the folder cannot be written (a read-only corpus is then checked at each start)."""
     try:
         record = {shard.name: [shard.sha256, *_stamp(folder / shard.name)] for shard in shards}
-        partial = folder / (VERIFIED + ".partial")
-        partial.write_text(json.dumps(record))
-        os.replace(partial, folder / VERIFIED)
+        replace_text(folder / VERIFIED, json.dumps(record))
     except OSError:
         pass
 
@@ -164,11 +159,12 @@ def _tokenizer_name(manifest: Manifest) -> str:
     return f"{manifest.tokenizer} ({manifest.tokenizer_digest[:12]})"
 
 
-def open_token_files(spec: str, scans: Path | None = None) -> TokenStreams:
-    """`.npy` or `.bin` token files: one, a folder of them, or a glob (see the module docstring). Their
-    largest id and digest take a read of every file: kept in `scans` (a folder) under the files' names,
-    sizes and modification times, and read from there while they stay the same."""
-    files = token_files(spec)
+def open_token_files(spec: str, files: list[Path] | None = None, scans: Path | None = None) -> TokenStreams:
+    """`.npy` or `.bin` token files (`files`, else those `spec` names: one, a folder of them, or a glob;
+    see the module docstring). Their largest id and digest take a read of every file: kept in `scans` (a
+    folder) under the files' names, sizes and modification times, and read from there while they stay
+    the same."""
+    files = token_files(spec) if files is None else files
     arrays = [npy_array(f) if f.suffix == ".npy" else bin_array(f) for f in files]
     tokens = Tokens(arrays)
     if len(tokens) < MIN_TOKENS:
@@ -183,8 +179,7 @@ def open_token_files(spec: str, scans: Path | None = None) -> TokenStreams:
         raise DataError(f"--data {spec}: {error}") from None
     if record is not None:
         with contextlib.suppress(OSError):
-            record.parent.mkdir(parents=True, exist_ok=True)
-            record.write_text(json.dumps([largest, digest]))
+            replace_text(record, json.dumps([largest, digest]))
     train, validation = tokens.split(VALIDATION_FRACTION)
     return TokenStreams(train, validation, largest + 1, spec, digest, "pre-tokenized")
 

@@ -45,20 +45,19 @@ def load_data(
     naming the file when the data cannot be used, or was made by another tokenizer than the one named."""
     try:
         path = Path(spec)
-        text = not (path.is_dir() and (path / MANIFEST).is_file()) and not (
-            spec != "stdlib" and token_files(spec)
-        )
-        if text and tokenizer is None and model_without_tokenizer is not None:
+        prepared = path.is_dir() and (path / MANIFEST).is_file()
+        files = [] if prepared or spec == "stdlib" else token_files(spec)
+        if not (prepared or files) and tokenizer is None and model_without_tokenizer is not None:
             raise DataError(
                 f"--model {model_without_tokenizer} has no tokenizer.json to tokenize --data {spec} with: "
                 "give --tokenizer (the model's tokenizer.json, or bytes for byte ids)"
             )
         if spec == "stdlib" and tokenizer is None:
             return stdlib_corpus()
-        if path.is_dir() and (path / MANIFEST).is_file():
+        if prepared:
             return _same_tokenizer(open_prepared(path), tokenizer, spec)
-        if spec != "stdlib" and token_files(spec):
-            return open_token_files(spec, cache or default_cache())
+        if files:
+            return open_token_files(spec, files, cache or default_cache())
         if spec == "stdlib":
             source = TextSource("stdlib", tuple(stdlib_files()), "plain")
         else:

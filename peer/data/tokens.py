@@ -37,12 +37,18 @@ class FileArray:
 
     def read(self, start: int, count: int) -> np.ndarray:
         """Tokens [start, start + count) of the array."""
-        width = self.dtype.itemsize
+        return self.read_many([start], count)[0]
+
+    def read_many(self, starts: Sequence[int], count: int) -> list[np.ndarray]:
+        """Tokens [start, start + count) for each of `starts`, the file opened once."""
+        width, runs = self.dtype.itemsize, []
         with open(self.path, "rb") as file:
-            data = os.pread(file.fileno(), count * width, self.offset + start * width)
-        if len(data) != count * width:
-            raise ValueError(f"{self.path}: shorter than its header or manifest says (truncated?)")
-        return np.frombuffer(data, dtype=self.dtype)
+            for start in starts:
+                data = os.pread(file.fileno(), count * width, self.offset + start * width)
+                if len(data) != count * width:
+                    raise ValueError(f"{self.path}: shorter than its header or manifest says (truncated?)")
+                runs.append(np.frombuffer(data, dtype=self.dtype))
+        return runs
 
     def chunks(self) -> Iterator[np.ndarray]:
         for start in range(0, self.length, CHUNK_TOKENS):
@@ -85,7 +91,7 @@ class Tokens:
             array, mask = self.arrays[index], home == index
             local = wanted[mask] - starts[index]
             if isinstance(array, FileArray):
-                out[mask] = np.stack([array.read(int(window) * size, size) for window in local])
+                out[mask] = np.stack(array.read_many([int(window) * size for window in local], size))
             else:
                 out[mask] = array[: counts[index] * size].reshape(-1, size)[local]
         return torch.from_numpy(out)

@@ -22,15 +22,6 @@ from tests.integration import swarm_peer
 from tests.integration.faults import Fault
 
 STARTUP_S = 2.0  # and a second a peer, from the last DHT to round 0: every exchange and trainer built
-SPEC = {
-    "run": "test",
-    "host": "127.0.0.1",
-    "lr": 2e-3,
-    "inner_steps": 5,
-    "checkpoint_every": 0,
-    "device": "cpu",
-}
-"""The test peers' settings (as tests.integration.swarm_peer.spec_of)."""
 
 
 def run_in_process(
@@ -55,7 +46,9 @@ def run_in_process(
     corpus = stdlib_corpus(max_bytes=2 << 20)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    spec = PeerSpec.of(**(SPEC | {"round_seconds": round_seconds} | flags))
+    spec = PeerSpec.of(
+        **(swarm_peer.SETTINGS | {"host": "127.0.0.1", "round_seconds": round_seconds} | flags)
+    )
     specs, started = [spec], []
     try:
         started.append(start_peer(spec))  # the DHTs first: hivemind forks for each

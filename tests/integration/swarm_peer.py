@@ -29,6 +29,8 @@ from tests.integration import faults
 from tests.integration.faults import Fault
 
 MAX_PAYLOAD_BYTES = 1 << 20
+SETTINGS = {"run": "test", "lr": 2e-3, "inner_steps": 5, "checkpoint_every": 0, "device": "cpu"}
+"""What every test peer shares, by `shoal join` flag name (also the in-process peers')."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -81,17 +83,13 @@ def spec_of(args: argparse.Namespace) -> PeerSpec:
     """The peer's spec: the tiny GPT at the learning rate and inner steps these tests were written for,
     one micro-batch a step, no periodic checkpoint."""
     return PeerSpec.of(
-        run="test",
+        **SETTINGS,
         initial_peers=(args.initial_peer,),
         host=args.host,
         algorithm=args.algorithm,
-        lr=2e-3,
-        inner_steps=5,
         gather=args.gather,
         round_seconds=args.round_seconds,
         checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=0,
-        device="cpu",
         **({"topk": args.topk} if args.algorithm.startswith("demo") else {}),
     )
 
