@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
-from shoal.peer.algorithms.configs import DiLoCoConfig
+from shoal.peer.algorithms.configs import DeMoConfig, DiLoCoConfig
 from shoal.peer.algorithms.feedback import codec_for
 from shoal.peer.algorithms.robust import finite
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data import RoundSlices, TokenStreams, load_data
+from shoal.peer.data.ledger import TokenLedger
 from shoal.peer.data.tokenizer import load_tokenizer
 from shoal.peer.hardware import autocast_for, choose_device
 from shoal.peer.models import LoadedModel, load_model
@@ -120,13 +121,17 @@ def build_peer(
     }
     exchange_type = exchange_type or SwarmExchange  # the module's: tests.integration.faults replaces it
     config = spec.run_config(data=workload.streams)
+    tokens = token_ledger(spec, workload) if batches is None else None
+    if tokens is not None:
+        options["tokens"] = tokens
+        config["ledger"] = tokens.describe()
     peer.connect(schedule, config, exchange_type=exchange_type, **(options | exchange_options))
     algorithm = spec.algorithm_config()
     store = CheckpointStore(spec.checkpoint.dir, warn=warn) if spec.checkpoint.dir else None
     return peer.train(
         model,
         algorithm,
-        batches or round_batches(spec, workload),
+        batches or round_batches(spec, workload, tokens),
         codec=codec_for(algorithm) if isinstance(algorithm, DiLoCoConfig) else None,
         checkpoints=store,
         checkpoint_every=spec.checkpoint.every,
@@ -138,28 +143,56 @@ def build_peer(
     )
 
 
-def round_batches(spec: PeerSpec, workload: Workload) -> Batches:
-    """A swarm peer's batches: in round r, the peer in slot s of the round's peers trains on its own
-    windows of the training stream (shoal.peer.data.RoundSlices), DiLoCo's inner steps of one round on
-    successive micro-batch slots; `--compute-delay` sleeps before each round's first one."""
+def token_ledger(spec: PeerSpec, workload: Workload) -> TokenLedger | None:
+    """The run's token ledger over the training stream (shoal.peer.data.ledger); None under butterfly
+    averaging, whose rounds keep the per-round draw of RoundSlices."""
+    algorithm = spec.algorithm_config()
+    if isinstance(algorithm, DiLoCoConfig) and algorithm.averaging == "butterfly":
+        return None
+    late = algorithm.overlapped if isinstance(algorithm, DeMoConfig) else algorithm.mode != "standard"
+    stride = spec.model.batch_size
+    return TokenLedger(
+        workload.streams.train.windows(workload.model.seq_len + 1),
+        stride,
+        seed=spec.run.seed,
+        lag=1 if late else 0,  # an overlapped optimizer applies a round a round later
+        most_places=stride * spec.model.max_micro_batches * algorithm.inner_steps,
+        seq_len=workload.model.seq_len,
+    )
+
+
+def round_batches(spec: PeerSpec, workload: Workload, tokens: TokenLedger | None = None) -> Batches:
+    """A swarm peer's batches: with the token ledger, the round's micro-batches from this peer's lane
+    of it (shoal.peer.data.ledger); without, in round r the peer in slot s of the round's peers trains
+    on its own windows of the training stream (shoal.peer.data.RoundSlices), DiLoCo's inner steps of
+    one round on successive micro-batch slots. `--compute-delay` sleeps before each round's first
+    one; `--audit-data on` keeps what each lane trained (`Lane.audit`)."""
     slices = RoundSlices(seq_len=workload.model.seq_len, stride=spec.model.batch_size, seed=spec.run.seed)
     train, device, delay = workload.streams.train, workload.device, spec.run.compute_delay
     most, inner_steps = spec.model.max_micro_batches, spec.algorithm_config().inner_steps
+    window, audit = workload.model.seq_len + 1, spec.data.audit == "on"
 
     def batches(step: int, micro: int, size: int, plan: RoundPlan) -> tuple[torch.Tensor, torch.Tensor]:
         place, places = plan.slot
         inner = step % inner_steps
         if delay and inner == 0 and micro == 0:
             time.sleep(delay)  # --compute-delay: a slow peer, on purpose
-        inputs, targets = slices.batch(
-            train,
-            round_number=plan.round,
-            slot=place,
-            slots=places,
-            micro=inner * most + micro,
-            batch_size=size,
-            seed=plan.data_seed,
-        )
+        lane = plan.lane
+        if lane is not None:
+            if audit and lane.audit is None:
+                lane.audit = {}
+            rows = train.rows(tokens.batch(lane, step, micro, size)[0], window)
+            inputs, targets = rows[:, :-1], rows[:, 1:]
+        else:
+            inputs, targets = slices.batch(
+                train,
+                round_number=plan.round,
+                slot=place,
+                slots=places,
+                micro=inner * most + micro,
+                batch_size=size,
+                seed=plan.data_seed,
+            )
         return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
     return batches

@@ -95,6 +95,7 @@ class PeerMetrics:
         self.round_stragglers = Gauge(
             "shoal_round_stragglers", "Expected peers whose payload missed the last round.", registry=r
         )
+        self._data_gauges(r)
 
     def observe_round(
         self, report, *, wall_s: float, payload_bytes: int, peers_seen: int, stragglers: int
@@ -116,6 +117,28 @@ class PeerMetrics:
         self.participants.set(report.participants)
         self.peers_seen.set(peers_seen)
         self.round_stragglers.set(stragglers)
+
+    def _data_gauges(self, r: CollectorRegistry) -> None:
+        self.data_epoch = Gauge(
+            "shoal_data_epoch", "The swarm's epoch over the training data (its token ledger).", registry=r
+        )
+        self.data_epoch_progress = Gauge(
+            "shoal_data_epoch_progress",
+            "Share of the epoch's training windows the swarm has consumed (its token ledger), 0 to 1.",
+            registry=r,
+        )
+        self.data_tokens_consumed = Gauge(
+            "shoal_data_tokens_consumed",
+            "Target tokens the swarm has consumed since the run began, each window once an epoch (its "
+            "token ledger: windows whose payload counted).",
+            registry=r,
+        )
+
+    def observe_ledger(self, epoch: int, progress: float, tokens: int) -> None:
+        """The token ledger's standing (shoal.peer.data.ledger.TokenLedger.progress)."""
+        self.data_epoch.set(epoch)
+        self.data_epoch_progress.set(progress)
+        self.data_tokens_consumed.set(tokens)
 
     def track_device_memory(self, used_bytes: Callable[[], float]) -> None:
         Gauge(

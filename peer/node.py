@@ -29,6 +29,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from shoal.peer.assembly import PeerSummary, Workload, build_peer, load_workload, start_peer
 from shoal.peer.clock import ClockError, save_clock, saved_clock
 from shoal.peer.data import validation_loss
+from shoal.peer.data_reports import tell_ledger, tell_validation
 from shoal.peer.files import replace_text
 from shoal.peer.hardware import memory_in_use
 from shoal.peer.metrics import PeerMetrics, build_info
@@ -258,6 +259,7 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
     adopted = 0  # round clocks taken from peers that started the run at once
     isolated = alone = False
     crowd = 1  # the most participants of a round so far
+    told = -1  # the last round the token ledger settled, as logged
     stop = stop_on_signals()
     for done in peer.rounds(
         until_round=settings.run.until_round, max_rounds=settings.run.max_rounds, stop=stop
@@ -289,12 +291,14 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
                 "bytes_up": done.bytes_up,
                 "bytes_down": done.bytes_down,
                 "round_s": done.wall_s,
+                "epoch": None if exchange.tokens is None else sum(exchange.tokens.progress()[:2]),
             },
             samples=report.samples,
             tokens=report.tokens,
             phases=report.phases,
         )
-        _validate(settings, progress, workload, peer.trainer.batch_size, report.round, metrics)
+        told = tell_ledger(progress, exchange, done.plan, metrics, told)
+        tell_validation(settings, progress, workload, peer.trainer.batch_size, report.round, metrics)
         if exchange.counts.clocks_adopted > adopted:  # a restart keeps the run's clock, not the one it left
             adopted = exchange.counts.clocks_adopted
             _save_clock(settings, exchange.schedule)
@@ -305,25 +309,6 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
     held_out = (loaded.module, loaded.loss_fn, workload.streams.validation, loaded.seq_len)
     validation = validation_loss(*held_out, batch_size=batch_size) if reports else None
     return _summary(settings, progress, peer, reports, final_resync, validation)
-
-
-def _validate(settings, progress, workload: Workload, batch_size: int, round_number: int, metrics) -> None:
-    """Every --validate-every swarm rounds (the same rounds on every peer), the loss on the held-out
-    batches, in the log and the metrics."""
-    every = settings.data.validate_every
-    if not every or (round_number + 1) % every:
-        return
-    loaded = workload.model
-    loss = validation_loss(
-        loaded.module, loaded.loss_fn, workload.streams.validation, loaded.seq_len, batch_size=batch_size
-    )
-    if loss is None:
-        return
-    progress.event("validation", round=round_number, loss=loss)
-    if progress.log_format != "json":
-        progress.message(f"Round {round_number}: validation loss {loss:.4f} (held-out batches)")
-    if metrics is not None:
-        metrics.validation_loss.set(loss)
 
 
 def _tell_alone(progress: Progress, alone: bool, report) -> None:

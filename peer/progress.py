@@ -22,6 +22,7 @@ COLUMNS = {
     "bytes_up": ("up", "{}"),
     "bytes_down": ("down", "{}"),
     "round_s": ("round s", "{:.2f}"),
+    "epoch": ("epoch", "{:.2f}"),
 }
 SHOWN_ROUNDS = 15
 

@@ -143,6 +143,8 @@ class SwarmPeer:
             if plan is None or (until_round is not None and plan.round > until_round):
                 return
             plan_s = time.perf_counter() - started
+            if exchange.tokens is not None:  # its lane of the token ledger (shoal.peer.data.ledger)
+                plan = dataclasses.replace(plan, lane=exchange.tokens.lane(plan.round, *plan.slot))
             if planned is not None:
                 planned(plan)
             if plan.compute_seconds is not None and trainer.compute_window is not None:
@@ -155,11 +157,14 @@ class SwarmPeer:
             self._encode_s = report.phases["encode"]
             wall = time.perf_counter() - started
             count, samples = count + 1, samples + report.samples
+            epoch, share, windows = (0, 0.0, 0) if exchange.tokens is None else exchange.tokens.progress()
             exchange.set_progress(
                 throughput=report.samples / max(wall, 1e-9),
                 samples=samples,
                 compute_throughput=report.samples / max(report.compute_s, 1e-9),
                 min_samples=trainer.batch_size * trainer.inner_steps,
+                epoch=epoch + share,
+                tokens=windows * getattr(exchange.tokens, "seq_len", 0),
             )
             up, down = exchange.counts.bytes_sent - sent, exchange.counts.bytes_received - received
             yield PeerRound(report, plan, wall, plan_s, up, down)

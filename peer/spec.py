@@ -312,6 +312,8 @@ class DataSpec(_Section):
     """Where text corpora are prepared (None: ~/.cache/shoal/data)."""
     validate_every: int = _setting("validate_every", _int(0), 10)
     """Rounds between two validation losses on the held-out batches (0: only at the end)."""
+    audit: str = _setting("audit_data", _choice(("on", "off")), "off")
+    """on: log, each round, the indices of the windows this peer trained (a `trained` event)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -312,7 +312,11 @@ class Trainer:
         """Tensors and plain values only (loadable with weights_only=True)."""
         synchronizing = self.sync.state_dict()  # first: it undoes DeMo's lookahead shift of the model
         model = self.model.state_dict()
-        return {"steps": self.steps, "algorithm": self.algorithm.name, "model": model, **synchronizing}
+        state = {"steps": self.steps, "algorithm": self.algorithm.name, "model": model, **synchronizing}
+        tokens = getattr(self.exchange, "tokens", None)  # a swarm's token ledger (shoal.peer.data.ledger)
+        if tokens is not None:
+            state["token_ledger"] = torch.frombuffer(bytearray(tokens.to_bytes()), dtype=torch.uint8)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("algorithm") != self.algorithm.name:
@@ -322,6 +326,9 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.sync.load_state_dict(state)
         self.steps = int(state["steps"])
+        tokens = getattr(self.exchange, "tokens", None)
+        if tokens is not None and "token_ledger" in state:
+            tokens.load(state["token_ledger"].numpy().tobytes())
 
     def save(self) -> None:
         if self.checkpoints is not None:

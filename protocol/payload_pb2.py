@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shoal.protocol import tensor_pb2 as shoal_dot_protocol_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cshoal/protocol/payload.proto\x12\x08shoal.v1\x1a\x1bshoal/protocol/tensor.proto\"3\n\x07Payload\x12(\n\x07tensors\x18\x01 \x03(\x0b\x32\x17.shoal.v1.EncodedTensorb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cshoal/protocol/payload.proto\x12\x08shoal.v1\x1a\x1bshoal/protocol/tensor.proto\"W\n\x07Payload\x12(\n\x07tensors\x18\x01 \x03(\x0b\x32\x17.shoal.v1.EncodedTensor\x12\"\n\x07trained\x18\x02 \x01(\x0b\x32\x11.shoal.v1.Trained\"U\n\x07Trained\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\r\n\x05slots\x18\x03 \x01(\r\x12\x0e\n\x06places\x18\x04 \x01(\x04\x12\x0e\n\x06ledger\x18\x05 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,5 +33,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shoal.protocol.payload_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PAYLOAD']._serialized_start=71
-  _globals['_PAYLOAD']._serialized_end=122
+  _globals['_PAYLOAD']._serialized_end=158
+  _globals['_TRAINED']._serialized_start=160
+  _globals['_TRAINED']._serialized_end=245
 # @@protoc_insertion_point(module_scope)

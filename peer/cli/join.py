@@ -42,6 +42,10 @@ JOIN_FLAGS = {
         "N",
         "rounds between validation losses on the held-out batches, the same on every peer (0: at the end)",
     ),
+    "audit_data": (
+        "on|off",
+        "on: log the indices (and epoch) of the windows this peer trains each round, a `trained` event",
+    ),
     "algorithm": (
         "ALGO",
         "demo, demo-overlap (exchanges while the next step computes), diloco (eager), diloco-standard, "

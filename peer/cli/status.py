@@ -10,7 +10,7 @@ from shoal.peer.cli.flags import add_swarm_flags, swarm_settings
 HELP = "the swarm's peers, from the DHT"
 DESCRIPTION = (
     "A table of the run's peers as their signed DHT records describe them: id, version, "
-    "device, throughput, round, last seen, samples contributed."
+    "device, throughput, round, last seen, samples contributed, the swarm's data epoch and tokens consumed."
 )
 
 

@@ -2,7 +2,8 @@
 
 It joins the DHT as a client (it serves nothing and is not listed), reads `<run>_peers`, and prints
 one row per peer: id, shoal version, device, throughput, round, how long ago the record was written,
-samples contributed. A record that breaks the schema is counted, not shown.
+samples contributed, and the swarm's epoch over its data and tokens consumed as the peer's token
+ledger has them. A record that breaks the schema is counted, not shown.
 """
 
 import json
@@ -42,6 +43,8 @@ def read_peers(initial_peers: list[str], run: str) -> tuple[list[dict], int]:
             "round": record.round,
             "last_seen_s": max(0.0, now - record.updated) if record.updated else None,
             "samples": record.samples,
+            "epoch": record.epoch,
+            "tokens": record.tokens,
             "run_hash": record.run_hash,
         }
         for record in records.values()
@@ -64,7 +67,17 @@ def main(initial_peers: list[str], run: str, as_json: bool, stream: IO[str] | No
     if configurations > 1:
         title += f", {configurations} different configurations"
     table = Table(title=title, title_justify="left")
-    for header in ("peer", "version", "device", "samples/s", "round", "last seen", "samples"):
+    for header in (
+        "peer",
+        "version",
+        "device",
+        "samples/s",
+        "round",
+        "last seen",
+        "samples",
+        "epoch",
+        "tokens",
+    ):
         table.add_column(header, justify="left" if header in ("peer", "device") else "right")
     for row in rows:
         seen = "-" if row["last_seen_s"] is None else f"{row['last_seen_s']:.0f} s ago"
@@ -76,6 +89,8 @@ def main(initial_peers: list[str], run: str, as_json: bool, stream: IO[str] | No
             str(row["round"]),
             seen,
             f"{row['samples']:,}",
+            f"{row['epoch']:.2f}",
+            f"{row['tokens']:,}",
         )
     console.print(table)
     if malformed:

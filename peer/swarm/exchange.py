@@ -73,7 +73,7 @@ from shoal.peer.swarm.ledger import Ledger
 from shoal.peer.swarm.membership import PeerRecord, owner_subkey
 from shoal.peer.swarm.names import final_key
 from shoal.peer.swarm.pull import Puller
-from shoal.peer.swarm.records import Announcement, RoundClock, RoundPlan, RoundSchedule
+from shoal.peer.swarm.records import Announcement, RoundClock, RoundPlan, RoundSchedule, SharedLedger
 from shoal.peer.swarm.relay import UNCHECKED, Reachability
 from shoal.peer.swarm.server import PayloadServer
 from shoal.peer.swarm.stages import Outcome, RoundLimits, RoundStages, Snapshot
@@ -108,6 +108,8 @@ class SwarmExchange(Exchange):
         reachability: whether it can be dialed, and its relays (shoal.peer.swarm.relay).
         gather_limit: at most this many payloads count in a round, the same on every peer (`--gather`,
             shoal.protocol.rules): only those are pulled; 0: every one.
+        tokens: the run's token ledger (`SharedLedger`: shoal.peer.data.ledger), kept with the shared
+            state, its claims with the payloads.
     """
 
     server_type: type[PayloadServer] = PayloadServer
@@ -135,10 +137,11 @@ class SwarmExchange(Exchange):
         rejoin: Sequence[str] = (),
         reachability: Reachability = UNCHECKED,
         gather_limit: int = 0,
+        tokens: SharedLedger | None = None,
     ):
         if gather_limit < 0:
             raise ValueError(f"gather_limit must be >= 0, got {gather_limit}")
-        self.gather_limit = gather_limit
+        self.gather_limit, self.tokens = gather_limit, tokens  # tokens: kept with the shared state
         self.dht, self.run, self.coordinator = dht, run, coordinator
         self.clock = RoundClock(schedule)
         """The rounds this peer takes, on the run's clock (or its coordinator's pace)."""
@@ -298,6 +301,11 @@ class SwarmExchange(Exchange):
         coordinated = plan is not None and plan.coordinated
         round_number = self.clock.take(None if plan is None else plan.round, coordinated=coordinated)
         self.last_round = round_number
+        ledgered = self.tokens is not None and pieces is None and state is not None
+        if ledgered:
+            lane = getattr(plan, "lane", None)
+            payload = bytes(payload) + (b"" if lane is None else lane.claim_bytes())
+            state = [*state, self.tokens.view_tensor(round_number)]
         self.last_payload_bytes = len(payload)
         snapshot = None if state is None else (StateSnapshot.capture(state, round_number), list(state))
         if coordinated:
@@ -307,11 +315,25 @@ class SwarmExchange(Exchange):
             if self.coordinator is not None:  # once it is back, the coordinator continues after this round
                 self.coordinator.progress.round = max(self.coordinator.progress.round, round_number)
         self._participants, self._me = outcome.participants, outcome.me
+        adopted = outcome.adopted
+        if ledgered:
+            adopted = self._settle_tokens(round_number, outcome)
         if isinstance(outcome.result, Averaged):
-            return dataclasses.replace(outcome.result, adopted=outcome.adopted, counted=outcome.counted)
-        return Gathered(
-            tuple(outcome.result), adopted=outcome.adopted, counted=outcome.counted, round=round_number
-        )
+            return dataclasses.replace(outcome.result, adopted=adopted, counted=outcome.counted)
+        return Gathered(tuple(outcome.result), adopted=adopted, counted=outcome.counted, round=round_number)
+
+    def _settle_tokens(self, round_number: int, outcome: Outcome) -> list[torch.Tensor] | None:
+        """The round's claims, recorded in the token ledger; an adopted state's ledger taken, the rest
+        returned for the optimizer."""
+        self.tokens.record_payloads(round_number, {c.sender: c.payload for c in outcome.result})
+        if outcome.adopted is None:
+            return None
+        *adopted, view = outcome.adopted
+        try:
+            self.tokens.adopt_tensor(view, round_number)
+        except ValueError as error:  # the majority's state is digest-checked: a bug, not an attack
+            logger.error(f"the adopted state's token ledger could not be read: {error}")
+        return adopted
 
     def compatible_peers(self, *, fully: bool = False) -> set[bytes]:
         """Public-key subkeys of the peers whose record is compatible with this one's (itself included);
@@ -319,12 +341,21 @@ class SwarmExchange(Exchange):
         return self._call(self.directory.compatible_peers(fully=fully))
 
     def set_progress(
-        self, *, throughput: float, samples: int, compute_throughput: float = 0.0, min_samples: int = 0
+        self,
+        *,
+        throughput: float,
+        samples: int,
+        compute_throughput: float = 0.0,
+        min_samples: int = 0,
+        epoch: float = 0.0,
+        tokens: int = 0,
     ) -> None:
-        """What the next record says about this peer: samples per second, samples contributed; and
-        what the heartbeats tell a coordinator: samples per second of computation, and the samples of
-        this peer's smallest contribution to a round."""
+        """What the next record says about this peer: samples per second, samples contributed, the
+        swarm's epoch and tokens consumed as its token ledger has them; and what the heartbeats tell a
+        coordinator: samples per second of computation, and the samples of this peer's smallest
+        contribution to a round."""
         update = {"throughput": float(max(throughput, 0.0)), "samples": int(max(samples, 0))}
+        update |= {"epoch": float(max(epoch, 0.0)), "tokens": int(max(tokens, 0))}
         self._loop.call_soon_threadsafe(functools.partial(self.directory.update_record, **update))
         if self.coordinator is not None:
             progress = self.coordinator.progress
@@ -375,6 +406,8 @@ class SwarmExchange(Exchange):
         (`opposed`, `outlier`: shoal.peer.algorithms.robust)."""
         number = contribution.round if contribution.round >= 0 else self.last_round or 0
         self._loop.call_soon_threadsafe(self.ledger.refuse, contribution.sender, reason, number)
+        if self.tokens is not None and reason != "outlier":  # an outlier is still applied
+            self.tokens.reject(number, contribution.sender)
 
     def refuse(self, reason: str) -> None:
         self._loop.call_soon_threadsafe(self.counts.rejected.update, (reason,))

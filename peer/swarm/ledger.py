@@ -92,15 +92,16 @@ class Ledger:
 
 
 def content_digest(data: bytes) -> bytes | None:
-    """SHA-256 of a payload's canonical form (unknown fields dropped, deterministic serialization):
-    the same for every encoding of the same tensors. None when `data` is no Payload of tensors (a
-    `mean`'s part): nothing to compare."""
+    """SHA-256 of a payload's canonical form (unknown fields and the ledger claim dropped,
+    deterministic serialization): the same for every encoding of the same tensors. None when `data`
+    is no Payload of tensors (a `mean`'s part): nothing to compare."""
     message = Payload()
     try:
         message.ParseFromString(data)
     except DecodeError:
         return None
     message.DiscardUnknownFields()
+    message.ClearField("trained")  # the token ledger's claim: a replay may carry a fresh one
     if not message.tensors:
         return None
     return hashlib.sha256(message.SerializeToString(deterministic=True)).digest()

@@ -37,6 +37,8 @@ class PeerRecord(BaseModel):
     start_time: confloat(ge=0, strict=True) = 0.0  # the run's round clock: unix time round 0 starts
     round_seconds: confloat(gt=0, le=86400, strict=True) = 60.0  # and how long a round lasts
     samples: conint(ge=0, strict=True) = 0  # samples this peer has contributed since it started
+    epoch: confloat(ge=0, le=1e12, strict=True) = 0.0  # the swarm's epoch over its data, with its share done
+    tokens: conint(ge=0, strict=True) = 0  # tokens the swarm consumed since the run began (its token ledger)
     updated: confloat(ge=0, strict=True) = 0.0  # unix time the record was written
     coordinator: constr(strict=True, max_length=256) = ""  # the coordinator it follows, as it reaches it
     reachable: StrictBool | None = None  # whether a relay could dial it (None: not checked)

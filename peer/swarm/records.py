@@ -15,8 +15,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 import hivemind
+import torch
 from hivemind.p2p import PeerID
 from pydantic.v1 import ValidationError
 
@@ -132,6 +134,21 @@ class RoundClock:
             self.untaken = schedule.round_at(time.time())
 
 
+class SharedLedger(Protocol):
+    """A record the swarm keeps with its shared state and settles from its rounds' payloads: the token
+    ledger (shoal.peer.data.ledger.TokenLedger). The exchange appends its view to each round's state,
+    hands it the payloads that counted and those the optimizer rejected, and gives it an adopted
+    state's view; a round's plan carries the peer's lane, whose claim goes with its payload."""
+
+    def view_tensor(self, round_number: int) -> torch.Tensor: ...
+
+    def record_payloads(self, round_number: int, payloads: dict[bytes, bytes]) -> None: ...
+
+    def reject(self, round_number: int, sender: bytes) -> None: ...
+
+    def adopt_tensor(self, tensor: torch.Tensor, round_number: int) -> None: ...
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoundPlan:
     """The round a peer is about to compute for (`SwarmExchange.plan_round`)."""
@@ -149,6 +166,9 @@ class RoundPlan:
     """Coordinated: when the round ends at the latest (this machine's clock)."""
     expected: int = 0
     """Coordinated: how many peers the coordinator expects in the round."""
+    lane: object = None
+    """This peer's lane of the token ledger in the round (shoal.peer.data.ledger.Lane; None: no
+    ledger): its batches draw from it, and the exchange sends its claim."""
 
 
 @dataclass(frozen=True, slots=True)

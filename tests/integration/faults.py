@@ -191,21 +191,27 @@ class FaultyExchange(SwarmExchange):
                 payload = hostile.poison(payload, attack, self.generator)
         if self.active("sample_lie") or self.active("claim_and_stale_digest"):
             samples = hostile.LIED_SAMPLES
+        lane = getattr(plan, "lane", None)
         if self.active("unserved_and_replay"):
-            payload = self._unserved_or_replayed(payload)
-        attack = self._attack(payload)
+            payload = self._unserved_or_replayed(payload, b"" if lane is None else lane.claim_bytes())
+        attack = self._attack(payload + (b"" if lane is None else lane.claim_bytes()))
         self.server.zeroing = attack == "digest"
         if attack is not None:
             payload = self._malformed(payload, attack)
+        if attack == "replay":  # its first payload's very bytes, claim included: no claim of this round
+            plan = dataclasses.replace(plan, lane=None)
         gathered = super().gather(payload, samples, state, plan)
         if self.attacked > 1:  # past its honest first payload: the others' alone
+            if self.tokens is not None:  # and its token ledger, like theirs, leaves its claim out
+                self.tokens.reject(gathered.round, self.owner)
             return gathered.only(c for c in gathered if c.sender != self.owner)
         return gathered
 
-    def _unserved_or_replayed(self, payload: bytes) -> bytes:
+    def _unserved_or_replayed(self, payload: bytes, claim: bytes) -> bytes:
+        """`claim`: what the exchange appends to the payload, and so to what it announces."""
         self.sent.append(payload)
         if len(self.sent) % 2 == 0:
-            self.server.unserved.add(hashlib.sha256(payload).digest())
+            self.server.unserved.add(hashlib.sha256(payload + claim).digest())
             return payload
         if len(self.sent) > 1:  # the first again, with field 127 (not in payload.proto): new bytes
             return self.sent[0] + b"\xf8\x07" + bytes([len(self.sent) % 128])
@@ -231,7 +237,7 @@ class FaultyExchange(SwarmExchange):
                 tensor.values_zstd = False
         elif attack == "oversized":
             return payload + bytes(OVERSIZED_BYTES)
-        elif attack == "replay":
+        elif attack == "replay":  # as sent, with the claim the exchange appended
             return self.honest
         else:
             return payload

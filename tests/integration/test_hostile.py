@@ -117,12 +117,14 @@ def clean(tmp_path_factory, algorithm: list[str]) -> list[dict]:
 
 def check(honest: list[dict], clean_run: list[dict], *reasons: str) -> None:
     """One model among the honest peers, each counting every reason in `reasons` and a ban, and a
-    held-out loss within 3% of the clean run's (run-to-run: 1-2%)."""
+    held-out loss within 4% of the clean run's (run-to-run: up to 2.4%, sparse DiLoCo's clean run
+    ending at 4.075 and at 4.173 on one machine, busy and quiet: under the token ledger the windows a
+    round trains follow which payloads counted before; a sign flip unbanned moves it by 30-50%)."""
     assert len({s["param_hash"] for s in honest}) == 1, "honest peers ended on different models"
     for summary in honest:
         for reason in (*reasons, "banned"):  # three strikes, then ignored
             assert summary["rejected"].get(reason, 0) >= 1, (reason, summary["rejected"])
-    assert final_loss(honest) <= 1.03 * final_loss(clean_run), (
+    assert final_loss(honest) <= 1.04 * final_loss(clean_run), (
         final_loss(honest),
         final_loss(clean_run),
     )

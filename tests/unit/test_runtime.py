@@ -245,3 +245,21 @@ def test_each_round_hands_its_own_plan_to_the_exchange_with_its_payload(algorith
     assert exchange.plans == ["plan 5", "plan 6", "plan 7"]
     assert [r.round for r in reports] == [5, 6, 7]
     peer.close()
+
+
+def test_a_checkpoint_carries_the_token_ledger(tmp_path):
+    from shoal.peer.checkpoint import CheckpointStore
+    from shoal.peer.data.ledger import TokenLedger
+
+    peer = trainer(checkpoints=CheckpointStore(tmp_path))
+    peer.exchange.tokens = ledger = TokenLedger(100, 4, seed=1)
+    lane = ledger.lane(0, 0, 1)
+    lane.windows = 12
+    ledger.record(0, {b"me": lane.claim()})
+    ledger.view(1)  # settles round 0: 3 chunks consumed
+    peer.round()
+    peer.save()
+    restarted = trainer(checkpoints=CheckpointStore(tmp_path))
+    restarted.exchange.tokens = fresh = TokenLedger(100, 4, seed=1)
+    assert restarted.resume()
+    assert fresh.to_bytes() == ledger.to_bytes() and fresh.progress()[2] == 12

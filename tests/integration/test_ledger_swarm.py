@@ -1,0 +1,130 @@
+"""The token ledger with real processes: a coordinator and `shoal join` peers over a small token corpus,
+one of them leaving, one joining mid-run, one a straggler whose payloads miss their rounds, cover every
+window of the corpus exactly once in its first epoch, counting only the windows of payloads that
+counted. What each peer trained comes from its own `trained` events (--audit-data on: the windows its
+batches held), which rounds' payloads counted from a peer's `ledger` events: the test lists any window
+trained twice or never."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.integration.harness import events
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240
+
+
+def _spawn(command: list[str], out: Path, err: Path) -> subprocess.Popen:
+    with out.open("w") as stdout, err.open("w") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-m", "shoal.peer.cli", *command],
+            cwd=ROOT,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+
+
+def _kill(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _wait(predicate, what: str, processes: dict[str, subprocess.Popen], logs: Path) -> None:
+    deadline = time.monotonic() + TIMEOUT_S - 30
+    while not predicate():
+        for name, process in processes.items():
+            if process.poll() not in (None, 0):
+                raise AssertionError(
+                    f"{name} exited {process.returncode}: {(logs / f'{name}.err').read_text()[-3000:]}"
+                )
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_churning_swarm_trains_every_window_of_its_first_epoch_once(tmp_path):
+    corpus = tmp_path / "corpus.npy"
+    # about 1,200 windows of the tiny model's 65 tokens: under a coordinator, rounds go as fast as the
+    # peers compute (several a second), and the epoch lasts long enough for the churn
+    np.save(corpus, np.random.default_rng(0).integers(0, 256, 65 * 1_265, dtype=np.uint16))
+    command = [sys.executable, "-m", "shoal.peer.cli", "coordinator", "--listen", "127.0.0.1:0"]
+    command += ["--state", str(tmp_path / "c.db"), "--log-format", "json", "--min-peers", "3", "--overlap"]
+    command += ["--min-compute-s", "0.5", "--max-compute-s", "1", "--eviction-s", "5"]
+    with (tmp_path / "coordinator.err").open("w") as stderr:
+        coordinator = subprocess.Popen(
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True
+        )
+    processes: dict[str, subprocess.Popen] = {}
+    try:
+        address = json.loads(coordinator.stdout.readline())["address"]
+        common = ["join", "--host", "127.0.0.1", "--log-format", "json", "--coordinator", address]
+        common += ["--data", str(corpus), "--audit-data", "on", "--algorithm", "demo-overlap"]
+        common += ["--round-seconds", "2", "--max-micro-batches", "2", "--batch-size", "4"]
+        common += ["--validate-every", "0"]
+
+        def start(name: str, *flags: str) -> None:
+            processes[name] = _spawn([*common, *flags], tmp_path / f"{name}.jsonl", tmp_path / f"{name}.err")
+
+        def log(name: str) -> list[dict]:
+            return events(tmp_path / f"{name}.jsonl")
+
+        left = False
+        start("stays", "--address-file", str(tmp_path / "address"))
+        _wait(lambda: (tmp_path / "address").exists(), "the first peer's address", processes, tmp_path)
+        joined = ["--initial-peers", (tmp_path / "address").read_text().strip()]
+        start("leaves", *joined)
+        start("straggles", *joined, "--compute-delay", "1.6")
+
+        def progress() -> float:
+            settled = [e for e in log("stays") if e["event"] == "ledger"]
+            return settled[-1]["epoch"] + settled[-1]["epoch_progress"] if settled else 0.0
+
+        _wait(lambda: progress() >= 0.1, "a tenth of the epoch", processes, tmp_path)
+        start("joins", *joined)
+        _wait(lambda: progress() >= 0.5, "half the epoch", processes, tmp_path)
+        _kill(processes.pop("leaves"))  # gone without a word, its round in flight
+        left = True
+        _wait(lambda: progress() >= 1, "the end of the first epoch", processes, tmp_path)
+    finally:
+        for process in [*processes.values(), coordinator]:
+            _kill(process)
+        coordinator.stdout.close()
+
+    assert left
+    settled = [e for e in log("stays") if e["event"] == "ledger"]
+    windows = settled[-1]["windows"]
+    trained = {}  # (round, sender) -> the epoch-0 windows it trained
+    for name in ("stays", "leaves", "straggles", "joins"):
+        for event in log(name):
+            if event["event"] == "trained":
+                ids = [w for w, epoch in zip(event["windows"], event["epochs"], strict=True) if epoch == 0]
+                for sender in event["senders"]:
+                    trained[(event["round"], sender)] = (name, ids)
+    coverage: Counter[int] = Counter()
+    credited_by = Counter()
+    for event in settled:
+        for sender, count in event["credited"].items():
+            if count:
+                name, ids = trained[(event["round"], sender)]
+                coverage.update(ids)
+                credited_by[name] += 1
+    twice = sorted(w for w, n in coverage.items() if n > 1)
+    never = sorted(set(range(windows)) - set(coverage))
+    assert not twice and not never, f"trained twice: {twice}; never: {never}"
+    # the churn happened: the leaver and the joiner counted, the straggler's late work did not
+    assert credited_by["leaves"] >= 1 and credited_by["joins"] >= 1, credited_by
+    straggled = {e["round"] for e in log("straggles") if e["event"] == "trained"}
+    assert straggled and credited_by["straggles"] < len(straggled), (credited_by, straggled)
