@@ -51,9 +51,16 @@ def measure(tokens: int, seq_len: int) -> dict:
 
 def main() -> None:
     rows = [measure(10_000_000_000, 1024), measure(10_000_000_000, 128)]
-    print(
-        "| corpus | chunks | in the shared state | draw a lane | a round of 16 peers | a batch's ids | progress |"
+    header = (
+        "corpus",
+        "chunks",
+        "in the shared state",
+        "draw a lane",
+        "a round of 16 peers",
+        "ids",
+        "progress",
     )
+    print("| " + " | ".join(header) + " |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
