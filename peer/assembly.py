@@ -31,6 +31,7 @@ from shoal.peer.data import RoundSlices, TokenStreams, load_data
 from shoal.peer.data.ledger import TokenLedger
 from shoal.peer.data.tokenizer import load_tokenizer
 from shoal.peer.hardware import autocast_for, choose_device
+from shoal.peer.model import TinyGPT
 from shoal.peer.models import LoadedModel, load_model
 from shoal.peer.runtime import SwarmPeer
 from shoal.peer.spec import PeerSpec
@@ -54,7 +55,10 @@ def load_workload(spec: PeerSpec) -> Workload:
     `build_peer`, once the DHT's process is forked). ValueError (DeviceError, ModelError) naming the
     flag when one cannot be used, or when the data holds tokens the model cannot read."""
     device = choose_device(spec.model.device)
-    loaded = load_model(spec.model.name, seed=spec.run.seed)
+    loaded = load_model(spec.model.name, seed=spec.run.seed, seq_len=spec.model.seq_len)
+    if spec.model.activation_checkpointing == "on":
+        checkpoint_activations(loaded.module, spec.model.name)
+    autocast_for(device, spec.model.precision)  # a precision this device lacks, named before the DHT starts
     data = spec.data
     tokenizer = load_tokenizer(data.tokenizer, spec.model.name)
     cache = Path(data.cache) if data.cache else None
@@ -74,6 +78,17 @@ def load_workload(spec: PeerSpec) -> Workload:
             "tokens: give the model's own tokenizer (--tokenizer), or a model of its vocabulary"
         )
     return Workload(device, loaded, streams)
+
+
+def checkpoint_activations(module: torch.nn.Module, name: str) -> None:
+    """`--activation-checkpointing on`: the embedded GPT's blocks, or a Hugging Face model's own
+    gradient checkpointing; ValueError naming the flag for a model that has neither."""
+    if isinstance(module, TinyGPT):
+        module.checkpointing = True
+    elif hasattr(module, "gradient_checkpointing_enable"):
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise ValueError(f"--activation-checkpointing on: --model {name} has no way to recompute activations")
 
 
 def start_peer(spec: PeerSpec, *, identity: RSAPrivateKey | None = None) -> SwarmPeer:
@@ -127,7 +142,14 @@ def build_peer(
         config["ledger"] = tokens.describe()
     peer.connect(schedule, config, exchange_type=exchange_type, **(options | exchange_options))
     algorithm = spec.algorithm_config()
-    store = CheckpointStore(spec.checkpoint.dir, warn=warn) if spec.checkpoint.dir else None
+    meta = {
+        "model": spec.model.name,
+        "seq_len": workload.model.seq_len,
+        "run": spec.run.name,
+        "run_config": dict(config),
+        "tokenizer": spec.data.tokenizer or "",
+    }
+    store = CheckpointStore(spec.checkpoint.dir, warn=warn, meta=meta) if spec.checkpoint.dir else None
     return peer.train(
         model,
         algorithm,
@@ -139,7 +161,10 @@ def build_peer(
         batch_size=spec.model.batch_size,
         compute_window=spec.run.round_seconds * spec.run.compute_fraction if fill_window else None,
         max_micro_batches=spec.model.max_micro_batches,
-        autocast=autocast_for(device),
+        autocast=autocast_for(device, spec.model.precision),
+        schedule=spec.schedule(),
+        grad_clip=spec.algorithm.grad_clip,
+        weight_decay=spec.algorithm.weight_decay,
     )
 
 

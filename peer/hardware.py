@@ -39,10 +39,22 @@ def choose_device(setting: str = "auto") -> torch.device:
     return device
 
 
-def autocast_for(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """bf16 autocast on CUDA GPUs that support bf16; no autocast elsewhere (fp32)."""
+def autocast_for(
+    device: torch.device, precision: str = "auto"
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """`--precision`: auto, bf16 autocast on CUDA GPUs that support bf16 and fp32 elsewhere; fp32; or
+    bf16 autocast on any device (ValueError naming the flag on a GPU without bf16). fp16 is not
+    offered: without loss scaling its gradients underflow, and DeMo's sign and DiLoCo's pseudo-gradient
+    would carry the zeros."""
+    bf16 = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
+    if precision == "fp32":
+        return contextlib.nullcontext
+    if precision == "bf16":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bf16; use fp32")
+        return bf16
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return functools.partial(torch.autocast, device_type="cuda", dtype=torch.bfloat16)
+        return bf16
     return contextlib.nullcontext
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,6 +94,8 @@ class TinyGPT(nn.Module):
         self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = nn.LayerNorm(config.d_model)
+        self.checkpointing = False
+        """Activation checkpointing: each block's activations recomputed in the backward pass."""
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
             if name.endswith(("proj.weight", "mlp.2.weight")):
@@ -111,7 +114,10 @@ class TinyGPT(nn.Module):
         positions = torch.arange(time, device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.norm(x) @ self.token_embedding.weight.T  # tied embeddings
         if targets is None:
             return logits

@@ -22,6 +22,15 @@ from shoal.peer.trainer import LossFn, model_loss
 
 PRESETS = ("tiny", "small", "base")
 FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+HF_DEFAULT_SEQ_LEN = 1024
+"""A Hugging Face model's sequence length when --seq-len does not say: its maximum, at most this."""
+EMBEDDED_MAX_SEQ_LEN = 1 << 16
+WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 class ModelError(ValueError):
@@ -41,19 +50,33 @@ class LoadedModel:
         return sum(p.numel() for p in self.module.parameters())
 
 
-def load_model(spec: str, *, seed: int = 0) -> LoadedModel:
+def load_model(spec: str, *, seed: int = 0, seq_len: int | None = None) -> LoadedModel:
+    """The model `spec` names, built under `seed`; `seq_len` (--seq-len): the tokens of a sample, at
+    most the model's maximum (None: the embedded presets' own, a Hugging Face model's maximum up to
+    HF_DEFAULT_SEQ_LEN, a factory module's `seq_len`). ModelError if it cannot be built."""
     torch.manual_seed(seed)
     if spec in PRESETS:
-        config = GPTConfig.preset(spec)
+        if seq_len is not None and not 1 <= seq_len <= EMBEDDED_MAX_SEQ_LEN:
+            raise ModelError(f"--seq-len {seq_len}: the embedded GPT takes 1 to {EMBEDDED_MAX_SEQ_LEN}")
+        config = GPTConfig.preset(spec, **({} if seq_len is None else {"seq_len": seq_len}))
         return LoadedModel(TinyGPT(config), model_loss, config.seq_len, config.vocab_size)
     if Path(spec).is_dir():
-        return _hugging_face(Path(spec))
-    if FACTORY.match(spec):
-        return _factory(spec)
-    raise ModelError(
-        f"--model {spec}: expected one of {', '.join(PRESETS)}, a module:factory, "
-        "or a Hugging Face model directory"
-    )
+        loaded = _hugging_face(Path(spec), seed)
+        seq_len = min(loaded.seq_len, HF_DEFAULT_SEQ_LEN) if seq_len is None else seq_len
+    elif FACTORY.match(spec):
+        loaded = _factory(spec)
+    else:
+        raise ModelError(
+            f"--model {spec}: expected one of {', '.join(PRESETS)}, a module:factory, "
+            "or a Hugging Face model directory"
+        )
+    if seq_len is None:
+        return loaded
+    if not 1 <= seq_len <= loaded.seq_len:
+        raise ModelError(
+            f"--seq-len {seq_len}: --model {spec} takes at most {loaded.seq_len} tokens a sample"
+        )
+    return LoadedModel(loaded.module, loaded.loss_fn, seq_len, loaded.vocab_size)
 
 
 def _factory(spec: str) -> LoadedModel:
@@ -71,22 +94,29 @@ def _factory(spec: str) -> LoadedModel:
     return LoadedModel(module, loss_fn, int(seq_len), vocab_size)
 
 
-def _hugging_face(path: Path) -> LoadedModel:
+def _hugging_face(path: Path, seed: int) -> LoadedModel:
+    """A causal LM directory: its weights, or without any (a config alone, to pretrain) fresh weights
+    drawn under the run's `seed`, the same on every peer. Its sequence length: its maximum."""
     if not (path / "config.json").is_file():
         raise ModelError(f"--model {path}: a directory without config.json is not a Hugging Face model")
     try:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise ModelError(
             f"--model {path}: Hugging Face models need the transformers extra: pip install 'shoal[hf]'"
         ) from None
-    module = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    try:
+        if any((path / name).is_file() for name in WEIGHTS):
+            module = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        else:
+            torch.manual_seed(seed)
+            module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelError(f"--model {path}: transformers cannot build it: {error}") from None
     # the config object maps each architecture's own names (GPT-2's n_positions) to the common ones
-    positions = getattr(module.config, "max_position_embeddings", None) or 512
+    positions = getattr(module.config, "max_position_embeddings", None) or HF_DEFAULT_SEQ_LEN
     vocab_size = getattr(module.config, "vocab_size", None)
-    return LoadedModel(
-        module, causal_lm_loss, min(int(positions), 512), int(vocab_size) if vocab_size else None
-    )
+    return LoadedModel(module, causal_lm_loss, int(positions), int(vocab_size) if vocab_size else None)
 
 
 def causal_lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

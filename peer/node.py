@@ -296,6 +296,7 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
             samples=report.samples,
             tokens=report.tokens,
             phases=report.phases,
+            lr=report.lr,
         )
         told = tell_ledger(progress, exchange, done.plan, metrics, told)
         tell_validation(settings, progress, workload, peer.trainer.batch_size, report.round, metrics)
@@ -305,6 +306,8 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
     # the swarm's run ends together (not this peer alone: a stop, or its own --max-rounds)
     alone = bool(settings.run.max_rounds and len(reports) >= settings.run.max_rounds)
     final_resync = peer.finish(until_round=settings.run.until_round, left_alone=alone)
+    if reports and not peer.stopped:  # the run's last state, after its end agreed (a stop saved already)
+        peer.trainer.save()
     loaded, batch_size = workload.model, peer.trainer.batch_size
     held_out = (loaded.module, loaded.loss_fn, workload.streams.validation, loaded.seq_len)
     validation = validation_loss(*held_out, batch_size=batch_size) if reports else None

@@ -31,6 +31,7 @@ from shoal.peer.algorithms.configs import (
     DeMoConfig,
     run_config,
 )
+from shoal.peer.algorithms.schedule import KINDS, Schedule
 from shoal.peer.swarm.names import check_run_name
 
 ALGORITHMS = {
@@ -238,6 +239,19 @@ class AlgorithmSpec(_Section):
     """DiLoCo: the outer Nesterov momentum (None: the mode's, or the sparse codec's)."""
     averaging: str = _setting("averaging", _choice(AVERAGING), "gather")
     """DiLoCo: gather, or butterfly (piece by piece, with a coordinator)."""
+    lr_schedule: str = _setting("lr_schedule", _choice(KINDS), "constant")
+    """How the learning rate follows the swarm's round (shoal.peer.algorithms.schedule)."""
+    warmup_rounds: int = _setting("warmup_rounds", _int(0, 10**9), 0)
+    """Rounds of linear warmup."""
+    decay_rounds: int | None = _setting("decay_rounds", _int(1, 10**9), None)
+    """cosine, linear: rounds of decay after the warmup (None: to the run's end, --until-round); wsd:
+    rounds of the final decay (None: the run's last fifth)."""
+    min_lr: float = _setting("min_lr", _float(0.0, 10.0), 0.0)
+    """Where the decay ends."""
+    grad_clip: float = _setting("grad_clip", _float(0.0, 1e6), 0.0)
+    """Clip each step's gradient to this norm (0: no clipping)."""
+    weight_decay: float | None = _setting("weight_decay", _float(0.0, 10.0), None)
+    """Decoupled weight decay: DeMo's, DiLoCo's inner AdamW's (None: the algorithm's, 0 and 0.1)."""
 
     def __post_init__(self) -> None:
         _Section.__post_init__(self)
@@ -295,6 +309,13 @@ class ModelSpec(_Section):
     """Samples per micro-batch to start with (halved if the device runs out of memory)."""
     max_micro_batches: int = _setting("max_micro_batches", _int(1, 4096), 64)
     """Most micro-batches accumulated per step."""
+    precision: str = _setting("precision", _choice(("auto", "fp32", "bf16")), "auto")
+    """auto (bf16 autocast on GPUs that have it, fp32 elsewhere), fp32, or bf16 autocast anywhere."""
+    activation_checkpointing: str = _setting("activation_checkpointing", _choice(("on", "off")), "off")
+    """on: keep only each block's input and recompute its activations in the backward pass."""
+    seq_len: int | None = _setting("seq_len", _int(1, 1 << 20), None)
+    """Tokens a sample, up to the model's maximum (None: the embedded presets' own; a Hugging Face
+    model's maximum, at most 1,024; a factory module's `seq_len`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -374,6 +395,7 @@ class PeerSpec:
     logging: LoggingSpec = field(default_factory=LoggingSpec)
 
     def __post_init__(self) -> None:
+        self.schedule()  # a schedule that does not fit the run, named
         if self.algorithm.averaging == "butterfly" and self.run.gather:
             raise ValueError(
                 "--gather: not with --averaging butterfly, which averages every peer's payload piece by piece"
@@ -407,6 +429,25 @@ class PeerSpec:
         """The algorithm this peer runs (AlgorithmSpec.config)."""
         return self.algorithm.config()
 
+    def schedule(self) -> Schedule:
+        """The learning-rate schedule: `--decay-rounds` given, or taken from the run's length
+        (`--until-round`). ValueError naming the flag when it does not fit."""
+        algorithm, total = self.algorithm, 0 if self.run.until_round is None else self.run.until_round + 1
+        decay = algorithm.decay_rounds
+        if decay is None and total:
+            decay = max(total // 5, 1) if algorithm.lr_schedule == "wsd" else total - algorithm.warmup_rounds
+        try:
+            return Schedule(
+                kind=algorithm.lr_schedule,
+                warmup=algorithm.warmup_rounds,
+                decay=max(decay or 0, 0),
+                total=total,
+                min_lr=algorithm.min_lr,
+            )
+        except ValueError as error:  # "field: why", the field being the flag's name
+            name, _, why = str(error).partition(": ")
+            raise ValueError(f"--{name.replace('_', '-')}: {why}") from None
+
     def run_config(self, data: Any = None) -> dict[str, str]:
         """What every peer of a run must share (shoal.peer.algorithms.configs.run_config); with the
         loaded `data` (TokenStreams), the digest it pins and the tokenizer that made it."""
@@ -415,6 +456,12 @@ class PeerSpec:
         )
         if data is not None and data.digest is not None:  # the standard library pins nothing, as before
             config |= {"data": data.digest, "tokenizer": data.tokenizer}
+        if self.model.seq_len is not None:
+            config["seq_len"] = str(self.model.seq_len)
+        config |= self.schedule().run_config()
+        algorithm = self.algorithm
+        config |= {"grad_clip": repr(algorithm.grad_clip)} if algorithm.grad_clip else {}
+        config |= {} if algorithm.weight_decay is None else {"weight_decay": repr(algorithm.weight_decay)}
         return config
 
 

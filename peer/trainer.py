@@ -32,6 +32,7 @@ from torch import nn
 from shoal.compression import Codec
 from shoal.peer.algorithms.configs import AlgorithmConfig
 from shoal.peer.algorithms.exchange import Exchange
+from shoal.peer.algorithms.schedule import Schedule
 from shoal.peer.algorithms.synchronizer import synchronizer
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.stopping import StopRequest
@@ -84,6 +85,8 @@ class RoundReport:
     """Micro-batches accumulated per optimizer step."""
     batch_size: int = 0
     """Samples per micro-batch."""
+    lr: float = 0.0
+    """The learning rate of the round's last step."""
 
     @property
     def compute_s(self) -> float:
@@ -115,6 +118,10 @@ class Trainer:
             micro-batch per optimizer step).
         max_micro_batches: at most this many micro-batches per optimizer step.
         autocast: a context manager factory wrapping each forward pass.
+        schedule: the learning rate at each step, from the swarm's round (the plan's) and the step's
+            share of it (shoal.peer.algorithms.schedule); None: the algorithm's, constant.
+        grad_clip: each step's gradient clipped to this norm (0: not clipped).
+        weight_decay: DeMo's, or DiLoCo's inner AdamW's (None: the algorithm's).
     """
 
     def __init__(
@@ -132,6 +139,9 @@ class Trainer:
         compute_window: float | None = None,
         max_micro_batches: int = 64,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        schedule: Schedule | None = None,
+        grad_clip: float = 0.0,
+        weight_decay: float | None = None,
     ):
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
@@ -156,7 +166,10 @@ class Trainer:
         self._micro_seconds: float | None = None  # moving average of one micro-batch's compute time
         self.steps = 0
         """Optimizer steps taken; every round takes `inner_steps` of them."""
-        self.sync = synchronizer(model, exchange, algorithm, codec)
+        self.sync = synchronizer(model, exchange, algorithm, codec, weight_decay)
+        self.schedule, self.grad_clip = schedule, grad_clip
+        self.lr = algorithm.lr
+        """The learning rate of the last step."""
         """The algorithm over the exchange (shoal.peer.algorithms.synchronizer)."""
 
     @property
@@ -199,10 +212,12 @@ class Trainer:
         # a step stops accumulating once past its share of the window (the device slowed down: another
         # process, thermal throttling), so that the payload still makes the round's deadline
         budget = None if self.compute_window is None else self.compute_window / self.inner_steps
-        for _ in range(self.inner_steps):
+        first = self.rounds_done if number is None else number  # the swarm's round, for the schedule
+        for inner in range(self.inner_steps):
             start = time.perf_counter()
             loss, step_samples, step_tokens, step_micro = self._accumulate(micro_batches, budget, plan)
             done += step_micro
+            self._prepare_step(first + inner / self.inner_steps)
             middle = time.perf_counter()
             self.sync.step(samples=step_samples, plan=plan)
             end = time.perf_counter()
@@ -226,7 +241,18 @@ class Trainer:
             micro_batches=micro_batches,
             batch_size=self.batch_size,
             phases={k: phases[k] for k in PHASES},
+            lr=self.lr,
         )
+
+    def _prepare_step(self, position: float) -> None:
+        """Before an optimizer step: the schedule's learning rate at `position` (the swarm's round and
+        the step's share of it), and the gradient clipped (no host sync: torch scales by a tensor)."""
+        if self.schedule is not None:
+            self.lr = self.schedule.lr(self.algorithm.lr, position)
+            self.sync.set_lr(self.lr)
+        if self.grad_clip:
+            grads = [p for p in self.model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(grads, self.grad_clip, foreach=True)
 
     def _accumulate(
         self, micro_batches: int, budget: float | None = None, plan: object = None
@@ -309,13 +335,15 @@ class Trainer:
         self.sync.load_shared_state(tensors)
 
     def state_dict(self) -> dict:
-        """Tensors and plain values only (loadable with weights_only=True)."""
+        """Tensors and plain values only (a checkpoint: shoal.peer.checkpoint.encode)."""
         synchronizing = self.sync.state_dict()  # first: it undoes DeMo's lookahead shift of the model
         model = self.model.state_dict()
         state = {"steps": self.steps, "algorithm": self.algorithm.name, "model": model, **synchronizing}
         tokens = getattr(self.exchange, "tokens", None)  # a swarm's token ledger (shoal.peer.data.ledger)
         if tokens is not None:
             state["token_ledger"] = torch.frombuffer(bytearray(tokens.to_bytes()), dtype=torch.uint8)
+            state["tokens_consumed"] = tokens.progress()[2] * tokens.seq_len  # provenance (shoal export)
+            state["credited_peers"] = sorted(sender.hex() for sender in tokens.totals.credited)
         return state
 
     def load_state_dict(self, state: dict) -> None:

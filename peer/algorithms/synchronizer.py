@@ -44,6 +44,10 @@ class Synchronizer(ABC):
         handed to the exchange with the round's payload."""
 
     @abstractmethod
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next steps (DeMo's; DiLoCo's inner optimizer's): a schedule's."""
+
+    @abstractmethod
     def finish(self) -> None:
         """Ends training: an overlapped algorithm applies the round still in flight."""
 
@@ -93,10 +97,11 @@ class DeMoSynchronizer(Synchronizer):
 
     inner_steps = 1
 
-    def __init__(self, model: nn.Module, exchange: Exchange, config: DeMoConfig):
+    def __init__(self, model: nn.Module, exchange: Exchange, config: DeMoConfig, weight_decay: float = 0.0):
         self.optimizer = DeMo(
             model.parameters(),
             lr=config.lr,
+            weight_decay=weight_decay,
             exchange=exchange,
             compression_topk=config.topk,
             value_bits=config.value_bits,
@@ -108,6 +113,10 @@ class DeMoSynchronizer(Synchronizer):
     def step(self, *, samples: int, plan: object = None) -> None:
         self.optimizer.step(samples=samples, plan=plan)
         self.optimizer.zero_grad(set_to_none=True)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def finish(self) -> None:
         self.optimizer.finish()
@@ -150,10 +159,15 @@ class DiLoCoSynchronizer(Synchronizer):
     ending in the outer step. `codec`: how pseudo-gradients travel (None: exactly)."""
 
     def __init__(
-        self, model: nn.Module, exchange: Exchange, config: DiLoCoConfig, codec: Codec | None = None
+        self,
+        model: nn.Module,
+        exchange: Exchange,
+        config: DiLoCoConfig,
+        codec: Codec | None = None,
+        weight_decay: float = INNER_WEIGHT_DECAY,
     ):
         self.inner = torch.optim.AdamW(
-            model.parameters(), lr=config.lr, betas=INNER_BETAS, weight_decay=INNER_WEIGHT_DECAY
+            model.parameters(), lr=config.lr, betas=INNER_BETAS, weight_decay=weight_decay
         )
         self.diloco = DiLoCo(
             model,
@@ -171,6 +185,10 @@ class DiLoCoSynchronizer(Synchronizer):
 
     def step(self, *, samples: int, plan: object = None) -> None:
         self.diloco.step(samples=samples, plan=plan)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.inner.param_groups:
+            group["lr"] = lr
 
     def finish(self) -> None:
         self.diloco.finish()
@@ -210,9 +228,15 @@ class DiLoCoSynchronizer(Synchronizer):
 
 
 def synchronizer(
-    model: nn.Module, exchange: Exchange, config: AlgorithmConfig, codec: Codec | None = None
+    model: nn.Module,
+    exchange: Exchange,
+    config: AlgorithmConfig,
+    codec: Codec | None = None,
+    weight_decay: float | None = None,
 ) -> Synchronizer:
-    """The synchronizer of an algorithm config, over `model`'s parameters; `codec` is DiLoCo's."""
+    """The synchronizer of an algorithm config, over `model`'s parameters; `codec` is DiLoCo's;
+    `weight_decay`: DeMo's, or DiLoCo's inner AdamW's (None: 0 for DeMo, INNER_WEIGHT_DECAY)."""
     if isinstance(config, DeMoConfig):
-        return DeMoSynchronizer(model, exchange, config)
-    return DiLoCoSynchronizer(model, exchange, config, codec)
+        return DeMoSynchronizer(model, exchange, config, weight_decay or 0.0)
+    decay = INNER_WEIGHT_DECAY if weight_decay is None else weight_decay
+    return DiLoCoSynchronizer(model, exchange, config, codec, decay)

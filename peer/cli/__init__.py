@@ -6,6 +6,7 @@
     shoal status [--initial-peers MADDR ...] [--run NAME] [--json]
     shoal check [--initial-peers MADDR ...] [--json]
     shoal keygen PATH
+    shoal export --checkpoint-dir DIR OUT [--model MODEL]
     shoal data prepare SOURCE OUT [--tokenizer PATH|bytes] [--text-field NAME] [--shard-tokens N]
     shoal bootstrap [--host IP] [--port N] [--identity PATH] [--address-file PATH] [--metrics-port N] ...
     shoal coordinator [--listen ADDR] [--state PATH] [--round-quantile Q] [--token-file F] ...
@@ -22,7 +23,7 @@ Building the parser imports no torch and no hivemind (each command imports what 
 import argparse
 from importlib.metadata import version
 
-from shoal.peer.cli import bench, bootstrap, check, coordinator, data, demo, join, keygen, status
+from shoal.peer.cli import bench, bootstrap, check, coordinator, data, demo, export, join, keygen, status
 
 COMMANDS = {
     "join": join,
@@ -31,6 +32,7 @@ COMMANDS = {
     "status": status,
     "check": check,
     "keygen": keygen,
+    "export": export,
     "data": data,
     "coordinator": coordinator,
     "bench": bench,

@@ -46,6 +46,16 @@ JOIN_FLAGS = {
         "on|off",
         "on: log the indices (and epoch) of the windows this peer trains each round, a `trained` event",
     ),
+    "lr_schedule": ("KIND", "constant, cosine, linear or wsd: the learning rate by the swarm's round"),
+    "warmup_rounds": ("N", "rounds of linear warmup"),
+    "decay_rounds": (
+        "N",
+        "cosine, linear: rounds of decay after the warmup (default: to --until-round); wsd: rounds of the "
+        "final decay (default: the run's last fifth)",
+    ),
+    "min_lr": ("LR", "the learning rate the decay ends at"),
+    "grad_clip": ("NORM", "clip each step's gradient to this norm (0: no clipping)"),
+    "weight_decay": ("WD", "decoupled weight decay: DeMo's, DiLoCo's inner AdamW's (default 0 and 0.1)"),
     "algorithm": (
         "ALGO",
         "demo, demo-overlap (exchanges while the next step computes), diloco (eager), diloco-standard, "
@@ -108,6 +118,16 @@ JOIN_FLAGS = {
     ),
     "batch_size": ("B", "samples per micro-batch to start with (halved if the device runs out of memory)"),
     "max_micro_batches": ("N", "most micro-batches accumulated per step"),
+    "precision": ("auto|fp32|bf16", "auto: bf16 autocast on GPUs that have it, fp32 elsewhere"),
+    "activation_checkpointing": (
+        "on|off",
+        "on: recompute each block's activations in the backward pass (less memory, more compute)",
+    ),
+    "seq_len": (
+        "N",
+        "tokens a sample, up to the model's maximum (default: the embedded presets' own, a Hugging Face "
+        "model's maximum up to 1,024)",
+    ),
     "seed": ("N", "seed of the initial weights and of the data order"),
     "log_format": ("FORMAT", "human (a live table) or json (one object per line)"),
     "compute_delay": ("S", "testing: sleep this long in every round's compute phase (a slow peer)"),

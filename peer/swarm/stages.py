@@ -60,8 +60,6 @@ class Standing:
     """Compatible peers seen in the last round, by public key."""
     settled_s: float | None = None
     """How far into its last round every compatible peer announced (`collect`)."""
-    state: tuple[int, bytes] = (-1, b"")
-    """The round this peer last held a payload for, and the digest of its state in it (`hold`)."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +138,6 @@ class RoundStages:
         wire traffic (BENCHMARKS.md)."""
         digest = self.server.hold(number, payload, None if snapshot is None else snapshot[0])
         state = b"" if snapshot is None else snapshot[0].digest
-        self.standing.state = (number, state)
         self.ledger.new_round(number)
         self.puller.new_round(number)
         refresh_s = RECORD_REFRESH_S if coordinated else 0.0
@@ -172,12 +169,9 @@ class RoundStages:
         self, number: int, announcement: Announcement, holders: Mapping[bytes, Announcement]
     ) -> None:
         """Pulls one payload into `server.held` (shoal.peer.swarm.pull), until it is had or the round's
-        task is cancelled; a payload an earlier round sent, re-encoded, is refused. One computed on
-        another state than this peer's is not judged: the state agreement leaves it out anyway, and a
-        joiner's first payload, on the run's first state and its first data, is an honest copy."""
+        task is cancelled; a payload an earlier round sent, re-encoded, is refused."""
         data = await self.puller.payload(number, announcement, holders)
-        judged = self.standing.state[0] != number or announcement.state == self.standing.state[1]
-        if judged and self.ledger.replayed_content(data, number):
+        if self.ledger.replayed_content(data, number):
             self.ledger.refuse(announcement.owner, "replayed", number)
             return
         self.server.held[(number, announcement.digest)] = data

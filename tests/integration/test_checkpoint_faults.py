@@ -96,14 +96,14 @@ def test_a_folder_made_read_only_mid_run_is_a_counted_warning_and_loses_no_check
     try:
         wait_for(output, peer, lambda seen: len(CheckpointStore(folder).rounds()) >= 2, 90)
         with read_only(folder):
-            before = {p.name: digest(p) for p in folder.glob("round-*.pt")}
+            before = {p.name: digest(p) for p in folder.glob("round-*.safetensors")}
             newest = CheckpointStore(folder).rounds()[-1]
             wait_for(output, peer, lambda seen: any("could not write" in t for t in texts(seen)), 30)
             trained = rounds(events(output))
             wait_for(output, peer, lambda seen: rounds(seen) >= trained + 3, 30)  # training went on
             warning = next(t for t in texts(events(output)) if "could not write" in t)
             assert str(folder) in warning and "--checkpoint-dir" in warning and "training goes on" in warning
-            assert f"round-{newest}.pt is the newest intact one" in warning
+            assert f"round-{newest}.safetensors is the newest intact one" in warning
             port = next(e["port"] for e in events(output) if e.get("event") == "metrics")
             exposition = (
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -115,7 +115,7 @@ def test_a_folder_made_read_only_mid_run_is_a_counted_warning_and_loses_no_check
             )
             assert float(failures.split()[1]) >= 3
             # the checkpoints written before are all there, unchanged, and no temporary file is left
-            assert {p.name: digest(p) for p in folder.glob("round-*.pt")} == before
+            assert {p.name: digest(p) for p in folder.glob("round-*.safetensors")} == before
             assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
             assert CheckpointStore(folder).load_latest()["round"] == newest
         peer.send_signal(signal.SIGTERM)  # writable again: the stop's checkpoint is written
@@ -138,7 +138,7 @@ def test_a_truncated_newest_checkpoint_is_named_moved_aside_and_not_kept(tmp_pat
     finally:
         kill(peer)
     oldest, good, newest = CheckpointStore(folder).rounds()
-    damaged = folder / f"round-{newest}.pt"
+    damaged = folder / f"round-{newest}.safetensors"
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])  # a torn copy or a full disk
 
     peer = start(second, "--run", "damaged", "--checkpoint-dir", str(folder), "--max-rounds", "1")
@@ -147,8 +147,10 @@ def test_a_truncated_newest_checkpoint_is_named_moved_aside_and_not_kept(tmp_pat
     finally:
         kill(peer)
     said = texts(events(second))
-    assert any(str(damaged) in t and "damaged" in t and f"round-{newest}.pt.damaged" in t for t in said), said
+    assert any(
+        str(damaged) in t and "damaged" in t and f"round-{newest}.safetensors.damaged" in t for t in said
+    ), said
     assert f"resumed from the checkpoint of round {good}" in said, said
-    assert (folder / f"round-{newest}.pt.damaged").exists() and not damaged.exists()
+    assert (folder / f"round-{newest}.safetensors.damaged").exists() and not damaged.exists()
     kept = CheckpointStore(folder).rounds()
     assert kept[:2] == [oldest, good] and len(kept) == 3 and kept[2] > newest  # no good one pruned for it

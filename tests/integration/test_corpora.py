@@ -1,12 +1,14 @@
 """A researcher's corpus end to end: two `shoal join` processes train a Hugging Face model directory
 on a parquet corpus, tokenized with the model's own tokenizer (a BPE trained here), each preparing it
-into its own cache, report the held-out loss every second round, and end on one model."""
+into its own cache, report the held-out loss every second round, and end on one model, the last
+round kept in a final checkpoint."""
 
 import json
 
 import pytest
 import torch
 
+from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data.tokenizer import HFTokenizer
 from tests import corpora
 from tests.integration.harness import kill, start, wait_for
@@ -35,6 +37,7 @@ def test_two_peers_train_a_hugging_face_model_with_its_tokenizer_on_parquet(tmp_
         peers.append(start("join", *common, *first, stdout=outs[0].open("w"), stderr=_err(tmp_path, "first")))
         started = wait_for(outs[0], lambda e: e.get("event") == "started", 120)
         second = ["--data-cache", str(tmp_path / "cache2"), "--initial-peers", started["initial_peers"][0]]
+        second += ["--checkpoint-dir", str(tmp_path / "checkpoints")]  # every 10 rounds: none before the end
         peers.append(
             start("join", *common, *second, stdout=outs[1].open("w"), stderr=_err(tmp_path, "second"))
         )
@@ -54,6 +57,9 @@ def test_two_peers_train_a_hugging_face_model_with_its_tokenizer_on_parquet(tmp_
     # each prepared the corpus into its own cache, to the same shards
     manifests = [next((tmp_path / c).rglob("manifest.json")).read_text() for c in ("cache1", "cache2")]
     assert manifests[0] == manifests[1] and json.loads(manifests[0])["tokenizer"] == str(model)
+    # a run that ends on --until-round keeps its last state: a checkpoint of round 5, the run agreed
+    state = CheckpointStore(tmp_path / "checkpoints").load_latest()
+    assert state is not None and state["round"] == 5
 
 
 def _err(folder, name):

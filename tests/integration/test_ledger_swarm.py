@@ -94,7 +94,11 @@ def test_a_churning_swarm_trains_every_window_of_its_first_epoch_once(tmp_path):
 
         _wait(lambda: progress() >= 0.1, "a tenth of the epoch", processes, tmp_path)
         start("joins", *joined)
-        _wait(lambda: progress() >= 0.5, "half the epoch", processes, tmp_path)
+
+        def joined_in() -> bool:  # the joiner trained in a round with the others (the swarm is 3 again)
+            return any(e["event"] == "round" and e["participants"] >= 2 for e in log("joins"))
+
+        _wait(lambda: progress() >= 0.5 and joined_in(), "half the epoch, the joiner in", processes, tmp_path)
         _kill(processes.pop("leaves"))  # gone without a word, its round in flight
         left = True
         _wait(lambda: progress() >= 1, "the end of the first epoch", processes, tmp_path)

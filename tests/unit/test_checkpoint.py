@@ -5,6 +5,7 @@ import pickle
 import pytest
 import torch
 
+from shoal.peer import checkpoint
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.checkpoint import CheckpointStore, CheckpointWriteError
@@ -29,7 +30,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
     store = CheckpointStore(tmp_path)
     store.save(4, {"x": torch.ones(2)})
     store.save(5, {"x": torch.zeros(2)})
-    (tmp_path / "round-5.pt").write_bytes((tmp_path / "round-5.pt").read_bytes()[:40])  # torn write
+    (tmp_path / "round-5.safetensors").write_bytes(
+        (tmp_path / "round-5.safetensors").read_bytes()[:40]
+    )  # torn write
     assert store.load_latest()["round"] == 4 and store.loaded_round == 4
 
 
@@ -38,10 +41,16 @@ def test_a_damaged_checkpoint_is_named_set_aside_and_never_kept(tmp_path):
     store = CheckpointStore(tmp_path, keep=3, warn=told.append)
     for r in (32, 33, 34):
         store.save(r, {"x": torch.full((2,), float(r))})
-    (tmp_path / "round-34.pt").write_bytes((tmp_path / "round-34.pt").read_bytes()[:100])  # truncated
+    (tmp_path / "round-34.safetensors").write_bytes(
+        (tmp_path / "round-34.safetensors").read_bytes()[:100]
+    )  # truncated
     assert store.load_latest()["round"] == 33 and store.loaded_round == 33
-    assert len(told) == 1 and str(tmp_path / "round-34.pt") in told[0] and "round-34.pt.damaged" in told[0]
-    assert (tmp_path / "round-34.pt.damaged").exists() and store.rounds() == [32, 33]
+    assert (
+        len(told) == 1
+        and str(tmp_path / "round-34.safetensors") in told[0]
+        and "round-34.safetensors.damaged" in told[0]
+    )
+    assert (tmp_path / "round-34.safetensors.damaged").exists() and store.rounds() == [32, 33]
     store.save(35, {"x": torch.ones(2)})
     assert store.rounds() == [32, 33, 35]  # the damaged file took no good checkpoint's place
     assert CheckpointStore(tmp_path).load_latest()["round"] == 35
@@ -52,31 +61,35 @@ def test_a_checkpoint_holding_another_round_is_set_aside(tmp_path):
     store = CheckpointStore(tmp_path, warn=told.append)
     store.save(1, {"x": torch.ones(1)})
     store.save(2, {"x": torch.ones(1)})
-    (tmp_path / "round-9.pt").write_bytes((tmp_path / "round-2.pt").read_bytes())  # copied by hand
+    (tmp_path / "round-9.safetensors").write_bytes(
+        (tmp_path / "round-2.safetensors").read_bytes()
+    )  # copied by hand
     assert store.load_latest()["round"] == 2
-    assert "it holds round 2" in told[0] and (tmp_path / "round-9.pt.damaged").exists()
+    assert "it holds round 2" in told[0] and (tmp_path / "round-9.safetensors.damaged").exists()
 
 
 def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     store = CheckpointStore(tmp_path)
     store.save(1, {"x": torch.ones(1)})
-    with open(tmp_path / "round-2.pt", "wb") as file:
+    with open(tmp_path / "round-2.safetensors", "wb") as file:
         pickle.dump({"round": 2, "payload": Exploit()}, file, protocol=2)
     assert store.load_latest()["round"] == 1
+
+
+def _disk_full(tensors, metadata=None):
+    raise OSError(28, "No space left on device")  # inside the atomic write, its temporary file open
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
     store = CheckpointStore(tmp_path)
     store.save(1, {"x": torch.ones(1)})
 
-    def disk_full(obj, file):
-        file.write(b"half a checkpoint")
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(torch, "save", disk_full)
+    monkeypatch.setattr(checkpoint, "save", _disk_full)
     with pytest.raises(CheckpointWriteError, match="No space") as error:
         store.save(2, {"x": torch.ones(1)})
-    assert str(tmp_path) in str(error.value) and "round-1.pt is the newest intact one" in str(error.value)
+    assert str(tmp_path) in str(error.value) and "round-1.safetensors is the newest intact one" in str(
+        error.value
+    )
     assert store.rounds() == [1] and not list(tmp_path.glob(".round-*.tmp"))
     assert store.load_latest()["round"] == 1
 
@@ -85,7 +98,7 @@ def test_a_failed_write_is_a_counted_warning_for_a_store_that_warns(tmp_path, mo
     told: list[str] = []
     store = CheckpointStore(tmp_path, warn=told.append)
     store.save(1, {"x": torch.ones(1)})
-    monkeypatch.setattr(torch, "save", lambda obj, file: (_ for _ in ()).throw(OSError(28, "No space left")))
+    monkeypatch.setattr(checkpoint, "save", _disk_full)
     assert store.save(2, {"x": torch.ones(1)}) is None
     assert store.write_failures == 1 and store.last_write_failed
     assert "--checkpoint-dir" in told[0] and "training goes on" in told[0]

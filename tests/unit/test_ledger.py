@@ -129,7 +129,7 @@ def test_a_lane_wraps_past_the_corpus_without_crediting_twice():
 
 
 def test_a_claim_rides_on_a_payload_and_is_read_back_without_its_tensors():
-    from shoal.peer.data.ledger import claim_of, view_bytes, view_tensor
+    from shoal.peer.data.claims import claim_of, view_bytes, view_tensor
     from shoal.protocol.payload_pb2 import Payload
     from shoal.protocol.tensor_pb2 import EncodedTensor
 

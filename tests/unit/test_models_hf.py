@@ -69,3 +69,39 @@ def test_two_workers_train_it_with_demo_and_agree(gpt2_dir):
 def test_a_directory_without_config_is_refused_by_name(tmp_path):
     with pytest.raises(ModelError, match=r"without config\.json"):
         load_model(str(tmp_path))
+
+
+SMALL_DECODER = {
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 2048,
+}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        lambda: transformers.GPT2Config(vocab_size=256, n_positions=2048, n_embd=32, n_layer=1, n_head=2),
+        lambda: transformers.LlamaConfig(**SMALL_DECODER),
+        lambda: transformers.Qwen2Config(**SMALL_DECODER),
+    ],
+    ids=["gpt2", "llama", "qwen2"],
+)
+def test_a_config_without_weights_starts_fresh_alike_and_takes_its_whole_length(tmp_path, config):
+    """Pretraining: a directory holding only config.json builds fresh weights from the run's seed, the
+    same on every peer; the sequence length defaults to 1,024 and goes up to the model's maximum."""
+    config().save_pretrained(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    first, second, other = (load_model(str(tmp_path), seed=s) for s in (5, 5, 6))
+    weights = [next(m.module.parameters()) for m in (first, second, other)]
+    assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
+    assert first.seq_len == 1024 and load_model(str(tmp_path), seq_len=2048).seq_len == 2048
+    tokens = torch.randint(0, 256, (1, 2049))
+    loss = first.loss_fn(first.module, tokens[:, :-1], tokens[:, 1:])
+    assert 4.0 < loss.item() < 7.0
+    with pytest.raises(ModelError, match=r"--seq-len 2049: .* at most 2048"):
+        load_model(str(tmp_path), seq_len=2049)

@@ -263,3 +263,17 @@ def test_a_checkpoint_carries_the_token_ledger(tmp_path):
     restarted.exchange.tokens = fresh = TokenLedger(100, 4, seed=1)
     assert restarted.resume()
     assert fresh.to_bytes() == ledger.to_bytes() and fresh.progress()[2] == 12
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    from shoal.peer.assembly import checkpoint_activations
+
+    plain, checkpointed = load_model("tiny", seed=4).module, load_model("tiny", seed=4).module
+    checkpoint_activations(checkpointed, "tiny")
+    tokens = torch.randint(0, 256, (2, 65))
+    for model in (plain, checkpointed):
+        model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+    for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    with pytest.raises(ValueError, match="--activation-checkpointing on: --model m has no way"):
+        checkpoint_activations(torch.nn.Linear(2, 2), "m")
