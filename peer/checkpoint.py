@@ -127,7 +127,14 @@ class CheckpointStore:
 
     def load_latest(self, map_location: str | torch.device = "cpu") -> dict | None:
         """The newest checkpoint that loads safely, or None. A damaged or unsafe one on the way is
-        reported and set aside (renamed to `*.damaged`); `loaded_round` is the round returned."""
+        reported and set aside (renamed to `*.damaged`); `loaded_round` is the round returned. Pickled
+        checkpoints of an older shoal (`round-<r>.pt`) are never read, and said so."""
+        older = sorted(p.name for p in self.directory.glob("round-*.pt"))
+        if older and self.warn is not None:
+            self.warn(
+                f"{len(older)} checkpoint(s) of an older shoal in {self.directory} ({older[-1]}) are not "
+                "read (pickled files could run code): this peer starts fresh and re-syncs from the swarm"
+            )
         for round_number in reversed(self.rounds()):
             path = self.directory / f"round-{round_number}{SUFFIX}"
             try:

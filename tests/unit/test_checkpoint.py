@@ -128,3 +128,10 @@ def test_bad_settings_are_named(tmp_path):
         CheckpointStore(tmp_path, keep=0)
     with pytest.raises(ValueError, match="round"):
         CheckpointStore(tmp_path).save(-1, {})
+
+
+def test_an_older_pickled_checkpoint_is_named_and_never_read(tmp_path):
+    told: list[str] = []
+    torch.save({"round": 4, "x": torch.ones(1)}, tmp_path / "round-4.pt")
+    assert CheckpointStore(tmp_path, warn=told.append).load_latest() is None
+    assert len(told) == 1 and "round-4.pt" in told[0] and "not read" in told[0]
