@@ -257,7 +257,10 @@ def decide(
     `compare_states`, only those computed on the majority's state (`majority`). The majority is that of
     `announced`, or of `voters` when given: under a bounded fan-in every announcement of the round
     votes, not only the few chosen (two of them could not outvote a liar), and a peer behind re-syncs
-    from any voter on the majority's state. Under a coordinator the votes come counted (a `Tally`)."""
+    from any voter on the majority's state. Under a coordinator the votes come counted (a `Tally`). A
+    peer in sync whose vote is missing (a coordinated round it was left out of) never takes a state no
+    peer in sync voted for: fresh joiners and stale peers that alone made a round do not roll the swarm
+    back to theirs."""
     held = sorted(announced)
     first_owner: dict[bytes, bytes] = {}
     for owner in held:
@@ -270,10 +273,16 @@ def decide(
         agreed = tallied(voters.votes)
         holders = [a.peer for o, a in sorted(announced.items()) if a.state == agreed and o != mine.owner]
         holders += [p for p in voters.holders.get(agreed, ()) if p not in holders and p != mine.peer]
+        synced_vote = any(synced and count > 0 for (_, synced), count in voters.votes.items())
     else:
         ballots = {owner: announced[owner] for owner in held} if voters is None else voters
         agreed = majority({owner: (a.state, a.synced) for owner, a in ballots.items()})
         holders = [a.peer for o, a in sorted(ballots.items()) if a.state == agreed and o != mine.owner]
+        synced_vote = any(a.synced for a in ballots.values())
+    if mine.synced and mine.state and not synced_vote:
+        # a round that only newcomers (or peers out of sync) made, this peer's vote not among them: it
+        # keeps the state the swarm agreed on last, and their contributions, on another, are stale
+        agreed, holders = mine.state, []
     stale = [owner for owner in held if announced[owner].state != agreed and owner != mine.owner]
     behind = agreed != mine.state
     sources = holders if behind else []

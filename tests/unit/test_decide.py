@@ -107,3 +107,23 @@ def test_replays_are_refused_by_digest_and_by_content_and_malformed_announcement
     assert not ledger.replayed_content(b"\xff\xff", 4)  # no Payload: nothing to compare
     ledger.new_round(4 + 17)  # digests are forgotten after 16 rounds
     assert ledger.refusal(21, b"x", announce(b"x", b"mine")) is None
+
+
+def test_newcomers_alone_in_a_round_do_not_roll_back_a_peer_in_sync():
+    """Seen under load with the token ledger: a coordinated round decided with only a fresh joiner and
+    a stale peer, the swarm's peers in sync left out of it; before, they took the joiner's state (the
+    run's first parameters, an empty ledger)."""
+    fresh, stale = b"\x00" * 32, b"\x03" * 32
+    newcomers = {
+        b"j": announce(b"j", b"1", fresh, synced=False),
+        b"s": announce(b"s", b"2", stale, synced=False),
+    }
+    left_out = announce(b"a", b"3", S1, synced=True)
+    decision = decide(newcomers, left_out, compare_states=True)
+    assert decision.agreed == S1 and not decision.behind and decision.stale == [b"j", b"s"]
+    counted = decide(newcomers, left_out, compare_states=True, voters=Tally({(fresh, False): 2}, {}))
+    assert counted.agreed == S1 and not counted.behind
+    # the newcomers themselves agree among themselves, as before; a synced vote still decides for all
+    assert decide(newcomers, newcomers[b"j"], compare_states=True).agreed == fresh
+    with_swarm = {**newcomers, b"a": left_out}
+    assert decide(with_swarm, newcomers[b"j"], compare_states=True).agreed == S1
