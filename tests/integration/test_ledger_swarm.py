@@ -5,10 +5,7 @@ counted. What each peer trained comes from its own `trained` events (--audit-dat
 batches held), which rounds' payloads counted from a peer's `ledger` events: the test lists any window
 trained twice or never."""
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,28 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.integration.harness import events
+from tests.integration.harness import events, kill, spawn, start
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
-
-
-def _spawn(command: list[str], out: Path, err: Path) -> subprocess.Popen:
-    with out.open("w") as stdout, err.open("w") as stderr:
-        return subprocess.Popen(
-            [sys.executable, "-m", "shoal.peer.cli", *command],
-            cwd=ROOT,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-
-
-def _kill(process: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
 
 
 def _wait(predicate, what: str, processes: dict[str, subprocess.Popen], logs: Path) -> None:
@@ -51,7 +29,7 @@ def _wait(predicate, what: str, processes: dict[str, subprocess.Popen], logs: Pa
                     f"{name} exited {process.returncode}: {(logs / f'{name}.err').read_text()[-3000:]}"
                 )
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -64,9 +42,7 @@ def test_a_churning_swarm_trains_every_window_of_its_first_epoch_once(tmp_path):
     command += ["--state", str(tmp_path / "c.db"), "--log-format", "json", "--min-peers", "3", "--overlap"]
     command += ["--min-compute-s", "0.5", "--max-compute-s", "1", "--eviction-s", "5"]
     with (tmp_path / "coordinator.err").open("w") as stderr:
-        coordinator = subprocess.Popen(
-            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True
-        )
+        coordinator = spawn(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
     processes: dict[str, subprocess.Popen] = {}
     try:
         address = json.loads(coordinator.stdout.readline())["address"]
@@ -75,36 +51,37 @@ def test_a_churning_swarm_trains_every_window_of_its_first_epoch_once(tmp_path):
         common += ["--round-seconds", "2", "--max-micro-batches", "2", "--batch-size", "4"]
         common += ["--validate-every", "0"]
 
-        def start(name: str, *flags: str) -> None:
-            processes[name] = _spawn([*common, *flags], tmp_path / f"{name}.jsonl", tmp_path / f"{name}.err")
+        def join(name: str, *flags: str) -> None:
+            with (tmp_path / f"{name}.jsonl").open("w") as out, (tmp_path / f"{name}.err").open("w") as err:
+                processes[name] = start(*common, *flags, stdout=out, stderr=err)
 
         def log(name: str) -> list[dict]:
             return events(tmp_path / f"{name}.jsonl")
 
         left = False
-        start("stays", "--address-file", str(tmp_path / "address"))
+        join("stays", "--address-file", str(tmp_path / "address"))
         _wait(lambda: (tmp_path / "address").exists(), "the first peer's address", processes, tmp_path)
         joined = ["--initial-peers", (tmp_path / "address").read_text().strip()]
-        start("leaves", *joined)
-        start("straggles", *joined, "--compute-delay", "1.6")
+        join("leaves", *joined)
+        join("straggles", *joined, "--compute-delay", "1.6")
 
         def progress() -> float:
             settled = [e for e in log("stays") if e["event"] == "ledger"]
             return settled[-1]["epoch"] + settled[-1]["epoch_progress"] if settled else 0.0
 
         _wait(lambda: progress() >= 0.1, "a tenth of the epoch", processes, tmp_path)
-        start("joins", *joined)
+        join("joins", *joined)
 
         def joined_in() -> bool:  # the joiner trained in a round with the others (the swarm is 3 again)
             return any(e["event"] == "round" and e["participants"] >= 2 for e in log("joins"))
 
         _wait(lambda: progress() >= 0.5 and joined_in(), "half the epoch, the joiner in", processes, tmp_path)
-        _kill(processes.pop("leaves"))  # gone without a word, its round in flight
+        kill(processes.pop("leaves"))  # gone without a word, its round in flight
         left = True
         _wait(lambda: progress() >= 1, "the end of the first epoch", processes, tmp_path)
     finally:
         for process in [*processes.values(), coordinator]:
-            _kill(process)
+            kill(process)
         coordinator.stdout.close()
 
     assert left
