@@ -153,7 +153,8 @@ class SwarmPeer:
                 trainer.set_compute_window(plan.compute_seconds - self._encode_s - 0.2)
             # the round it computed for: an overlapped optimizer's gather may not have started yet
             report = trainer.round(plan.round, plan=plan)
-            trainer.end_round(stop is not None and stop.is_set())
+            stopping = stop is not None and stop.is_set()  # read once: a stop after the checkpoint
+            trainer.end_round(stopping)  # waits for the next round's end, which then saves it
             self._encode_s = report.phases["encode"]
             wall = time.perf_counter() - started
             count, samples = count + 1, samples + report.samples
@@ -168,7 +169,7 @@ class SwarmPeer:
             )
             up, down = exchange.counts.bytes_sent - sent, exchange.counts.bytes_received - received
             yield PeerRound(report, plan, wall, plan_s, up, down)
-            if stop is not None and stop.is_set():
+            if stopping:
                 self.stopped = True
                 return
 

@@ -277,3 +277,45 @@ def test_activation_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(a.grad, b.grad)
     with pytest.raises(ValueError, match="--activation-checkpointing on: --model m has no way"):
         checkpoint_activations(torch.nn.Linear(2, 2), "m")
+
+
+def test_a_stop_that_comes_after_a_rounds_checkpoint_ends_the_next_round_with_one():
+    """A signal that lands while the caller handles a round (after that round's checkpoint was due)
+    stops the peer at the next round's end, checkpointed; it never leaves without one (seen in CI: a
+    SIGTERM between the two reads of the stop left no checkpoint)."""
+    from types import SimpleNamespace
+
+    from shoal.peer.runtime import SwarmPeer
+    from shoal.peer.stopping import StopRequest
+    from shoal.peer.swarm.records import RoundPlan
+
+    saved, rounds = [], iter(range(10))
+    counts = SimpleNamespace(bytes_sent=0, bytes_received=0)
+    exchange = SimpleNamespace(
+        counts=counts,
+        tokens=None,
+        last_round=None,
+        next_round=0,
+        coordinator=None,
+        plan_round=lambda until: RoundPlan(
+            round=next(rounds), coordinated=False, compute_seconds=None, data_seed=None, slot=(0, 1)
+        ),
+        set_progress=lambda **progress: None,
+    )
+    report = SimpleNamespace(phases={"encode": 0.0}, samples=1, compute_s=1.0)
+    trainer = SimpleNamespace(
+        compute_window=None,
+        batch_size=1,
+        inner_steps=1,
+        round=lambda number, plan: report,
+        end_round=lambda stopping: saved.append(stopping),
+    )
+    peer = SwarmPeer(None, None, "run")
+    peer.exchange, peer.trainer = exchange, trainer
+    stop = StopRequest()
+    done = []
+    for finished in peer.rounds(stop=stop):
+        done.append(finished.plan.round)
+        if len(done) == 2:
+            stop.set()  # after round 1's end_round read the stop as unset
+    assert done == [0, 1, 2] and saved == [False, False, True] and peer.stopped
