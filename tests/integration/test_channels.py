@@ -121,6 +121,11 @@ def test_hostile_requests_and_replies_are_refused_and_counted(monkeypatch):
             assert rejected["channels"] == 1
             writer.close()
             other_writer.close()
+            for _ in range(100):  # the server sees both closed (else it refuses the next channel as a third)
+                if not channel_server.open:
+                    break
+                await asyncio.sleep(0.1)
+            assert not channel_server.open
 
             # a server that sends more than the puller expects: rejected as too large, channel dropped
             channels = Channels(client, PROTOCOL, timeout_s=10)
