@@ -30,9 +30,9 @@ from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data import RoundSlices, TokenStreams, load_data
 from shoal.peer.data.ledger import TokenLedger
 from shoal.peer.data.tokenizer import load_tokenizer
+from shoal.peer.fit import Fit, fit
 from shoal.peer.hardware import autocast_for, choose_device
-from shoal.peer.model import TinyGPT
-from shoal.peer.models import LoadedModel, load_model
+from shoal.peer.models import LoadedModel, load_model, recompute, recomputing
 from shoal.peer.runtime import SwarmPeer
 from shoal.peer.spec import PeerSpec
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
@@ -80,15 +80,35 @@ def load_workload(spec: PeerSpec) -> Workload:
     return Workload(device, loaded, streams)
 
 
+def fit_workload(spec: PeerSpec, workload: Workload) -> Fit | None:
+    """`--fit auto`: the micro-batch and activation checkpointing that fit this device in memory and
+    the round's compute window (shoal.peer.fit: estimated, then measured by a dry run), checkpointing
+    switched on if chosen; None with `--fit off`. FitError (a ValueError) when nothing fits."""
+    if spec.model.fit == "off":
+        return None
+    model, on = workload.model, spec.model.activation_checkpointing == "on"
+    result = fit(
+        model,
+        spec.algorithm_config(),
+        device=workload.device,
+        batch_size=spec.model.batch_size,
+        window_s=spec.run.round_seconds * spec.run.compute_fraction,
+        checkpointing=on,
+        max_memory_gib=spec.model.max_memory,
+        autocast=autocast_for(workload.device, spec.model.precision),
+        name=f"--model {spec.model.name}",
+    )
+    if result.checkpointing and not on:
+        checkpoint_activations(model.module, spec.model.name)
+    return result
+
+
 def checkpoint_activations(module: torch.nn.Module, name: str) -> None:
     """`--activation-checkpointing on`: the embedded GPT's blocks, or a Hugging Face model's own
     gradient checkpointing; ValueError naming the flag for a model that has neither."""
-    if isinstance(module, TinyGPT):
-        module.checkpointing = True
-    elif hasattr(module, "gradient_checkpointing_enable"):
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
+    if recomputing(module) is None:
         raise ValueError(f"--activation-checkpointing on: --model {name} has no way to recompute activations")
+    recompute(module, True)
 
 
 def start_peer(spec: PeerSpec, *, identity: RSAPrivateKey | None = None) -> SwarmPeer:

@@ -188,7 +188,7 @@ SCALARS = (
     ("shoal_state_resyncs", "counter", "Times this peer replaced its state with the majority's.", "resyncs"),
     ("shoal_state_in_sync", "gauge", "1 if it held or adopted the majority's state last round.", "synced"),
     ("shoal_stragglers", "counter", "Expected peers whose payload missed a round, seen here.", "stragglers"),
-    ("shoal_late_rounds", "counter", "Coordinated rounds its payload missed as late.", "late"),
+    ("shoal_late_rounds", "counter", "Rounds its payload missed, late for their deadline.", "late"),
     ("shoal_coordinated_rounds", "counter", "Rounds the coordinator decided.", "coordinated_rounds"),
     ("shoal_relayed_payloads", "counter", "Payloads pulled from a peer other than their author.", "relayed"),
     ("shoal_butterfly_rounds", "counter", "Rounds averaged piece by piece.", "butterfly_rounds"),

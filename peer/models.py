@@ -123,3 +123,31 @@ def causal_lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     """Mean next-token cross-entropy of a Hugging Face causal LM (its `logits`)."""
     logits = model(input_ids=inputs).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def recomputing(module: nn.Module) -> bool | None:
+    """Whether the model recomputes its activations in the backward pass (activation checkpointing);
+    None for a model that cannot (neither the embedded GPT nor a Hugging Face model)."""
+    if isinstance(module, TinyGPT):
+        return module.checkpointing
+    if hasattr(module, "is_activation_checkpointing"):  # transformers 5.2x; older: gradient_...
+        return bool(module.is_activation_checkpointing)
+    if hasattr(module, "gradient_checkpointing_enable"):
+        return bool(module.is_gradient_checkpointing)
+    return None
+
+
+def recompute(module: nn.Module, on: bool) -> None:
+    """Switches activation checkpointing on or off (`recomputing` is not None): the embedded GPT's
+    blocks, or a Hugging Face model's own, non-reentrant."""
+    if isinstance(module, TinyGPT):
+        module.checkpointing = on
+    elif hasattr(module, "activation_checkpointing_enable"):
+        if on:
+            module.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            module.activation_checkpointing_disable()
+    elif on:
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        module.gradient_checkpointing_disable()

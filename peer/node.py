@@ -26,14 +26,15 @@ from typing import IO
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
-from shoal.peer.assembly import PeerSummary, Workload, build_peer, load_workload, start_peer
+from shoal.peer.assembly import PeerSummary, Workload, build_peer, fit_workload, load_workload, start_peer
 from shoal.peer.clock import ClockError, save_clock, saved_clock
 from shoal.peer.data import validation_loss
-from shoal.peer.data_reports import tell_ledger, tell_validation
 from shoal.peer.files import replace_text
+from shoal.peer.fit import Fit
 from shoal.peer.hardware import memory_in_use
 from shoal.peer.metrics import PeerMetrics, build_info
 from shoal.peer.progress import Progress
+from shoal.peer.round_reports import tell_late, tell_ledger, tell_validation
 from shoal.peer.runtime import SwarmPeer
 from shoal.peer.settings import PARSERS, PeerSpec, SettingsError
 from shoal.peer.stopping import stop_on_signals
@@ -101,6 +102,7 @@ def _join(settings: PeerSpec, progress: Progress) -> dict:
     except ValueError as error:
         raise SettingsError(str(error)) from None
     workload = _workload(settings)
+    fitted = _fit(settings, progress, workload)
     credentials = _check_coordinator(settings)
     identity = _identity(settings.network.identity, progress)
     try:
@@ -118,7 +120,7 @@ def _join(settings: PeerSpec, progress: Progress) -> dict:
             _write_address(settings.network.address_file, address)
         _announce_address(settings, progress, address, addresses, dht.peer_id.to_base58(), peer.reachability)
         schedule = _discover(settings, progress, dht) if settings.network.initial_peers else None
-        return _train(settings, progress, peer, schedule, workload, credentials)
+        return _train(settings, progress, peer, schedule, workload, credentials, fitted)
 
 
 def _discover(settings: PeerSpec, progress: Progress, dht) -> RoundSchedule | None:
@@ -210,7 +212,22 @@ def _workload(settings: PeerSpec) -> Workload:
         raise SettingsError(str(error)) from None
 
 
-def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, credentials) -> dict:
+def _fit(settings: PeerSpec, progress: Progress, workload: Workload) -> Fit | None:
+    """--fit auto: what fits this device (shoal.peer.fit), said with its numbers; a device too slow
+    for the round's window is warned of (it joins, late); SettingsError when nothing fits in memory."""
+    try:
+        fitted = fit_workload(settings, workload)
+    except ValueError as error:  # FitError, or a model whose activations cannot be recomputed
+        raise SettingsError(str(error)) from None
+    if fitted is not None:
+        progress.message(fitted.describe())
+        progress.event("fit", **fitted.record())
+        if fitted.late:
+            progress.message(f"warning: {fitted.lateness()}")
+    return fitted
+
+
+def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, credentials, fitted) -> dict:
     if schedule is None:
         schedule = saved_clock(settings, progress) or RoundSchedule(
             start_time=settings.run.start_time or time.time() + 0.5, round_seconds=settings.run.round_seconds
@@ -224,6 +241,8 @@ def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, cr
         coordinator=_coordinator_link(settings, credentials, peer.dht.peer_id.to_base58()),
         warn=lambda text: progress.message(f"warning: {text}"),
     )
+    if fitted is not None:
+        trainer.batch_size = fitted.batch_size
     if settings.network.initial_peers:
         _check_compatible(peer.exchange)
     numel = workload.model.parameters
@@ -260,6 +279,7 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
     isolated = alone = False
     crowd = 1  # the most participants of a round so far
     told = -1  # the last round the token ledger settled, as logged
+    late = (0, 0)  # (rounds missed so far, of them in a row)
     stop = stop_on_signals()
     for done in peer.rounds(
         until_round=settings.run.until_round, max_rounds=settings.run.max_rounds, stop=stop
@@ -270,6 +290,7 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
         if (crowd > 1 and report.participants <= 1) != alone:
             alone = not alone
             _tell_alone(progress, alone, report)
+        late = tell_late(progress, exchange.counts.late, late, report, settings.run.round_seconds)
         if exchange.isolation.isolated != isolated:
             isolated = exchange.isolation.isolated
             _tell_isolation(progress, isolated, report.round, peer.reachability)

@@ -313,6 +313,11 @@ class ModelSpec(_Section):
     """auto (bf16 autocast on GPUs that have it, fp32 elsewhere), fp32, or bf16 autocast anywhere."""
     activation_checkpointing: str = _setting("activation_checkpointing", _choice(("on", "off")), "off")
     """on: keep only each block's input and recompute its activations in the backward pass."""
+    fit: str = _setting("fit", _choice(("auto", "off")), "auto")
+    """auto: before joining, estimate and measure (a dry run) the memory and time a round takes here,
+    choose the micro-batch and activation checkpointing that fit, refuse what cannot (shoal.peer.fit)."""
+    max_memory: float = _setting("max_memory", _float(0.0, 1 << 20), 0.0)
+    """GiB this peer may use on its device (0: 90% of what is free)."""
     seq_len: int | None = _setting("seq_len", _int(1, 1 << 20), None)
     """Tokens a sample, up to the model's maximum (None: the embedded presets' own; a Hugging Face
     model's maximum, at most 1,024; a factory module's `seq_len`)."""

@@ -8,7 +8,8 @@
   inferred from the addresses;
 - with `--initial-peers`: whether the bootstrap peer answers, the DHT round-trip time, and the
   bandwidth from up to three shoal peers of the run, each measured by pulling 4 MiB from its probe
-  handler (shoal.peer.swarm.exchange; a stock hivemind-dht node has none, so only the round trip is shown).
+  handler (shoal.peer.swarm.exchange; a stock hivemind-dht node has none, so only the round trip is shown);
+- with `--model`: whether it fits this device with `--algorithm` (shoal.peer.fit), as `shoal join` checks.
 """
 
 import asyncio
@@ -123,13 +124,37 @@ def network_report(initial_peers: list[str], run: str, port: int) -> dict:
         dht.shutdown()
 
 
-def main(initial_peers: list[str], run: str, port: int, as_json: bool, stream: IO[str] | None = None) -> int:
+def fit_report(spec) -> tuple[dict, str]:
+    """Whether `spec`'s model fits this device (shoal.peer.fit), as `shoal join` would check it: (its
+    numbers, the line that says so); {"error": ...} when it cannot fit or cannot be loaded."""
+    from shoal.peer.assembly import Workload, fit_workload
+    from shoal.peer.models import load_model
+
+    try:
+        device = choose_device(spec.model.device)
+        loaded = load_model(spec.model.name, seed=spec.run.seed, seq_len=spec.model.seq_len)
+        fitted = fit_workload(spec.changed(fit="auto"), Workload(device, loaded, None))
+    except ValueError as error:  # FitError, ModelError, DeviceError
+        return {"error": str(error)}, f"fit        DOES NOT FIT: {error}"
+    text = f"fit        {fitted.describe()}"
+    if fitted.late:
+        text += f"\n           warning: {fitted.lateness()}"
+    return fitted.record() | {"late": fitted.late}, text
+
+
+def main(
+    initial_peers: list[str], run: str, port: int, as_json: bool, stream: IO[str] | None = None, spec=None
+) -> int:
     stream = stream or sys.stdout
     report = {"device": device_report(), "network": network_report(initial_peers, run, port)}
     failed = report["network"].get("bootstrap") == "failed"
+    fit_text = None
+    if spec is not None:
+        report["fit"], fit_text = fit_report(spec)
+    code = 2 if "error" in report.get("fit", {}) else 1 if failed else 0
     if as_json:
         stream.write(json.dumps(report) + "\n")
-        return 1 if failed else 0
+        return code
     device, network = report["device"], report["network"]
     lines = [
         f"device     {device['device']}: {device['name']}",
@@ -153,8 +178,10 @@ def main(initial_peers: list[str], run: str, port: int, as_json: bool, stream: I
                 lines.append(f"bandwidth  from {peer}: {shown}")
             if not network["bandwidth_mbit_s"]:
                 lines.append("bandwidth  no shoal peer of this run to measure against")
+    if fit_text is not None:
+        lines.append(fit_text)
     stream.write("\n".join(lines) + "\n")
-    return 1 if failed else 0
+    return code
 
 
 def _gib(value: int | None) -> str:

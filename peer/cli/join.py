@@ -123,6 +123,13 @@ JOIN_FLAGS = {
         "on|off",
         "on: recompute each block's activations in the backward pass (less memory, more compute)",
     ),
+    "fit": (
+        "auto|off",
+        "auto: before joining, estimate and measure (a dry run) the memory and time a round takes on this "
+        "device, choose the micro-batch and activation checkpointing that fit, and refuse (exit 2) a model "
+        "that cannot fit; off: skip",
+    ),
+    "max_memory": ("GIB", "memory this peer may use on its device (0: 90%% of what is free)"),
     "seq_len": (
         "N",
         "tokens a sample, up to the model's maximum (default: the embedded presets' own, a Hugging Face "

@@ -39,7 +39,8 @@ class SwarmCounters:
     coordinated_rounds: int = 0
     """Rounds whose participant set came from the coordinator."""
     late: int = 0
-    """Coordinated rounds this peer's payload was left out of as late (it still applied them)."""
+    """Rounds this peer's payload missed: left out as late by the coordinator, or computed past the
+    round's deadline uncoordinated, then counted in a later round (it still applied them)."""
     butterfly_rounds: int = 0
     """Rounds averaged piece by piece (shoal.peer.algorithms.butterfly)."""
     pieces_recomputed: int = 0

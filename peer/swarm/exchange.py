@@ -300,6 +300,7 @@ class SwarmExchange(Exchange):
         """The round `plan` names (None: the next on the clock, uncoordinated)."""
         coordinated = plan is not None and plan.coordinated
         round_number = self.clock.take(None if plan is None else plan.round, coordinated=coordinated)
+        self.counts.late += plan is not None and not coordinated and round_number > plan.round  # missed
         self.last_round = round_number
         ledgered = self.tokens is not None and pieces is None and state is not None
         if ledgered:

@@ -118,3 +118,11 @@ def test_a_read_only_checkpoint_folder_exits_2(tmp_path):
     finally:
         folder.chmod(0o700)
     assert_refused_before_start(result, f"--checkpoint-dir: cannot write in {folder} (Permission denied)")
+
+
+@pytest.mark.timeout(TIMEOUT_S + 10)
+def test_a_model_that_cannot_fit_is_refused_with_its_numbers():
+    result, _ = join("--max-memory", "0.002", "--algorithm", "diloco-eager")
+    assert_refused_before_start(result, "--model tiny with diloco-eager does not fit in 2.0 MiB")
+    for told in ("one sample needs", "parameters 0.5 MiB", "activations", "--activation-checkpointing on"):
+        assert told in result.stderr, result.stderr

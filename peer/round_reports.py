@@ -1,7 +1,7 @@
-"""What `shoal join` tells, after each round, of the data it trains on: the held-out loss every
---validate-every rounds (`tell_validation`), and the token ledger (`tell_ledger`: the rounds it
-settled, the epoch, and with --audit-data on, the windows this peer trained), in the log and the
-metrics."""
+"""What `shoal join` tells after each round, in the log and the metrics: of the data it trains on, the
+held-out loss every --validate-every rounds (`tell_validation`) and the token ledger (`tell_ledger`: the
+rounds it settled, the epoch, and with --audit-data on, the windows this peer trained); and a peer whose
+payloads miss round after round (`tell_late`)."""
 
 from shoal.peer.assembly import Workload
 from shoal.peer.data import validation_loss
@@ -66,3 +66,28 @@ def tell_validation(
         progress.message(f"Round {round_number}: validation loss {loss:.4f} (held-out batches)")
     if metrics is not None:
         metrics.validation_loss.set(loss)
+
+
+LATE_TOLD = 3
+"""Rounds in a row a peer's payloads miss before it is told (one is bad luck: a busy machine)."""
+
+
+def tell_late(progress: Progress, missed: int, late: tuple[int, int], report, round_s: float) -> tuple:
+    """A peer whose payloads missed LATE_TOLD rounds in a row is told so, with why (its round's
+    computation against the round's length) and what to change; and when it is on time again.
+    `late`: (rounds missed before this one, of them in a row); returns the same after it."""
+    before, streak = late
+    streak = streak + 1 if missed > before else 0
+    if streak == LATE_TOLD:
+        progress.message(
+            f"warning: this peer's payloads missed their round {streak} rounds in a row ({missed} in all): "
+            f"round {report.round} computed for {report.compute_s:.1f} s and exchanged for "
+            f"{report.exchange_s:.1f} s, in rounds of {round_s:g} s, so the others closed each round without "
+            "it. Use a faster --device, a smaller --batch-size or --max-micro-batches, or a smaller "
+            "--compute-fraction"
+        )
+        progress.event("late", late=True, round=report.round, missed=missed, compute_s=report.compute_s)
+    elif late[1] >= LATE_TOLD and streak == 0:
+        progress.message(f"this peer's payload made its round again (round {report.round})")
+        progress.event("late", late=False, round=report.round, missed=missed)
+    return missed, streak

@@ -1,0 +1,29 @@
+"""A peer whose computation outlasts its rounds, as a volunteer on a slow machine runs it (`shoal join`,
+DiLoCo, each round's computation 1.6 s against 1 s rounds): its payloads miss every round it computed
+for, and it is told, with the numbers, in its log and in its summary's `late_rounds` (which said 0
+when every round of a DiLoCo trial was late)."""
+
+import subprocess
+
+import pytest
+
+from tests.integration.harness import kill, start, wait_for
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_late_round_after_round_is_counted_and_told_why(tmp_path):
+    out = tmp_path / "peer.jsonl"
+    flags = ["--host", "127.0.0.1", "--run", "late", "--log-format", "json", "--discover-seconds", "0"]
+    flags += ["--algorithm", "diloco-standard", "--inner-steps", "2", "--round-seconds", "1"]
+    flags += ["--compute-delay", "1.6", "--max-rounds", "5", "--metrics-port", "0"]
+    peer = start("join", *flags, stdout=out.open("w"), stderr=subprocess.DEVNULL)
+    try:
+        summary = wait_for(out, lambda e: e.get("event") == "summary", 90)
+        assert peer.wait(timeout=30) == 0
+    finally:
+        kill(peer)
+    assert summary["late_rounds"] >= 4, summary  # every round; the first may start early enough
+    told = wait_for(out, lambda e: e.get("event") == "late", 1)
+    assert told["late"] and told["missed"] >= 3 and told["compute_s"] > 1.6
+    said = wait_for(out, lambda e: "missed their round 3 rounds in a row" in e.get("text", ""), 1)["text"]
+    assert "in rounds of 1 s" in said and "--compute-fraction" in said
