@@ -81,9 +81,10 @@ def load_workload(spec: PeerSpec) -> Workload:
 
 
 def fit_workload(spec: PeerSpec, workload: Workload) -> Fit | None:
-    """`--fit auto`: the micro-batch and activation checkpointing that fit this device in memory and
-    the round's compute window (shoal.peer.fit: estimated, then measured by a dry run), checkpointing
-    switched on if chosen; None with `--fit off`. FitError (a ValueError) when nothing fits."""
+    """`--fit auto`: the micro-batch, activation checkpointing and DiLoCo's outer-state placement that
+    fit this device in memory and the round's compute window (shoal.peer.fit: estimated, then measured
+    by a dry run), checkpointing switched on if chosen (the caller sets --outer-state cpu if chosen:
+    `Fit.outer_on_host`); None with `--fit off`. FitError (a ValueError) when nothing fits."""
     if spec.model.fit == "off":
         return None
     model, on = workload.model, spec.model.activation_checkpointing == "on"
@@ -94,6 +95,7 @@ def fit_workload(spec: PeerSpec, workload: Workload) -> Fit | None:
         batch_size=spec.model.batch_size,
         window_s=spec.run.round_seconds * spec.run.compute_fraction,
         checkpointing=on,
+        outer_on_host=spec.model.outer_state == "cpu",
         max_memory_gib=spec.model.max_memory,
         autocast=autocast_for(workload.device, spec.model.precision),
         name=f"--model {spec.model.name}",
@@ -185,6 +187,7 @@ def build_peer(
         schedule=spec.schedule(),
         grad_clip=spec.algorithm.grad_clip,
         weight_decay=spec.algorithm.weight_decay,
+        outer_device="cpu" if spec.model.outer_state == "cpu" else None,
     )
 
 

@@ -53,7 +53,9 @@ class FitError(ValueError):
     """Nothing fits: the message has the numbers and what to change."""
 
 
-def algorithm_memory(algorithm: AlgorithmConfig, params: list[torch.Tensor]) -> tuple[int, int]:
+def algorithm_memory(
+    algorithm: AlgorithmConfig, params: list[torch.Tensor], outer_on_host: bool = False
+) -> tuple[int, int]:
     """(bytes the algorithm keeps between steps, bytes at the peak of its step, gradients included) for
     `params`, from the buffers of shoal.peer.algorithms, in parameter-sized float32 copies as a dry run
     of each measured them (tiny and a GPT-2 configuration alike, within 1%):
@@ -62,7 +64,9 @@ def algorithm_memory(algorithm: AlgorithmConfig, params: list[torch.Tensor]) -> 
       when overlapped;
     - DiLoCo: 6 copies between steps (AdamW's two moments, the outer copy, its momentum, the error
       feedback's residual, the last payload sent), 10.1 at the outer step (the pseudo-gradient, its
-      encoding and the round's mean); 10.4 eager and sparse (the eager direction, the top-k residual)."""
+      encoding and the round's mean); 10.4 eager and sparse (the eager direction, the top-k residual);
+      with its outer state on the host (`outer_on_host`), only AdamW's moments stay, and at its step the
+      gradients and one temporary (not measured yet: it needs a GPU)."""
     size = sum(p.numel() for p in params) * 4
     if isinstance(algorithm, DeMoConfig):
         from shoal.peer.algorithms.tile_groups import slice_parameters
@@ -72,7 +76,9 @@ def algorithm_memory(algorithm: AlgorithmConfig, params: list[torch.Tensor]) -> 
         own = size * (1 + algorithm.overlapped)
         return own + 3 * slot, size + own + int(4.35 * slot)
     between, step = 6.0, 10.1
-    if algorithm.mode == "eager" or algorithm.compression == "sparse":
+    if outer_on_host:
+        between, step = 2.0, 4.0
+    elif algorithm.mode == "eager" or algorithm.compression == "sparse":
         step = 10.4
     return int(between * size), int(step * size)
 
@@ -106,6 +112,7 @@ class Trial:
     measured: int
     round_s: float
     """Seconds of computation a round asks: DiLoCo's H inner steps, DeMo's one micro-batch."""
+    outer_on_host: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +133,11 @@ class Fit:
         return self.trials[-1]
 
     @property
+    def outer_on_host(self) -> bool:
+        """Whether DiLoCo's outer state goes to host memory (`--outer-state cpu`)."""
+        return self.chosen.outer_on_host
+
+    @property
     def late(self) -> bool:
         """Whether even this micro-batch computes a round past the compute window."""
         return self.window_s is not None and self.chosen.round_s > self.window_s
@@ -139,6 +151,7 @@ class Fit:
         within = "" if self.window_s is None else f" within the {self.window_s:g} s compute window"
         return (
             f"fits: micro-batch {self.batch_size}{', activation checkpointing' if self.checkpointing else ''}"
+            f"{', outer state in host memory' if self.outer_on_host else ''}"
             f", estimated {mib(estimate.total)} MiB ({parts(estimate)}), measured "
             f"{mib(trial.measured)} MiB of {mib(self.budget)} MiB; a round computes in "
             f"{trial.round_s:.2f} s{within}"
@@ -150,6 +163,7 @@ class Fit:
         return {
             "batch_size": self.batch_size,
             "activation_checkpointing": self.checkpointing,
+            "outer_state": "cpu" if self.outer_on_host else "device",
             "budget_bytes": self.budget,
             "estimated_bytes": trial.estimate.total,
             "measured_bytes": trial.measured,
@@ -188,7 +202,12 @@ def available_memory() -> int:
 
 
 def estimate(
-    loaded: LoadedModel, algorithm: AlgorithmConfig, batch_size: int, *, checkpointing: bool = False
+    loaded: LoadedModel,
+    algorithm: AlgorithmConfig,
+    batch_size: int,
+    *,
+    checkpointing: bool = False,
+    outer_on_host: bool = False,
 ) -> Estimate:
     """`batch_size` samples of the model at its sequence length, on fake tensors: nothing is run and
     nothing allocated on the device. Traced in the model's own dtype: under bf16 autocast the
@@ -196,7 +215,7 @@ def estimate(
     module = loaded.module
     trainable = [p for p in module.parameters() if p.requires_grad]
     parameters = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
-    state, step = algorithm_memory(algorithm, trainable)
+    state, step = algorithm_memory(algorithm, trainable, outer_on_host)
     saved, largest = saved_for_backward(loaded, batch_size, checkpointing)
     transient = 2 * largest  # the loss's gradient through the logits, at the start of the backward pass
     if checkpointing:  # later, one block's activations recomputed at a time
@@ -245,9 +264,11 @@ def measure(
     batch_size: int,
     *,
     checkpointing: bool = False,
+    outer_on_host: bool = False,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> Trial:
-    """A dry run of `batch_size` on `device` (module docstring); the model is where it was after it."""
+    """A dry run of `batch_size` on `device` (module docstring); the model is where it was after it.
+    `outer_on_host`: DiLoCo's outer state in host memory (`--outer-state cpu`)."""
     from shoal.peer.algorithms.exchange import LoopbackExchange
     from shoal.peer.algorithms.feedback import codec_for
     from shoal.peer.trainer import Trainer
@@ -286,6 +307,7 @@ def measure(
                     batch_size=batch_size,
                     max_micro_batches=1,
                     autocast=autocast,
+                    outer_device="cpu" if outer_on_host else None,
                 )
                 for _ in range(2):  # the first allocates the algorithm's state, the second is as all others
                     trainer.round()
@@ -304,7 +326,8 @@ def measure(
                 p.grad = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return Trial(estimate(loaded, algorithm, batch_size, checkpointing=checkpointing), peak, round_s)
+    guess = estimate(loaded, algorithm, batch_size, checkpointing=checkpointing, outer_on_host=outer_on_host)
+    return Trial(guess, peak, round_s, outer_on_host)
 
 
 class LiveTensors(TorchDispatchMode):
@@ -353,21 +376,29 @@ def fit(
     batch_size: int,
     window_s: float | None,
     checkpointing: bool = False,
+    outer_on_host: bool = False,
     max_memory_gib: float = 0.0,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     name: str = "the model",
 ) -> Fit:
-    """The largest micro-batch that fits in memory and, if one does, in time (module docstring);
+    """The largest micro-batch that fits in memory and, if one does, in time (module docstring), then
+    with activation checkpointing, then (DiLoCo on a GPU) with the outer state in host memory;
     FitError if none fits in memory. One that fits in memory only is `late`."""
     budget = memory_budget(device, max_memory_gib)
-    options = [checkpointing] if checkpointing or recomputing(loaded.module) is None else [False, True]
+    recompute = [checkpointing] if checkpointing or recomputing(loaded.module) is None else [False, True]
+    options = [(on, outer_on_host) for on in recompute]
+    if (
+        isinstance(algorithm, DiLoCoConfig) and device.type == "cuda" and not outer_on_host
+    ):  # then on the host
+        options.append((recompute[-1], True))
     sizes = [batch_size >> shift for shift in range(batch_size.bit_length())]
     trials: list[Trial] = []
-    for recomputed in options:
+    for recomputed, on_host in options:
         for size in sizes:
-            if estimate(loaded, algorithm, size, checkpointing=recomputed).total > budget:
+            setup = {"checkpointing": recomputed, "outer_on_host": on_host}
+            if estimate(loaded, algorithm, size, **setup).total > budget:
                 continue
-            trial = measure(loaded, algorithm, device, size, checkpointing=recomputed, autocast=autocast)
+            trial = measure(loaded, algorithm, device, size, **setup, autocast=autocast)
             trials.append(trial)
             if trial.measured > budget:
                 continue

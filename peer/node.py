@@ -103,6 +103,8 @@ def _join(settings: PeerSpec, progress: Progress) -> dict:
         raise SettingsError(str(error)) from None
     workload = _workload(settings)
     fitted = _fit(settings, progress, workload)
+    if fitted is not None and fitted.outer_on_host:
+        settings = settings.changed(outer_state="cpu")
     credentials = _check_coordinator(settings)
     identity = _identity(settings.network.identity, progress)
     try:

@@ -313,6 +313,9 @@ class ModelSpec(_Section):
     """auto (bf16 autocast on GPUs that have it, fp32 elsewhere), fp32, or bf16 autocast anywhere."""
     activation_checkpointing: str = _setting("activation_checkpointing", _choice(("on", "off")), "off")
     """on: keep only each block's input and recompute its activations in the backward pass."""
+    outer_state: str = _setting("outer_state", _choice(("device", "cpu")), "device")
+    """Where DiLoCo keeps its outer copy, momentum and error feedback: with the model, or in (pinned)
+    host memory, copied to and from the device once a round."""
     fit: str = _setting("fit", _choice(("auto", "off")), "auto")
     """auto: before joining, estimate and measure (a dry run) the memory and time a round takes here,
     choose the micro-batch and activation checkpointing that fit, refuse what cannot (shoal.peer.fit)."""

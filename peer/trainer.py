@@ -122,6 +122,7 @@ class Trainer:
             share of it (shoal.peer.algorithms.schedule); None: the algorithm's, constant.
         grad_clip: each step's gradient clipped to this norm (0: not clipped).
         weight_decay: DeMo's, or DiLoCo's inner AdamW's (None: the algorithm's).
+        outer_device: where DiLoCo keeps its outer state (`--outer-state cpu`; None: with the model).
     """
 
     def __init__(
@@ -142,6 +143,7 @@ class Trainer:
         schedule: Schedule | None = None,
         grad_clip: float = 0.0,
         weight_decay: float | None = None,
+        outer_device: torch.device | str | None = None,
     ):
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
@@ -166,7 +168,7 @@ class Trainer:
         self._micro_seconds: float | None = None  # moving average of one micro-batch's compute time
         self.steps = 0
         """Optimizer steps taken; every round takes `inner_steps` of them."""
-        self.sync = synchronizer(model, exchange, algorithm, codec, weight_decay)
+        self.sync = synchronizer(model, exchange, algorithm, codec, weight_decay, outer_device)
         self.schedule, self.grad_clip = schedule, grad_clip
         self.lr = algorithm.lr
         """The learning rate of the last step."""

@@ -176,6 +176,9 @@ class DiLoCo:
             by default: the carried phases are stale by then, and it cost loss in every setting
             measured (BENCHMARKS.md). With `carry` the samples of the carried phases are claimed again
             with the next payload; without, the work left out is lost.
+        outer_device: where the outer state lives (`--outer-state cpu`: the host, pinned), with the
+            error feedback, the decoded payloads and their mean; the model's parameters are copied
+            there and back once an outer step. None: the parameters' device.
     """
 
     def __init__(
@@ -195,6 +198,7 @@ class DiLoCo:
         robust: Robustness | None = None,
         butterfly: bool = False,
         carry: bool = False,
+        outer_device: torch.device | str | None = None,
     ):
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -207,23 +211,25 @@ class DiLoCo:
         self.exchange = exchange
         self.inner_steps = inner_steps
         self.mode = mode
-        self.feedback = ErrorFeedback(codec, self.params, error_decay)
+        # theta: the global parameters every inner phase starts from, stepped by torch's own SGD; with
+        # `outer_device` (--outer-state cpu) they, the outer momentum, the error feedback, the payloads
+        # decoded and their mean live there (pinned host memory under CUDA), off the accelerator
+        self.global_params = [outer_copy(p, outer_device) for p in self.params]
+        self.feedback = ErrorFeedback(codec, self.global_params, error_decay)
         self.max_payload_bytes = max_payload_bytes
         if robust is None:
             robust = DILOCO_SPARSE if isinstance(self.feedback.codec, DCTTopKCodec) else DILOCO
         self.suspicion = Suspicion(robust)
-        # theta: the global parameters every inner phase starts from, stepped by torch's own SGD
-        self.global_params = [p.detach().clone() for p in self.params]
         self.outer_optimizer = torch.optim.SGD(self.global_params, **settings)
         # what every participant holds alike: theta itself, except in eager mode (module docstring)
         self.consensus_params = self.global_params
         self.consensus_optimizer = self.outer_optimizer
         if mode == "eager":
-            self.consensus_params = [p.detach().clone() for p in self.params]
+            self.consensus_params = [p.detach().clone() for p in self.global_params]
             self.consensus_optimizer = torch.optim.SGD(self.consensus_params, **settings)
         self.pieces = None
         if butterfly:
-            device = self.params[0].device if self.params else "cpu"
+            device = self.global_params[0].device if self.params else "cpu"
             shapes = [p.shape for p in self.params]
             self.pieces = Pieces(self.feedback.codec, shapes, robust=robust, device=device)
         self.stats = OuterStats()
@@ -252,7 +258,10 @@ class DiLoCo:
         goes to the exchange with them (Exchange.gather)."""
         previous = self._collect_pending()  # before encoding: the codec is not shared across threads
         self._carry(previous, self._last_sent)
-        pseudo = [start - p.detach() for start, p in zip(self.global_params, self.params, strict=True)]
+        pseudo = [
+            start - p.detach().to(start.device)
+            for start, p in zip(self.global_params, self.params, strict=True)
+        ]
         if not finite(pseudo):
             pseudo = self._refuse_own(pseudo)
         carried, phases, samples = self._carried, 1, self._samples
@@ -384,7 +393,7 @@ class DiLoCo:
             self.stats.phase_seconds["decode"] += end - gathered
             self.stats.exchange_s += end - start
             return _RoundResult(mean, float(max(averaged.samples, 1)), adopted)
-        mean = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        mean = [torch.zeros_like(p, dtype=torch.float32) for p in self.global_params]
         accepted, senders = [], []
         for contribution in contributions:
             try:
@@ -420,7 +429,7 @@ class DiLoCo:
                 "wrong_structure", f"{len(payload.tensors)} tensors for {len(self.params)}"
             )
         decoded = []
-        for message, p in zip(payload.tensors, self.params, strict=True):
+        for message, p in zip(payload.tensors, self.global_params, strict=True):
             limits = DecodeLimits(max_numel=max(p.numel(), 1))
             tensor = decode_tensor(message, device=p.device, limits=limits)
             if tensor.shape != p.shape:
@@ -495,3 +504,12 @@ class DiLoCo:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def outer_copy(param: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """A copy of `param` for the outer state: on its own device (None), or on `device`, in pinned
+    memory when that is the host of a CUDA machine (its copies to and from the GPU then go by DMA)."""
+    copy = param.detach().to(device or param.device, copy=True)
+    if device is not None and copy.device.type == "cpu" and torch.cuda.is_available():
+        copy = copy.pin_memory()
+    return copy

@@ -165,6 +165,7 @@ class DiLoCoSynchronizer(Synchronizer):
         config: DiLoCoConfig,
         codec: Codec | None = None,
         weight_decay: float = INNER_WEIGHT_DECAY,
+        outer_device: torch.device | str | None = None,
     ):
         self.inner = torch.optim.AdamW(
             model.parameters(), lr=config.lr, betas=INNER_BETAS, weight_decay=weight_decay
@@ -180,6 +181,7 @@ class DiLoCoSynchronizer(Synchronizer):
             codec=codec,
             error_decay=config.error_decay,
             butterfly=config.averaging == "butterfly",
+            outer_device=outer_device,
         )
         self.inner_steps = config.inner_steps
 
@@ -233,10 +235,12 @@ def synchronizer(
     config: AlgorithmConfig,
     codec: Codec | None = None,
     weight_decay: float | None = None,
+    outer_device: torch.device | str | None = None,
 ) -> Synchronizer:
     """The synchronizer of an algorithm config, over `model`'s parameters; `codec` is DiLoCo's;
-    `weight_decay`: DeMo's, or DiLoCo's inner AdamW's (None: 0 for DeMo, INNER_WEIGHT_DECAY)."""
+    `weight_decay`: DeMo's, or DiLoCo's inner AdamW's (None: 0 for DeMo, INNER_WEIGHT_DECAY);
+    `outer_device`: where DiLoCo keeps its outer state (None: with the parameters)."""
     if isinstance(config, DeMoConfig):
         return DeMoSynchronizer(model, exchange, config, weight_decay or 0.0)
     decay = INNER_WEIGHT_DECAY if weight_decay is None else weight_decay
-    return DiLoCoSynchronizer(model, exchange, config, codec, decay)
+    return DiLoCoSynchronizer(model, exchange, config, codec, decay, outer_device)

@@ -123,6 +123,11 @@ JOIN_FLAGS = {
         "on|off",
         "on: recompute each block's activations in the backward pass (less memory, more compute)",
     ),
+    "outer_state": (
+        "device|cpu",
+        "DiLoCo: keep the outer copy, momentum and error feedback with the model, or in (pinned) host "
+        "memory, copied to and from the device once a round",
+    ),
     "fit": (
         "auto|off",
         "auto: before joining, estimate and measure (a dry run) the memory and time a round takes on this "

@@ -148,6 +148,18 @@ def test_diloco_on_the_gpu_matches_the_cpu(mode):
 
 
 @pytest.mark.parametrize("mode", ["standard", "eager"])
+def test_diloco_with_its_outer_state_on_the_host_matches_it_on_the_gpu(mode):
+    """`--outer-state cpu`: the outer copy, its momentum, the error feedback and the round's mean in
+    pinned host memory give the model the GPU-resident outer state gives it."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    on_gpu = diloco_on(CUDA, mode, lambda: DenseCodec(8))
+    on_host = diloco_on(CUDA, mode, lambda: DenseCodec(8), outer_device="cpu")
+    for host_params, gpu_params in zip(on_host, on_gpu, strict=True):
+        for got, want in zip(host_params, gpu_params, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["standard", "eager"])
 def test_sparse_diloco_on_the_gpu_matches_the_cpu(mode):
     """`--compression sparse` (top-64 of 4096, 2-bit levels, error feedback): a value whose last bits
     differ between devices could swap places with its neighbour at the top-k's edge, which moves its
