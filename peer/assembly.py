@@ -33,6 +33,7 @@ from shoal.peer.data.tokenizer import load_tokenizer
 from shoal.peer.fit import Fit, fit
 from shoal.peer.hardware import autocast_for, choose_device
 from shoal.peer.models import LoadedModel, load_model, recompute, recomputing
+from shoal.peer.ranks import LocalRanks, RanksError, check_ranks, start_ranks, torchrun_ranks
 from shoal.peer.runtime import SwarmPeer
 from shoal.peer.spec import PeerSpec
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
@@ -105,6 +106,29 @@ def fit_workload(spec: PeerSpec, workload: Workload) -> Fit | None:
     return result
 
 
+def workload_ranks(spec: PeerSpec, workload: Workload) -> LocalRanks | None:
+    """`--nproc-per-node N` (the other ranks spawned, each building the spec's model) or torchrun: this
+    process's place among the peer's data-parallel ranks (shoal.peer.ranks), the group met; None for
+    one process. RanksError naming the flag when this machine has fewer devices than ranks."""
+    ranks = torchrun_ranks(workload.device)
+    if ranks is not None or spec.model.nproc_per_node == 1:
+        return ranks
+    check_ranks(spec.model.nproc_per_node, workload.device)
+    if spec.model.max_micro_batches < spec.model.nproc_per_node:
+        raise RanksError(
+            f"--nproc-per-node {spec.model.nproc_per_node}: each rank computes at least one micro-batch a "
+            f"step, and --max-micro-batches is {spec.model.max_micro_batches}: raise it to at least the ranks"
+        )
+    model = {
+        "name": spec.model.name,
+        "seed": spec.run.seed,
+        "seq_len": spec.model.seq_len,
+        "checkpointing": bool(recomputing(workload.model.module)),
+        "precision": spec.model.precision,
+    }
+    return start_ranks(spec.model.nproc_per_node, workload.device, model)
+
+
 def checkpoint_activations(module: torch.nn.Module, name: str) -> None:
     """`--activation-checkpointing on`: the embedded GPT's blocks, or a Hugging Face model's own
     gradient checkpointing; ValueError naming the flag for a model that has neither."""
@@ -139,13 +163,15 @@ def build_peer(
     fill_window: bool = True,
     warn: Callable[[str], None] | None = None,
     exchange_type: type[SwarmExchange] | None = None,
+    ranks: LocalRanks | None = None,
     **exchange_options,
 ) -> Trainer:
     """Connects the peer's exchange on `schedule` and its trainer, as the spec says, and returns the
     trainer (also `peer.trainer`). `batches`: the benchmark's own (default: the round's windows of the
     spec's data, `round_batches`); `fill_window` False computes one micro-batch per step instead of
     filling --compute-fraction of each round; `warn` hears of checkpoints that could not be written;
-    `exchange_options` override SwarmExchange's (a test's fetch timeout or strike limit)."""
+    `ranks`: the peer's data-parallel ranks, this one rank 0 (shoal.peer.ranks); `exchange_options`
+    override SwarmExchange's (a test's fetch timeout or strike limit)."""
     device, loaded = workload.device, workload.model
     model = loaded.module.to(device)
     numel = loaded.parameters
@@ -188,6 +214,7 @@ def build_peer(
         grad_clip=spec.algorithm.grad_clip,
         weight_decay=spec.algorithm.weight_decay,
         outer_device="cpu" if spec.model.outer_state == "cpu" else None,
+        ranks=ranks,
     )
 
 

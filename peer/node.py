@@ -26,24 +26,31 @@ from typing import IO
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
-from shoal.peer.assembly import PeerSummary, Workload, build_peer, fit_workload, load_workload, start_peer
+from shoal.peer.assembly import (
+    PeerSummary,
+    Workload,
+    build_peer,
+    fit_workload,
+    load_workload,
+    start_peer,
+    workload_ranks,
+)
 from shoal.peer.clock import ClockError, save_clock, saved_clock
 from shoal.peer.data import validation_loss
 from shoal.peer.files import replace_text
 from shoal.peer.fit import Fit
-from shoal.peer.hardware import memory_in_use
+from shoal.peer.hardware import autocast_for, memory_in_use
 from shoal.peer.metrics import PeerMetrics, build_info
 from shoal.peer.progress import Progress
-from shoal.peer.round_reports import tell_late, tell_ledger, tell_validation
+from shoal.peer.ranks import LocalRanks, RanksError, serve
+from shoal.peer.round_reports import tell_alone, tell_isolation, tell_late, tell_ledger, tell_validation
 from shoal.peer.runtime import SwarmPeer
 from shoal.peer.settings import PARSERS, PeerSpec, SettingsError
 from shoal.peer.stopping import stop_on_signals
 from shoal.peer.swarm.bootstrap import BootstrapError, best_address, check_multiaddrs, private_only
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
-from shoal.peer.swarm.directory import REJOIN_EVERY_S
 from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
 from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
-from shoal.peer.swarm.isolation import ISOLATED_AFTER
 from shoal.peer.swarm.membership import SHOAL_VERSION
 from shoal.peer.swarm.relay import Reachability
 from shoal.peer.swarm.server import ask_runs
@@ -105,12 +112,22 @@ def _join(settings: PeerSpec, progress: Progress) -> dict:
     fitted = _fit(settings, progress, workload)
     if fitted is not None and fitted.outer_on_host:
         settings = settings.changed(outer_state="cpu")
-    credentials = _check_coordinator(settings)
-    identity = _identity(settings.network.identity, progress)
+    ranks = _ranks(settings, workload)
+    if ranks is not None and ranks.rank != 0:  # a rank of torchrun's other than 0: it computes for rank 0
+        autocast = autocast_for(ranks.device, settings.model.precision)
+        serve(ranks, workload.model.module.to(ranks.device), workload.model.loss_fn, autocast)
+        ranks.close()
+        return {}
     try:
+        credentials = _check_coordinator(settings)
+        identity = _identity(settings.network.identity, progress)
         peer = start_peer(settings, identity=identity)
     except BootstrapError as error:
+        _close(ranks)
         raise JoinError(str(error)) from None
+    except BaseException:
+        _close(ranks)
+        raise
     # the others may still be pulling this peer's last payload when it leaves: it serves it for up to a
     # round more
     peer.drain = timedelta(seconds=min(DRAIN_MAX_S, settings.run.round_seconds))
@@ -122,7 +139,7 @@ def _join(settings: PeerSpec, progress: Progress) -> dict:
             _write_address(settings.network.address_file, address)
         _announce_address(settings, progress, address, addresses, dht.peer_id.to_base58(), peer.reachability)
         schedule = _discover(settings, progress, dht) if settings.network.initial_peers else None
-        return _train(settings, progress, peer, schedule, workload, credentials, fitted)
+        return _train(settings, progress, peer, schedule, workload, credentials, fitted, ranks)
 
 
 def _discover(settings: PeerSpec, progress: Progress, dht) -> RoundSchedule | None:
@@ -229,7 +246,21 @@ def _fit(settings: PeerSpec, progress: Progress, workload: Workload) -> Fit | No
     return fitted
 
 
-def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, credentials, fitted) -> dict:
+def _ranks(settings: PeerSpec, workload: Workload) -> LocalRanks | None:
+    try:
+        return workload_ranks(settings, workload)
+    except RanksError as error:
+        raise SettingsError(str(error)) from None
+
+
+def _close(ranks: LocalRanks | None) -> None:
+    if ranks is not None:
+        ranks.close()
+
+
+def _train(
+    settings, progress, peer: SwarmPeer, schedule, workload: Workload, credentials, fitted, ranks
+) -> dict:
     if schedule is None:
         schedule = saved_clock(settings, progress) or RoundSchedule(
             start_time=settings.run.start_time or time.time() + 0.5, round_seconds=settings.run.round_seconds
@@ -242,6 +273,7 @@ def _train(settings, progress, peer: SwarmPeer, schedule, workload: Workload, cr
         workload,
         coordinator=_coordinator_link(settings, credentials, peer.dht.peer_id.to_base58()),
         warn=lambda text: progress.message(f"warning: {text}"),
+        ranks=ranks,
     )
     if fitted is not None:
         trainer.batch_size = fitted.batch_size
@@ -291,11 +323,11 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
         crowd = max(crowd, report.participants)
         if (crowd > 1 and report.participants <= 1) != alone:
             alone = not alone
-            _tell_alone(progress, alone, report)
+            tell_alone(progress, alone, report)
         late = tell_late(progress, exchange.counts.late, late, report, settings.run.round_seconds)
         if exchange.isolation.isolated != isolated:
             isolated = exchange.isolation.isolated
-            _tell_isolation(progress, isolated, report.round, peer.reachability)
+            tell_isolation(progress, isolated, report.round, peer.reachability)
         if metrics is not None:
             metrics.observe_round(
                 report,
@@ -335,35 +367,6 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
     held_out = (loaded.module, loaded.loss_fn, workload.streams.validation, loaded.seq_len)
     validation = validation_loss(*held_out, batch_size=batch_size) if reports else None
     return _summary(settings, progress, peer, reports, final_resync, validation)
-
-
-def _tell_alone(progress: Progress, alone: bool, report) -> None:
-    """A peer that trained with others and finds itself alone (they left, or the node it joined through
-    is gone) is told so, and when it has company again."""
-    progress.event("alone", alone=alone, round=report.round)
-    if alone:
-        progress.message(
-            f"Round {report.round}: this peer sees no other peer of the run (they left, or the node it "
-            f"joined through is gone): it trains alone and dials its initial peers every {REJOIN_EVERY_S:g} s"
-        )
-    else:
-        progress.message(f"Round {report.round}: this peer trains with {report.participants} peers again.")
-
-
-def _tell_isolation(progress: Progress, isolated: bool, round_number: int, reach: Reachability) -> None:
-    """A peer that reaches none of the others (shoal.peer.swarm.isolation) is told so, and how to fix it."""
-    progress.event("isolated", isolated=isolated, round=round_number)
-    if not isolated:
-        progress.message(f"Round {round_number}: this peer reaches the swarm again and takes part in it.")
-        return
-    progress.message(
-        f"Round {round_number}: this peer pulled none of the other peers' updates in the last "
-        f"{ISOLATED_AFTER} rounds, and none of them pulled its own: it can reach none of them "
-        f"({reach.describe()}). It sits the rounds out, as its updates would only keep the others "
-        f"waiting; it trains on and offers them again every {ISOLATED_AFTER} rounds. To take part, join "
-        "through a `shoal bootstrap` node (it relays for peers behind NAT) or forward a port and pass "
-        "--announce-maddrs; `shoal check` tells which case this peer is in."
-    )
 
 
 def _serve_metrics(settings, progress, exchange, trainer, device, numel) -> PeerMetrics | None:

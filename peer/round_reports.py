@@ -1,11 +1,15 @@
 """What `shoal join` tells after each round, in the log and the metrics: of the data it trains on, the
 held-out loss every --validate-every rounds (`tell_validation`) and the token ledger (`tell_ledger`: the
 rounds it settled, the epoch, and with --audit-data on, the windows this peer trained); and a peer whose
-payloads miss round after round (`tell_late`)."""
+payloads miss round after round (`tell_late`), one left alone (`tell_alone`) or cut off from the others
+(`tell_isolation`)."""
 
 from shoal.peer.assembly import Workload
 from shoal.peer.data import validation_loss
 from shoal.peer.progress import Progress
+from shoal.peer.swarm.directory import REJOIN_EVERY_S
+from shoal.peer.swarm.isolation import ISOLATED_AFTER
+from shoal.peer.swarm.relay import Reachability
 
 
 def tell_ledger(progress: Progress, exchange, plan, metrics, told: int) -> int:
@@ -91,3 +95,32 @@ def tell_late(progress: Progress, missed: int, late: tuple[int, int], report, ro
         progress.message(f"this peer's payload made its round again (round {report.round})")
         progress.event("late", late=False, round=report.round, missed=missed)
     return missed, streak
+
+
+def tell_alone(progress: Progress, alone: bool, report) -> None:
+    """A peer that trained with others and finds itself alone (they left, or the node it joined through
+    is gone) is told so, and when it has company again."""
+    progress.event("alone", alone=alone, round=report.round)
+    if alone:
+        progress.message(
+            f"Round {report.round}: this peer sees no other peer of the run (they left, or the node it "
+            f"joined through is gone): it trains alone and dials its initial peers every {REJOIN_EVERY_S:g} s"
+        )
+    else:
+        progress.message(f"Round {report.round}: this peer trains with {report.participants} peers again.")
+
+
+def tell_isolation(progress: Progress, isolated: bool, round_number: int, reach: Reachability) -> None:
+    """A peer that reaches none of the others (shoal.peer.swarm.isolation) is told so, and how to fix it."""
+    progress.event("isolated", isolated=isolated, round=round_number)
+    if not isolated:
+        progress.message(f"Round {round_number}: this peer reaches the swarm again and takes part in it.")
+        return
+    progress.message(
+        f"Round {round_number}: this peer pulled none of the other peers' updates in the last "
+        f"{ISOLATED_AFTER} rounds, and none of them pulled its own: it can reach none of them "
+        f"({reach.describe()}). It sits the rounds out, as its updates would only keep the others "
+        f"waiting; it trains on and offers them again every {ISOLATED_AFTER} rounds. To take part, join "
+        "through a `shoal bootstrap` node (it relays for peers behind NAT) or forward a port and pass "
+        "--announce-maddrs; `shoal check` tells which case this peer is in."
+    )

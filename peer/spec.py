@@ -313,6 +313,8 @@ class ModelSpec(_Section):
     """auto (bf16 autocast on GPUs that have it, fp32 elsewhere), fp32, or bf16 autocast anywhere."""
     activation_checkpointing: str = _setting("activation_checkpointing", _choice(("on", "off")), "off")
     """on: keep only each block's input and recompute its activations in the backward pass."""
+    nproc_per_node: int = _setting("nproc_per_node", _int(1, 1024), 1)
+    """Data-parallel ranks of this peer on this machine, one per GPU (or CPU process): shoal.peer.ranks."""
     outer_state: str = _setting("outer_state", _choice(("device", "cpu")), "device")
     """Where DiLoCo keeps its outer copy, momentum and error feedback: with the model, or in (pinned)
     host memory, copied to and from the device once a round."""

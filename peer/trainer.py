@@ -35,6 +35,7 @@ from shoal.peer.algorithms.exchange import Exchange
 from shoal.peer.algorithms.schedule import Schedule
 from shoal.peer.algorithms.synchronizer import synchronizer
 from shoal.peer.checkpoint import CheckpointStore
+from shoal.peer.ranks import LocalRanks
 from shoal.peer.stopping import StopRequest
 
 PHASES = ("compute", "encode", "exchange", "decode", "apply")
@@ -123,6 +124,9 @@ class Trainer:
         grad_clip: each step's gradient clipped to this norm (0: not clipped).
         weight_decay: DeMo's, or DiLoCo's inner AdamW's (None: the algorithm's).
         outer_device: where DiLoCo keeps its outer state (`--outer-state cpu`; None: with the model).
+        ranks: this peer's data-parallel ranks, of which this trainer is rank 0 (shoal.peer.ranks: the
+            others compute its micro-batches with it, and it alone steps); None: one process. A step
+            across ranks is not cut short by the compute window, and out of memory is not recovered.
     """
 
     def __init__(
@@ -144,6 +148,7 @@ class Trainer:
         grad_clip: float = 0.0,
         weight_decay: float | None = None,
         outer_device: torch.device | str | None = None,
+        ranks: "LocalRanks | None" = None,
     ):
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
@@ -170,6 +175,12 @@ class Trainer:
         """Optimizer steps taken; every round takes `inner_steps` of them."""
         self.sync = synchronizer(model, exchange, algorithm, codec, weight_decay, outer_device)
         self.schedule, self.grad_clip = schedule, grad_clip
+        if ranks is not None and max_micro_batches < ranks.world:
+            raise ValueError(
+                f"--max-micro-batches {max_micro_batches} with --nproc-per-node {ranks.world}: each rank "
+                "computes at least one micro-batch a step; at least as many as ranks"
+            )
+        self.ranks = ranks
         self.lr = algorithm.lr
         """The learning rate of the last step."""
         """The algorithm over the exchange (shoal.peer.algorithms.synchronizer)."""
@@ -214,6 +225,8 @@ class Trainer:
         # a step stops accumulating once past its share of the window (the device slowed down: another
         # process, thermal throttling), so that the payload still makes the round's deadline
         budget = None if self.compute_window is None else self.compute_window / self.inner_steps
+        if self.ranks is not None:  # every rank computes the micro-batches rank 0 announced
+            budget = None
         first = self.rounds_done if number is None else number  # the swarm's round, for the schedule
         for inner in range(self.inner_steps):
             start = time.perf_counter()
@@ -263,6 +276,8 @@ class Trainer:
         passed (at least one; the gradient is then scaled to their mean, counted in `cut_short`); on
         out-of-memory, halves the micro-batch and starts the step's accumulation over. Returns (mean
         loss, samples, tokens, micro-batches done); the loss is read from the device once per step."""
+        if self.ranks is not None:
+            return self._accumulate_across_ranks(micro_batches, plan)
         while True:
             try:
                 total = None
@@ -288,6 +303,29 @@ class Trainer:
                 if not is_out_of_memory(error):
                     raise
                 self._recover_from_oom(error)
+
+    def _accumulate_across_ranks(self, micro_batches: int, plan: object) -> tuple[float, int, int, int]:
+        """`_accumulate` across the peer's ranks (shoal.peer.ranks): rank 0's parameters broadcast, the
+        m-th micro-batch of rank r drawn as the peer's m N + r-th, the gradients averaged. Counts the
+        samples and tokens of every rank; the loss is rank 0's."""
+        ranks, total, samples, tokens = self.ranks, None, 0, 0
+        for micro in range(micro_batches):
+            drawn = [
+                self.batches(self.steps, micro * ranks.world + rank, self.batch_size, plan)
+                for rank in range(ranks.world)
+            ]
+            if micro == 0:
+                ranks.announce(micro_batches, self.batch_size, drawn[0][0].shape[1])
+                ranks.broadcast_parameters(self.model)
+            inputs, targets = ranks.share(drawn, tuple(drawn[0][0].shape))
+            with self.autocast():
+                loss = self.loss_fn(self.model, inputs, targets)
+            (loss / micro_batches).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            samples += sum(x.shape[0] for x, _ in drawn)
+            tokens += sum(y.numel() for _, y in drawn)
+        ranks.reduce_gradients(self.model)
+        return total.item() / micro_batches, samples, tokens, micro_batches
 
     def _recover_from_oom(self, error: BaseException) -> None:
         for p in self.model.parameters():
@@ -318,7 +356,8 @@ class Trainer:
     def _refit(self) -> None:
         if self.compute_window is not None and self._micro_seconds is not None:
             fits = math.floor(self.compute_window / (self.inner_steps * self._micro_seconds))
-            self.micro_batches = max(1, min(self.max_micro_batches, fits))
+            most = self.max_micro_batches // (1 if self.ranks is None else self.ranks.world)
+            self.micro_batches = max(1, min(most, fits))
 
     def finish(self) -> None:
         """Ends training: an overlapped algorithm applies the round still in flight; every peer lands
@@ -327,6 +366,8 @@ class Trainer:
 
     def close(self) -> None:
         self.sync.close()
+        if self.ranks is not None:
+            self.ranks.close()
 
     def shared_state(self) -> list[torch.Tensor]:
         """What every peer of the swarm holds alike (Synchronizer.shared_state)."""

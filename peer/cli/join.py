@@ -123,6 +123,11 @@ JOIN_FLAGS = {
         "on|off",
         "on: recompute each block's activations in the backward pass (less memory, more compute)",
     ),
+    "nproc_per_node": (
+        "N",
+        "run this peer as N data-parallel ranks, one per GPU from --device's (gloo processes on a CPU): "
+        "rank 0 talks to the swarm and steps, the others compute with it (also: shoal join under torchrun)",
+    ),
     "outer_state": (
         "device|cpu",
         "DiLoCo: keep the outer copy, momentum and error feedback with the model, or in (pinned) host "

@@ -81,6 +81,8 @@ def test_a_port_in_use_is_told_at_once(listening, flag):
             "--announce-maddrs '203.0.113.5:31337' is not a multiaddress",
         ),
         (["--announce-maddrs", "/ip4/203.0.113.5/udp/9"], "--announce-maddrs '/ip4/203.0.113.5/udp/9'"),
+        (["--nproc-per-node", "1000"], "--nproc-per-node 1000: this machine has"),
+        (["--nproc-per-node", "2", "--max-micro-batches", "1"], "--nproc-per-node 2: each rank computes"),
     ],
 )
 def test_an_unusable_model_or_data_exits_2_before_the_dht_starts(flags, named):
