@@ -31,7 +31,7 @@ from shoal.peer.data import RoundSlices, TokenStreams, load_data
 from shoal.peer.data.ledger import TokenLedger
 from shoal.peer.data.tokenizer import load_tokenizer
 from shoal.peer.fit import Fit, fit
-from shoal.peer.hardware import autocast_for, choose_device
+from shoal.peer.hardware import LossScale, autocast_for, choose_device
 from shoal.peer.models import LoadedModel, load_model, recompute, recomputing
 from shoal.peer.ranks import LocalRanks, RanksError, check_ranks, start_ranks, torchrun_ranks
 from shoal.peer.runtime import SwarmPeer
@@ -215,6 +215,7 @@ def build_peer(
         weight_decay=spec.algorithm.weight_decay,
         outer_device="cpu" if spec.model.outer_state == "cpu" else None,
         ranks=ranks,
+        loss_scale=LossScale() if spec.model.precision == "fp16" else None,
     )
 
 

@@ -42,13 +42,15 @@ def choose_device(setting: str = "auto") -> torch.device:
 def autocast_for(
     device: torch.device, precision: str = "auto"
 ) -> Callable[[], contextlib.AbstractContextManager]:
-    """`--precision`: auto, bf16 autocast on CUDA GPUs that support bf16 and fp32 elsewhere; fp32; or
-    bf16 autocast on any device (ValueError naming the flag on a GPU without bf16). fp16 is not
-    offered: without loss scaling its gradients underflow, and DeMo's sign and DiLoCo's pseudo-gradient
-    would carry the zeros."""
+    """`--precision`: auto, bf16 autocast on CUDA GPUs that support bf16 and fp32 elsewhere; fp32; bf16
+    autocast on any device (ValueError naming the flag on a GPU without bf16); or fp16 autocast, whose
+    gradients the trainer scales (`LossScale`: unscaled they underflow, and DeMo's sign and DiLoCo's
+    pseudo-gradient would carry the zeros)."""
     bf16 = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
     if precision == "fp32":
         return contextlib.nullcontext
+    if precision == "fp16":
+        return functools.partial(torch.autocast, device_type=device.type, dtype=torch.float16)
     if precision == "bf16":
         if device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bf16; use fp32")
@@ -92,3 +94,36 @@ def resident_bytes() -> float:
     except (OSError, ValueError, IndexError):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return float(peak if sys.platform == "darwin" else peak * 1024)
+
+
+class LossScale:
+    """Dynamic loss scaling for fp16 autocast (`--precision fp16`): the loss is multiplied by `scale`
+    (a power of two) before its backward pass, so that small gradients do not underflow in fp16, and
+    the gradients divided by it before the optimizer's step. A step whose gradients overflowed has them
+    zeroed (the optimizer still steps, so that the swarm's round goes on; counted in `skipped`) and
+    halves the scale; `growth_every` steps without overflow double it. One host sync a step.
+    """
+
+    def __init__(self, *, scale: float = 2.0**16, growth_every: int = 2000):
+        self.scale, self.growth_every = scale, growth_every
+        self.good_steps = 0
+        self.skipped = 0
+        """Steps whose gradients overflowed (zeroed, the scale halved)."""
+
+    def unscale(self, params: list[torch.Tensor]) -> bool:
+        """Divides the gradients by the scale; False (and zeroed) if any was not finite."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return True
+        found = torch.zeros(1, device=grads[0].device)
+        inverse = torch.full((1,), 1.0 / self.scale, device=grads[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
+        if found.item():  # the one sync: whether this step's gradients may be used
+            for grad in grads:
+                grad.zero_()
+            self.scale, self.good_steps, self.skipped = max(self.scale / 2, 1.0), 0, self.skipped + 1
+            return False
+        self.good_steps += 1
+        if self.good_steps % self.growth_every == 0:
+            self.scale = min(self.scale * 2, 2.0**24)
+        return True

@@ -21,6 +21,7 @@ A worker (`python -m shoal.peer.ranks`, or a rank of torchrun other than 0) buil
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -50,9 +51,11 @@ class LocalRanks:
         self.rank, self.world, self.device = rank, world, device
         self.workers = list(workers)
 
-    def announce(self, micro_batches: int, batch_size: int, width: int) -> None:
-        """Rank 0: a step of `micro_batches` micro-batches of `batch_size` rows of `width` tokens."""
-        dist.broadcast(torch.tensor([STEP, micro_batches, batch_size, width], device=self.device), 0)
+    def announce(self, micro_batches: int, batch_size: int, width: int, scale: float = 1.0) -> None:
+        """Rank 0: a step of `micro_batches` micro-batches of `batch_size` rows of `width` tokens, the
+        loss multiplied by `scale` (fp16's loss scale, a power of two) before its backward pass."""
+        header = [STEP, micro_batches, batch_size, width, round(math.log2(scale))]
+        dist.broadcast(torch.tensor(header, device=self.device), 0)
 
     def share(self, drawn: list[tuple[torch.Tensor, torch.Tensor]] | None, shape: tuple) -> tuple:
         """Every rank's (inputs, targets) of a micro-batch, from rank 0 (`drawn`, one per rank); this
@@ -90,7 +93,7 @@ class LocalRanks:
         """Rank 0: tells the workers to stop, waits for them, leaves the process group."""
         if self.rank == 0 and dist.is_initialized():
             with contextlib.suppress(RuntimeError):  # a worker that died already
-                dist.broadcast(torch.tensor([STOP, 0, 0, 0], device=self.device), 0)
+                dist.broadcast(torch.tensor([STOP, 0, 0, 0, 0], device=self.device), 0)
         for worker in self.workers:
             try:
                 worker.wait(timeout=60)
@@ -104,9 +107,9 @@ def serve(ranks: LocalRanks, module: nn.Module, loss_fn: Callable, autocast: Cal
     """A worker rank's loop: the steps rank 0 announces, until it says stop. Returns the steps served."""
     steps = 0
     while True:
-        header = torch.empty(4, dtype=torch.long, device=ranks.device)
+        header = torch.empty(5, dtype=torch.long, device=ranks.device)
         dist.broadcast(header, 0)
-        op, micro_batches, batch_size, width = header.tolist()
+        op, micro_batches, batch_size, width, scale_log2 = header.tolist()
         if op == STOP:
             return steps
         ranks.broadcast_parameters(module)
@@ -114,7 +117,7 @@ def serve(ranks: LocalRanks, module: nn.Module, loss_fn: Callable, autocast: Cal
             inputs, targets = ranks.share(None, (batch_size, width))
             with autocast():
                 loss = loss_fn(module, inputs, targets)
-            (loss / micro_batches).backward()
+            (loss * (2.0**scale_log2 / micro_batches)).backward()
         ranks.reduce_gradients(module)
         for p in module.parameters():
             p.grad = None

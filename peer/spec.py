@@ -309,8 +309,9 @@ class ModelSpec(_Section):
     """Samples per micro-batch to start with (halved if the device runs out of memory)."""
     max_micro_batches: int = _setting("max_micro_batches", _int(1, 4096), 64)
     """Most micro-batches accumulated per step."""
-    precision: str = _setting("precision", _choice(("auto", "fp32", "bf16")), "auto")
-    """auto (bf16 autocast on GPUs that have it, fp32 elsewhere), fp32, or bf16 autocast anywhere."""
+    precision: str = _setting("precision", _choice(("auto", "fp32", "bf16", "fp16")), "auto")
+    """auto (bf16 autocast on GPUs that have it, fp32 elsewhere), fp32, bf16 autocast anywhere, or fp16
+    autocast with dynamic loss scaling (shoal.peer.hardware.LossScale)."""
     activation_checkpointing: str = _setting("activation_checkpointing", _choice(("on", "off")), "off")
     """on: keep only each block's input and recompute its activations in the backward pass."""
     nproc_per_node: int = _setting("nproc_per_node", _int(1, 1024), 1)

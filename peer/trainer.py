@@ -35,6 +35,7 @@ from shoal.peer.algorithms.exchange import Exchange
 from shoal.peer.algorithms.schedule import Schedule
 from shoal.peer.algorithms.synchronizer import synchronizer
 from shoal.peer.checkpoint import CheckpointStore
+from shoal.peer.hardware import LossScale
 from shoal.peer.ranks import LocalRanks
 from shoal.peer.stopping import StopRequest
 
@@ -127,6 +128,7 @@ class Trainer:
         ranks: this peer's data-parallel ranks, of which this trainer is rank 0 (shoal.peer.ranks: the
             others compute its micro-batches with it, and it alone steps); None: one process. A step
             across ranks is not cut short by the compute window, and out of memory is not recovered.
+        loss_scale: fp16's dynamic loss scaling (shoal.peer.hardware.LossScale; None: no scaling).
     """
 
     def __init__(
@@ -149,6 +151,7 @@ class Trainer:
         weight_decay: float | None = None,
         outer_device: torch.device | str | None = None,
         ranks: "LocalRanks | None" = None,
+        loss_scale: LossScale | None = None,
     ):
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
@@ -180,7 +183,7 @@ class Trainer:
                 f"--max-micro-batches {max_micro_batches} with --nproc-per-node {ranks.world}: each rank "
                 "computes at least one micro-batch a step; at least as many as ranks"
             )
-        self.ranks = ranks
+        self.ranks, self.loss_scale = ranks, loss_scale
         self.lr = algorithm.lr
         """The learning rate of the last step."""
         """The algorithm over the exchange (shoal.peer.algorithms.synchronizer)."""
@@ -232,6 +235,8 @@ class Trainer:
             start = time.perf_counter()
             loss, step_samples, step_tokens, step_micro = self._accumulate(micro_batches, budget, plan)
             done += step_micro
+            if self.loss_scale is not None:
+                self.loss_scale.unscale(list(self.model.parameters()))
             self._prepare_step(first + inner / self.inner_steps)
             middle = time.perf_counter()
             self.sync.step(samples=step_samples, plan=plan)
@@ -287,7 +292,7 @@ class Trainer:
                     inputs, targets = self.batches(self.steps, micro, self.batch_size, plan)
                     with self.autocast():
                         loss = self.loss_fn(self.model, inputs, targets)
-                    (loss / micro_batches).backward()
+                    (loss * (self._scale / micro_batches)).backward()
                     total = loss.detach() if total is None else total + loss.detach()
                     samples += inputs.shape[0]
                     tokens += targets.numel()
@@ -315,17 +320,21 @@ class Trainer:
                 for rank in range(ranks.world)
             ]
             if micro == 0:
-                ranks.announce(micro_batches, self.batch_size, drawn[0][0].shape[1])
+                ranks.announce(micro_batches, self.batch_size, drawn[0][0].shape[1], self._scale)
                 ranks.broadcast_parameters(self.model)
             inputs, targets = ranks.share(drawn, tuple(drawn[0][0].shape))
             with self.autocast():
                 loss = self.loss_fn(self.model, inputs, targets)
-            (loss / micro_batches).backward()
+            (loss * (self._scale / micro_batches)).backward()
             total = loss.detach() if total is None else total + loss.detach()
             samples += sum(x.shape[0] for x, _ in drawn)
             tokens += sum(y.numel() for _, y in drawn)
         ranks.reduce_gradients(self.model)
         return total.item() / micro_batches, samples, tokens, micro_batches
+
+    @property
+    def _scale(self) -> float:
+        return 1.0 if self.loss_scale is None else self.loss_scale.scale
 
     def _recover_from_oom(self, error: BaseException) -> None:
         for p in self.model.parameters():

@@ -118,7 +118,11 @@ JOIN_FLAGS = {
     ),
     "batch_size": ("B", "samples per micro-batch to start with (halved if the device runs out of memory)"),
     "max_micro_batches": ("N", "most micro-batches accumulated per step"),
-    "precision": ("auto|fp32|bf16", "auto: bf16 autocast on GPUs that have it, fp32 elsewhere"),
+    "precision": (
+        "auto|fp32|bf16|fp16",
+        "auto: bf16 autocast on GPUs that have it, fp32 elsewhere; fp16: autocast with dynamic loss scaling "
+        "(GPUs without bf16)",
+    ),
     "activation_checkpointing": (
         "on|off",
         "on: recompute each block's activations in the backward pass (less memory, more compute)",

@@ -319,3 +319,50 @@ def test_a_stop_that_comes_after_a_rounds_checkpoint_ends_the_next_round_with_on
         if len(done) == 2:
             stop.set()  # after round 1's end_round read the stop as unset
     assert done == [0, 1, 2] and saved == [False, False, True] and peer.stopped
+
+
+def test_loss_scaling_unscales_the_gradients_and_drops_a_step_that_overflowed():
+    """fp16's dynamic loss scale (hardware.LossScale): the optimizer sees the true gradients; a step
+    whose scaled gradients overflowed reaches it zeroed, counted, and the scale is halved; after
+    `growth_every` good steps it doubles again."""
+    from shoal.peer.hardware import LossScale
+
+    plain = trainer()
+    scaled = trainer(loss_scale=LossScale(scale=2.0**10, growth_every=2))
+    seen = {}
+    for name, peer in (("plain", plain), ("scaled", scaled)):
+        peer.sync.optimizer.step = lambda samples, plan=None, name=name, peer=peer: seen.setdefault(
+            name, [p.grad.clone() for p in peer.model.parameters()]
+        )
+        peer.round()
+    for got, want in zip(seen["scaled"], seen["plain"], strict=True):
+        torch.testing.assert_close(got, want)  # the same gradient, scaled and unscaled exactly (2^10)
+    assert scaled.loss_scale.scale == 2.0**10 and scaled.loss_scale.skipped == 0
+    scaled.round()
+    assert scaled.loss_scale.scale == 2.0**11  # two good steps: doubled
+    scaled.loss_scale.scale = 2.0**200  # the next loss overflows float32 too once scaled
+    grads = []
+    scaled.sync.optimizer.step = lambda samples, plan=None: grads.append(
+        [p.grad.clone() for p in scaled.model.parameters()]
+    )
+    scaled.round()
+    assert scaled.loss_scale.skipped == 1 and scaled.loss_scale.scale == 2.0**199
+    assert all(torch.count_nonzero(g) == 0 for g in grads[0])
+
+
+def test_fp16_autocast_with_loss_scaling_trains_the_embedded_gpt():
+    from shoal.peer.hardware import LossScale, autocast_for
+
+    torch.manual_seed(0)
+    loaded = load_model("tiny")
+    rows = torch.randint(0, 256, (8, loaded.seq_len + 1))
+    peer = Trainer(
+        loaded.module,
+        LoopbackExchange.group(1)[0],
+        algorithm=DeMoConfig(lr=3e-3),
+        batches=lambda step, micro, size, plan: (rows[:size, :-1], rows[:size, 1:]),
+        autocast=autocast_for(torch.device("cpu"), "fp16"),
+        loss_scale=LossScale(),
+    )
+    losses = [peer.round().loss for _ in range(8)]
+    assert losses[-1] < losses[0] - 0.2 and peer.loss_scale.skipped == 0
