@@ -4,6 +4,7 @@ into its own cache, report the held-out loss every second round, and end on one 
 round kept in a final checkpoint."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -64,3 +65,42 @@ def test_two_peers_train_a_hugging_face_model_with_its_tokenizer_on_parquet(tmp_
 
 def _err(folder, name):
     return (folder / f"{name}.err").open("w")
+
+
+@pytest.mark.timeout(180)
+def test_two_peers_train_the_embedded_model_on_a_jsonl_corpus_and_refuse_other_data(tmp_path):
+    """The embedded byte-level GPT on a jsonl corpus given straight to `shoal join` (prepared into the
+    cache as bytes, documents separated): the two peers train together and end on one model; a third
+    peer with another corpus is refused, naming the data."""
+    corpus = corpora.write_jsonl(tmp_path / "corpus.jsonl", corpora.documents(300))
+    common = ["--host", "127.0.0.1", "--run", "jsonl", "--log-format", "json", "--round-seconds", "3"]
+    common += ["--data", str(corpus), "--until-round", "3", "--data-cache", str(tmp_path / "cache")]
+    outs = [tmp_path / "first.jsonl", tmp_path / "second.jsonl"]
+    peers = []
+    try:
+        peers.append(start("join", *common, stdout=outs[0].open("w"), stderr=_err(tmp_path, "first")))
+        started = wait_for(outs[0], lambda e: e.get("event") == "started", 120)
+        joiner = ["--initial-peers", started["initial_peers"][0]]
+        peers.append(
+            start("join", *common, *joiner, stdout=outs[1].open("w"), stderr=_err(tmp_path, "second"))
+        )
+        other = corpora.write_jsonl(tmp_path / "other.jsonl", corpora.documents(50))
+        refused = start(
+            "join", *common, *joiner, "--data", str(other), "--discover-seconds", "30",
+            stdout=(tmp_path / "third.jsonl").open("w"), stderr=_err(tmp_path, "third"),
+        )  # fmt: skip
+        peers.append(refused)
+        for peer, name in zip(peers[:2], ("first", "second"), strict=True):
+            assert peer.wait(timeout=150) == 0, (tmp_path / f"{name}.err").read_text()[-3000:]
+        assert refused.wait(timeout=60) != 0
+    finally:
+        for peer in peers:
+            kill(peer)
+    summaries = [wait_for(out, lambda e: e.get("event") == "summary", 1) for out in outs]
+    assert summaries[0]["param_hash"] == summaries[1]["param_hash"]
+    events = [json.loads(line) for line in outs[1].read_text().splitlines()]
+    assert any(e.get("event") == "round" and e["participants"] == 2 for e in events)
+    said = (tmp_path / "third.err").read_text()  # both corpora's digests named: theirs and its own
+    assert "every peer of this run has another configuration" in said, said[-2000:]
+    named = set(re.findall(r"data is ([0-9a-f]{64}) there, ([0-9a-f]{64}) here", said))
+    assert len(named) == 1 and len(set(next(iter(named)))) == 2, said[-2000:]
