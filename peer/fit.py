@@ -226,14 +226,24 @@ def estimate(
 
 def saved_for_backward(loaded: LoadedModel, batch_size: int, checkpointing: bool) -> tuple[int, int]:
     """(bytes, the largest tensor's) the autograd graph of one micro-batch keeps for the backward pass,
-    parameters aside; traced on fake tensors."""
+    parameters aside; traced on fake tensors, or, for a model whose forward pass fake tensors cannot run
+    (one that reads values, a module:factory's own kernels), one real sample's, times the batch."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # torch's own, for shape propagation
 
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            return _trace(loaded, fake.from_tensor, batch_size, checkpointing)
+    except Exception:  # any failure of fake tensors: the real trace is the fallback
+        saved, largest = _trace(loaded, lambda tensor: tensor, 1, checkpointing)
+        return saved * batch_size, largest * batch_size
+
+
+def _trace(loaded: LoadedModel, make: Callable, batch_size: int, checkpointing: bool) -> tuple[int, int]:
     module, vocab = loaded.module, loaded.vocab_size or 256
     saved: dict[int, int] = {}  # bytes by storage: a tensor saved by two operations counts once
-    with _checkpointing(module, checkpointing), FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        fakes = [fake.from_tensor(p) for p in module.parameters()]  # held: their storages stay theirs
-        own = {f.untyped_storage()._cdata for f in fakes}
+    with _checkpointing(module, checkpointing):
+        held = [make(p) for p in module.parameters()]  # held: their storages stay theirs
+        own = {p.untyped_storage()._cdata for p in held}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
@@ -241,7 +251,7 @@ def saved_for_backward(loaded: LoadedModel, batch_size: int, checkpointing: bool
                 saved[storage._cdata] = max(saved.get(storage._cdata, 0), storage.nbytes())
             return tensor
 
-        rows = fake.from_tensor(torch.zeros(batch_size, loaded.seq_len + 1, dtype=torch.long))
+        rows = make(torch.zeros(batch_size, loaded.seq_len + 1, dtype=torch.long))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             loaded.loss_fn(module, rows[:, :-1], rows[:, 1:].clamp(max=vocab - 1))
     return sum(saved.values()), max(saved.values(), default=0)

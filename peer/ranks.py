@@ -23,9 +23,13 @@ import contextlib
 import json
 import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -47,9 +51,16 @@ class RanksError(ValueError):
 class LocalRanks:
     """This process's place among the peer's ranks, and the collectives of a step."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, workers: list[subprocess.Popen] = ()):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        device: torch.device,
+        workers: list[subprocess.Popen] = (),
+        store: Path | None = None,
+    ):
         self.rank, self.world, self.device = rank, world, device
-        self.workers = list(workers)
+        self.workers, self.store = list(workers), store  # rank 0's spawned workers, and where they met
 
     def announce(self, micro_batches: int, batch_size: int, width: int, scale: float = 1.0) -> None:
         """Rank 0: a step of `micro_batches` micro-batches of `batch_size` rows of `width` tokens, the
@@ -101,6 +112,8 @@ class LocalRanks:
                 worker.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.store is not None:
+            shutil.rmtree(self.store, ignore_errors=True)
 
 
 def serve(ranks: LocalRanks, module: nn.Module, loss_fn: Callable, autocast: Callable) -> int:
@@ -149,7 +162,8 @@ def start_ranks(count: int, device: torch.device, model: dict) -> LocalRanks:
     """Rank 0 of `count`: spawns the other ranks (`python -m shoal.peer.ranks`), each building the
     model `model` names (load_model's arguments and `checkpointing`, `precision`), and meets them."""
     check_ranks(count, device)
-    store = Path(tempfile.mkdtemp(prefix="shoal-ranks-")) / "store"
+    folder = Path(tempfile.mkdtemp(prefix="shoal-ranks-"))
+    store = folder / "store"
     workers = []
     for rank in range(1, count):
         env = os.environ | {
@@ -164,8 +178,9 @@ def start_ranks(count: int, device: torch.device, model: dict) -> LocalRanks:
     except BaseException:
         for worker in workers:
             worker.kill()
+        shutil.rmtree(folder, ignore_errors=True)
         raise
-    return LocalRanks(0, count, device, workers)
+    return LocalRanks(0, count, device, workers, folder)
 
 
 def join_group(rank: int, world: int, device: torch.device, init_method: str) -> None:
@@ -187,6 +202,23 @@ def torchrun_ranks(device: torch.device) -> LocalRanks | None:
     return LocalRanks(rank, world, mine)
 
 
+def follow_rank_0() -> None:
+    """A spawned worker leaves when rank 0 tells it to, or when rank 0 is gone: Ctrl-C and SIGTERM,
+    which reach the whole process group, are rank 0's to handle (it stops at a round's end and tells
+    the workers), and a thread exits the worker once its parent has died (killed: no collective would
+    ever complete)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="rank-0-watch", daemon=True).start()
+
+
 def worker_main() -> int:
     """A spawned worker rank: builds the model, meets rank 0, serves its steps."""
     from shoal.peer.hardware import autocast_for
@@ -194,6 +226,7 @@ def worker_main() -> int:
 
     rank, world = int(os.environ["SHOAL_RANK"]), int(os.environ["SHOAL_WORLD"])
     model = json.loads(os.environ["SHOAL_RANKS_MODEL"])
+    follow_rank_0()
     device = torch.device(model["device"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     loaded = load_model(model["name"], seed=model["seed"], seq_len=model["seq_len"])

@@ -3,6 +3,8 @@ within 15%, for the embedded GPT and Hugging Face configurations under DeMo and 
 activation checkpointing; the fit's choice under a tight budget; a refusal with the numbers; the dry
 run leaving the model and the random generators as they were; the live-tensor tracker itself."""
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -115,3 +117,17 @@ def test_live_tensors_counts_what_is_alive_and_its_peak():
         c.resize_(2000)  # grown in place
         assert live.bytes == 4000 + 8000
     assert live.peak == 12000
+
+
+def test_a_model_fake_tensors_cannot_run_is_traced_on_one_real_sample():
+    """A forward pass that reads a value (here `.item()`) cannot run on fake tensors: its activations
+    are traced on one real sample, times the batch, and the estimate still holds."""
+    tiny = load_model("tiny")
+
+    def reading_loss(model, inputs, targets):
+        assert inputs.max().item() < 256  # a value read on the host
+        return tiny.loss_fn(model, inputs, targets)
+
+    reading = dataclasses.replace(tiny, loss_fn=reading_loss)
+    trial = fit.measure(reading, DEFAULTS["demo"], torch.device("cpu"), 8)
+    assert 0.85 <= trial.estimate.total / trial.measured <= 1.15, trial
