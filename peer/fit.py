@@ -208,23 +208,26 @@ def estimate(
     *,
     checkpointing: bool = False,
     outer_on_host: bool = False,
+    precision: torch.dtype | None = None,
 ) -> Estimate:
     """`batch_size` samples of the model at its sequence length, on fake tensors: nothing is run and
-    nothing allocated on the device. Traced in the model's own dtype: under bf16 autocast the
-    activations take less (the estimate errs on the safe side)."""
+    nothing allocated on the device. `precision`: the autocast dtype the peer trains in (None: none),
+    traced under the CPU's autocast with it (its casts are the GPU's for the layers that hold memory)."""
     module = loaded.module
     trainable = [p for p in module.parameters() if p.requires_grad]
     parameters = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
     state, step = algorithm_memory(algorithm, trainable, outer_on_host)
-    saved, largest = saved_for_backward(loaded, batch_size, checkpointing)
+    saved, largest = saved_for_backward(loaded, batch_size, checkpointing, precision)
     transient = 2 * largest  # the loss's gradient through the logits, at the start of the backward pass
     if checkpointing:  # later, one block's activations recomputed at a time
-        whole, _ = saved_for_backward(loaded, batch_size, False)
+        whole, _ = saved_for_backward(loaded, batch_size, False, precision)
         transient = max(transient, (whole - saved) // max(1, layers(module)))
     return Estimate(batch_size, checkpointing, parameters, state, saved + transient, step)
 
 
-def saved_for_backward(loaded: LoadedModel, batch_size: int, checkpointing: bool) -> tuple[int, int]:
+def saved_for_backward(
+    loaded: LoadedModel, batch_size: int, checkpointing: bool, precision: torch.dtype | None = None
+) -> tuple[int, int]:
     """(bytes, the largest tensor's) the autograd graph of one micro-batch keeps for the backward pass,
     parameters aside; traced on fake tensors, or, for a model whose forward pass fake tensors cannot run
     (one that reads values, a module:factory's own kernels), one real sample's, times the batch."""
@@ -232,14 +235,17 @@ def saved_for_backward(loaded: LoadedModel, batch_size: int, checkpointing: bool
 
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-            return _trace(loaded, fake.from_tensor, batch_size, checkpointing)
+            return _trace(loaded, fake.from_tensor, batch_size, checkpointing, precision)
     except Exception:  # any failure of fake tensors: the real trace is the fallback
-        saved, largest = _trace(loaded, lambda tensor: tensor, 1, checkpointing)
+        saved, largest = _trace(loaded, lambda tensor: tensor, 1, checkpointing, precision)
         return saved * batch_size, largest * batch_size
 
 
-def _trace(loaded: LoadedModel, make: Callable, batch_size: int, checkpointing: bool) -> tuple[int, int]:
+def _trace(
+    loaded: LoadedModel, make: Callable, batch_size: int, checkpointing: bool, precision: torch.dtype | None
+) -> tuple[int, int]:
     module, vocab = loaded.module, loaded.vocab_size or 256
+    cast = contextlib.nullcontext() if precision is None else torch.autocast("cpu", dtype=precision)
     saved: dict[int, int] = {}  # bytes by storage: a tensor saved by two operations counts once
     with _checkpointing(module, checkpointing):
         held = [make(p) for p in module.parameters()]  # held: their storages stay theirs
@@ -252,9 +258,15 @@ def _trace(loaded: LoadedModel, make: Callable, batch_size: int, checkpointing: 
             return tensor
 
         rows = make(torch.zeros(batch_size, loaded.seq_len + 1, dtype=torch.long))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), cast:
             loaded.loss_fn(module, rows[:, :-1], rows[:, 1:].clamp(max=vocab - 1))
     return sum(saved.values()), max(saved.values(), default=0)
+
+
+def dtype_of(autocast: Callable) -> torch.dtype | None:
+    """The dtype of an autocast factory (shoal.peer.hardware.autocast_for's), None for none."""
+    keywords = getattr(autocast, "keywords", None) or {}
+    return keywords.get("dtype") if getattr(autocast, "func", None) is torch.autocast else None
 
 
 def layers(module: nn.Module) -> int:
@@ -336,7 +348,8 @@ def measure(
                 p.grad = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    guess = estimate(loaded, algorithm, batch_size, checkpointing=checkpointing, outer_on_host=outer_on_host)
+    setup = {"checkpointing": checkpointing, "outer_on_host": outer_on_host, "precision": dtype_of(autocast)}
+    guess = estimate(loaded, algorithm, batch_size, **setup)
     return Trial(guess, peak, round_s, outer_on_host)
 
 
@@ -406,7 +419,7 @@ def fit(
     for recomputed, on_host in options:
         for size in sizes:
             setup = {"checkpointing": recomputed, "outer_on_host": on_host}
-            if estimate(loaded, algorithm, size, **setup).total > budget:
+            if estimate(loaded, algorithm, size, **setup, precision=dtype_of(autocast)).total > budget:
                 continue
             trial = measure(loaded, algorithm, device, size, **setup, autocast=autocast)
             trials.append(trial)

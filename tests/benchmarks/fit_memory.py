@@ -5,6 +5,7 @@ checkpointing. The measured peak is a dry run's (two rounds and one timed over a
 torch's live tensors on the CPU, the allocator's peak on a GPU). Prints a table and a JSON line.
 
     python -m tests.benchmarks.fit_memory [--models tiny,small,base,gpt2,llama,qwen2] [--device cpu]
+        [--precision fp32|bf16|fp16]
 """
 
 import argparse
@@ -15,6 +16,7 @@ import torch
 
 from shoal.peer import fit
 from shoal.peer.algorithms.configs import DEFAULTS
+from shoal.peer.hardware import autocast_for
 from shoal.peer.models import load_model
 
 MIB = 1 << 20
@@ -47,8 +49,10 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,small,base,gpt2,llama,qwen2")
     parser.add_argument("--algorithms", default="demo,diloco-standard")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     args = parser.parse_args()
     device = torch.device(args.device)
+    autocast = autocast_for(device, args.precision)
     torch.set_num_threads(2)
     rows = []
     for name in args.models.split(","):
@@ -57,7 +61,9 @@ def main() -> None:
             numel = sum(p.numel() for p in loaded.module.parameters())
             for algorithm in args.algorithms.split(","):
                 for batch, recompute in [(1, False), (8, False), (8, True)]:
-                    trial = fit.measure(loaded, DEFAULTS[algorithm], device, batch, checkpointing=recompute)
+                    trial = fit.measure(
+                        loaded, DEFAULTS[algorithm], device, batch, checkpointing=recompute, autocast=autocast
+                    )
                     row = {
                         "model": name,
                         "parameters": numel,
@@ -75,7 +81,13 @@ def main() -> None:
                         flush=True,
                     )
     worst = max(abs(1 - row["ratio"]) for row in rows)
-    print(json.dumps({"device": str(device), "rows": rows, "worst_error": round(worst, 3)}))
+    summary = {
+        "device": str(device),
+        "precision": args.precision,
+        "rows": rows,
+        "worst_error": round(worst, 3),
+    }
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -131,3 +131,21 @@ def test_a_model_fake_tensors_cannot_run_is_traced_on_one_real_sample():
     reading = dataclasses.replace(tiny, loss_fn=reading_loss)
     trial = fit.measure(reading, DEFAULTS["demo"], torch.device("cpu"), 8)
     assert 0.85 <= trial.estimate.total / trial.measured <= 1.15, trial
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["tiny", "gpt2"])
+def test_the_estimate_follows_the_autocast_the_peer_trains_in(request, name, precision):
+    from shoal.peer.hardware import autocast_for
+
+    loaded = load_model("tiny") if name == "tiny" else request.getfixturevalue(name)
+    autocast = autocast_for(torch.device("cpu"), precision)
+    for checkpointing in (False, True):
+        trial = fit.measure(
+            loaded, DEFAULTS["demo"], torch.device("cpu"), 8, checkpointing=checkpointing, autocast=autocast
+        )
+        assert 0.85 <= trial.estimate.total / trial.measured <= 1.15, (checkpointing, trial)
+        assert (
+            trial.estimate.total
+            < fit.estimate(loaded, DEFAULTS["demo"], 8, checkpointing=checkpointing).total
+        )
