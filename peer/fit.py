@@ -4,19 +4,21 @@
 - `estimate`: the larger of the backward pass's peak (the parameters, the algorithm's state, the
   activations a micro-batch keeps for its backward pass) and the optimizer step's (the parameters,
   their gradients, the algorithm's state and the step's buffers: `algorithm_memory`). The activations
-  come from the model's own autograd graph, traced on fake tensors (nothing is allocated): the
-  saved-tensor hooks see every tensor the backward pass will read. Backward's own temporaries are
-  counted as two of the largest saved tensor (the loss's gradient through the logits).
-- `measure`: a dry run on the device, two rounds over a loopback exchange of one peer on random tokens,
-  on a copy of nothing (the parameters are put back afterwards, the random generators too): its peak
-  memory (the CUDA allocator's peak; on other devices torch's memory tracker, which follows every live
+  come from the model's own autograd graph, traced on fake tensors (nothing is allocated) under the
+  autocast the peer trains in: the saved-tensor hooks see every tensor the backward pass will read.
+  Backward's own temporaries are counted as two of the largest saved tensor (the loss's gradient
+  through the logits), or, with activation checkpointing, as one block's recomputed activations.
+- `measure`: a dry run on the device with the model itself (its parameters and the random generators
+  are put back afterwards): two rounds over a loopback exchange of one peer on random tokens, whose
+  peak memory is read (the CUDA allocator's peak; elsewhere `LiveTensors`, which follows every live
   tensor), then one more round's computation, untracked, for the time.
-- `fit`: the largest micro-batch (from --batch-size down, halving), then with activation checkpointing,
-  whose estimate and then measured peak fit the memory budget, and whose round computes within the
-  compute window (DiLoCo's H inner steps; DeMo's one micro-batch). `FitError` with the numbers and
-  what to change when nothing fits in memory: `shoal join` refuses with exit 2. A device too slow for
-  the window is a `late` fit: `shoal join` says so with the numbers and joins (a device's speed varies
-  with its load), then tells of each run of rounds its payloads missed. `--fit off` skips the check.
+- `fit`: the largest micro-batch (from --batch-size down, halving), then with activation
+  checkpointing, then (DiLoCo on a GPU) with the outer state in host memory, whose estimate and then
+  measured peak fit the memory budget, and whose round computes within the compute window (DiLoCo's H
+  inner steps; DeMo's one micro-batch). `FitError` with the numbers and what to change when nothing
+  fits in memory: `shoal join` refuses with exit 2. A device too slow for the window is a `late` fit:
+  `shoal join` says so with the numbers and joins (a device's speed varies with its load), then tells
+  of each run of rounds its payloads missed. `--fit off` skips the check.
 
     fit(loaded, DeMoConfig(), device=torch.device("cpu"), batch_size=8, window_s=5.0).describe()
 """

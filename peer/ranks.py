@@ -11,7 +11,7 @@ averaged across the ranks (one all-reduce); rank 0 takes the algorithm's step (D
 DiLoCo's inner and outer steps). The swarm sees one peer, whose payload is built once from the
 ranks' combined update and claims the samples of all its ranks.
 
-    ranks = start_ranks(2, "cpu", model_spec)      # rank 0 (shoal join): the workers spawned and met
+    ranks = start_ranks(2, torch.device("cpu"), model)  # rank 0 (shoal join): the workers spawned, met
     trainer = Trainer(..., ranks=ranks)            # its steps run across them
     trainer.close()                                # the workers told to stop, and waited for
 
