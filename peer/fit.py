@@ -290,9 +290,11 @@ def measure(
     checkpointing: bool = False,
     outer_on_host: bool = False,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    guess: Estimate | None = None,
 ) -> Trial:
     """A dry run of `batch_size` on `device` (module docstring); the model is where it was after it.
-    `outer_on_host`: DiLoCo's outer state in host memory (`--outer-state cpu`)."""
+    `outer_on_host`: DiLoCo's outer state in host memory (`--outer-state cpu`); `guess`: its estimate,
+    if the caller made it already."""
     from shoal.peer.algorithms.exchange import LoopbackExchange
     from shoal.peer.algorithms.feedback import codec_for
     from shoal.peer.trainer import Trainer
@@ -350,8 +352,9 @@ def measure(
                 p.grad = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    setup = {"checkpointing": checkpointing, "outer_on_host": outer_on_host, "precision": dtype_of(autocast)}
-    guess = estimate(loaded, algorithm, batch_size, **setup)
+    if guess is None:
+        setup = {"checkpointing": checkpointing, "outer_on_host": outer_on_host}
+        guess = estimate(loaded, algorithm, batch_size, **setup, precision=dtype_of(autocast))
     return Trial(guess, peak, round_s, outer_on_host)
 
 
@@ -421,9 +424,10 @@ def fit(
     for recomputed, on_host in options:
         for size in sizes:
             setup = {"checkpointing": recomputed, "outer_on_host": on_host}
-            if estimate(loaded, algorithm, size, **setup, precision=dtype_of(autocast)).total > budget:
+            guess = estimate(loaded, algorithm, size, **setup, precision=dtype_of(autocast))
+            if guess.total > budget:
                 continue
-            trial = measure(loaded, algorithm, device, size, **setup, autocast=autocast)
+            trial = measure(loaded, algorithm, device, size, **setup, autocast=autocast, guess=guess)
             trials.append(trial)
             if trial.measured > budget:
                 continue
