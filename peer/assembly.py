@@ -40,6 +40,7 @@ from shoal.peer.swarm.coordinator_link import CoordinatorLink
 from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.records import RoundPlan, RoundSchedule
 from shoal.peer.trainer import Batches, RoundReport, Trainer
+from shoal.peer.window import AutoWindow
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ def fit_workload(spec: PeerSpec, workload: Workload) -> Fit | None:
         spec.algorithm_config(),
         device=workload.device,
         batch_size=spec.model.batch_size,
-        window_s=spec.run.round_seconds * spec.run.compute_fraction,
+        window_s=spec.run.window_s,
         checkpointing=on,
         outer_on_host=spec.model.outer_state == "cpu",
         max_memory_gib=spec.model.max_memory,
@@ -198,6 +199,8 @@ def build_peer(
         "tokenizer": spec.data.tokenizer or "",
     }
     store = CheckpointStore(spec.checkpoint.dir, warn=warn, meta=meta) if spec.checkpoint.dir else None
+    if fill_window and spec.run.compute_fraction is None:
+        peer.window = AutoWindow(schedule.round_seconds)
     return peer.train(
         model,
         algorithm,
@@ -207,7 +210,7 @@ def build_peer(
         checkpoint_every=spec.checkpoint.every,
         loss_fn=loaded.loss_fn,
         batch_size=spec.model.batch_size,
-        compute_window=spec.run.round_seconds * spec.run.compute_fraction if fill_window else None,
+        compute_window=spec.run.window_s if fill_window else None,
         max_micro_batches=spec.model.max_micro_batches,
         autocast=autocast_for(device, spec.model.precision),
         schedule=spec.schedule(),

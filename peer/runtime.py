@@ -20,6 +20,7 @@ from shoal.peer.swarm.membership import record_validators
 from shoal.peer.swarm.records import RoundPlan, RoundSchedule
 from shoal.peer.swarm.relay import UNCHECKED, check_reachability
 from shoal.peer.trainer import Batches, RoundReport, Trainer
+from shoal.peer.window import AutoWindow
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,9 @@ class SwarmPeer:
         self.reachability = UNCHECKED
         """Whether this peer can be dialed, and its relays (shoal.peer.swarm.relay)."""
         self._encode_s = 0.0  # the last round's encode time
+        self.window: AutoWindow | None = None
+        """Without --compute-fraction: each uncoordinated round computes until its deadline, less the
+        exchange time measured (shoal.peer.window)."""
 
     @classmethod
     def start(
@@ -151,11 +155,16 @@ class SwarmPeer:
                 # a trainer that fills a window fills the coordinator's, leaving time to encode before its
                 # deadline (one that computes one micro-batch per step keeps to that)
                 trainer.set_compute_window(plan.compute_seconds - self._encode_s - 0.2)
+            elif self.window is not None and trainer.compute_window is not None:
+                deadline = exchange.schedule.deadline(plan.round)
+                trainer.set_compute_window(self.window.seconds(deadline, time.time()))
             # the round it computed for: an overlapped optimizer's gather may not have started yet
             report = trainer.round(plan.round, plan=plan)
             stopping = stop is not None and stop.is_set()  # read once: a stop after the checkpoint
             trainer.end_round(stopping)  # waits for the next round's end, which then saves it
             self._encode_s = report.phases["encode"]
+            if self.window is not None and plan.compute_seconds is None:
+                self.window.observe(exchange.stages.standing.needed, self._encode_s)
             wall = time.perf_counter() - started
             count, samples = count + 1, samples + report.samples
             epoch, share, windows = (0, 0.0, 0) if exchange.tokens is None else exchange.tokens.progress()

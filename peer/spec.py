@@ -33,6 +33,7 @@ from shoal.peer.algorithms.configs import (
 )
 from shoal.peer.algorithms.schedule import KINDS, Schedule
 from shoal.peer.swarm.names import check_run_name
+from shoal.peer.window import FIRST_FRACTION
 
 ALGORITHMS = {
     "demo": "demo",
@@ -201,8 +202,9 @@ class RunSpec(_Section):
     """Unix time of round 0, when starting a new swarm (0: now)."""
     discover_seconds: float = _setting("discover_seconds", _float(0.0, 86400), 60.0)
     """With initial peers: how long to wait for a peer of the run before starting it."""
-    compute_fraction: float = _setting("compute_fraction", _float(0.0, 0.95, open_low=True), 0.5)
-    """Share of a round spent computing; the rest is for the exchange."""
+    compute_fraction: float | None = _setting("compute_fraction", _float(0.0, 0.95, open_low=True), None)
+    """Share of a round spent computing; the rest is for the exchange. None: until the round's deadline
+    less the exchange time measured (shoal.peer.window), half a round until measured."""
     max_rounds: int = _setting("max_rounds", _int(0), 0)
     """Leave after this many rounds (0: never)."""
     until_round: int | None = _setting("until_round", _int(0), None)
@@ -213,6 +215,12 @@ class RunSpec(_Section):
     """Seed of the initial weights and of the data order."""
     compute_delay: float = _setting("compute_delay", _float(0.0, 3600.0), 0.0)
     """Testing: sleep this long in every round's compute phase (a slow peer)."""
+
+    @property
+    def window_s(self) -> float:
+        """The compute window of a round as first planned: --compute-fraction's, else half a round
+        (shoal.peer.window adapts it from there)."""
+        return self.round_seconds * (self.compute_fraction or FIRST_FRACTION)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -170,6 +170,40 @@ class Exchange(ABC):
         """sum_m weight_m * tensor_m / sum_m weight_m over the participants, as a new tensor."""
 
 
+class Delegating(Exchange):
+    """An exchange that passes everything to `inner`: benchmarks subclass it to count or change what
+    they need (shoal.peer.bench: bytes sent, a hostile worker's payloads)."""
+
+    def __init__(self, inner: Exchange):
+        self.inner = inner
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    @property
+    def gather_limit(self) -> int:
+        return getattr(self.inner, "gather_limit", 0)
+
+    def gather(
+        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None, plan: object = None
+    ) -> Gathered:
+        return self.inner.gather(payload, samples, state, plan)
+
+    def reject(self, contribution: Contribution, reason: str) -> None:
+        self.inner.reject(contribution, reason)
+
+    def refuse(self, reason: str) -> None:
+        self.inner.refuse(reason)
+
+    def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        return self.inner.mean(tensor, weight)
+
+
 class LoopbackExchange(Exchange):
     """N workers inside one process, each on its own thread, meeting at a barrier.
 

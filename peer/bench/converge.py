@@ -34,7 +34,7 @@ from shoal.compression import Codec, DCTTopKCodec, DenseCodec, TopKCodec
 from shoal.peer.algorithms.configs import SPARSE_ERROR_DECAY, SPARSE_OUTER
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
-from shoal.peer.algorithms.exchange import Exchange, run_loopback
+from shoal.peer.algorithms.exchange import Delegating, Exchange, run_loopback
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
 from shoal.peer.data import validation_loss as held_out_loss
 from shoal.peer.model import GPTConfig, TinyGPT
@@ -53,6 +53,10 @@ class ConvergeConfig:
 
     model: str
     """GPTConfig preset."""
+    vocab_size: int = 256
+    """The model's vocabulary: 256 for bytes, the tokenizer's for the medium scale (scale.py)."""
+    n_layer: int = 0
+    """Transformer blocks; 0: the preset's."""
     steps: int
     """Optimizer steps per worker (inner steps for DiLoCo): the same token budget for every method."""
     batch_size: int
@@ -68,6 +72,8 @@ class ConvergeConfig:
     """AdamW learning rate, also DiLoCo's inner one."""
     demo_lr: float = 2e-3
     """DeMo's sign-step learning rate."""
+    demo_decay: float | None = None
+    """DeMo's momentum beta (compression_decay); None: the method's (0.999 reference, 0.99 compact)."""
     error_decay: float = SPARSE_ERROR_DECAY
     """DiLoCo's error feedback beta with a lossy codec (SparseLoCo's 0.95 did worse here: BENCHMARKS.md)."""
     eval_batches: int = 8
@@ -77,10 +83,22 @@ class ConvergeConfig:
     carry: bool = False
     """Whether a worker left out of a round also sends its work again with its next contribution (the
     optimizers' `carry`)."""
+    eval_every: int = 0
+    """Worker 0's validation loss every this many steps (a multiple of `inner_steps`, so that DiLoCo is
+    measured just after an outer step), for the curves; 0: only at the end."""
+    device: str = "cpu"
+    precision: str = "fp32"
+    """fp32, or bf16: the forward and backward pass under bf16 autocast (the GPU form)."""
 
     @property
     def gpt(self) -> GPTConfig:
-        return GPTConfig.preset(self.model)
+        layers = {"n_layer": self.n_layer} if self.n_layer else {}
+        return GPTConfig.preset(self.model, vocab_size=self.vocab_size, **layers)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens trained by all workers in one step."""
+        return self.workers * self.batch_size * self.gpt.seq_len
 
 
 QUICK = ConvergeConfig(model="tiny", steps=300, batch_size=16, inner_steps=25)
@@ -93,6 +111,9 @@ class MethodResult:
     final_val_loss: float
     bytes_sent_per_worker: int
     wall_s: float
+    curve: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
+    """(tokens trained by all workers, bytes worker 0 sent, validation loss) every `eval_every` steps
+    and at the end; empty without `eval_every`."""
 
 
 @dataclass(slots=True)
@@ -106,7 +127,26 @@ def _adamw(model: TinyGPT, config: ConvergeConfig) -> torch.optim.AdamW:
 
 
 def _loss(model: TinyGPT, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return model(inputs, targets=targets)
+    device = inputs.device.type
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=getattr(model, "bf16", False)):
+        return model(inputs, targets=targets)
+
+
+class _Counted(Delegating):
+    """An exchange that counts the bytes its worker sends (payloads gathered; tensors averaged, as
+    float32), so that a curve can be drawn against bytes."""
+
+    def __init__(self, inner: Exchange):
+        super().__init__(inner)
+        self.sent = 0
+
+    def gather(self, payload: bytes, samples: int, state=None, plan: object = None):
+        self.sent += len(payload)
+        return super().gather(payload, samples, state, plan)
+
+    def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        self.sent += tensor.numel() * 4
+        return super().mean(tensor, weight)
 
 
 def _train_adamw_dp(model, exchange, batches, config) -> int:
@@ -129,6 +169,8 @@ def _train_adamw_dp(model, exchange, batches, config) -> int:
 
 def _train_demo(model, exchange, batches, config, **settings) -> int:
     settings |= {"weight_decay": 0.1, "carry": config.carry}
+    if config.demo_decay is not None:
+        settings["compression_decay"] = config.demo_decay
     optimizer = DeMo(model.parameters(), lr=config.demo_lr, exchange=exchange, **settings)
     for inputs, targets in batches:
         _loss(model, inputs, targets).backward()
@@ -206,17 +248,33 @@ def validation_loss(model: TinyGPT, streams: TokenStreams, config: ConvergeConfi
 
 def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> MethodResult:
     """Trains `config.workers` workers with `method` and evaluates worker 0."""
+    if config.eval_every and config.eval_every % config.inner_steps:
+        raise ValueError(f"eval_every ({config.eval_every}) must be a multiple of H ({config.inner_steps})")
     torch.manual_seed(config.seed)
     initial = TinyGPT(config.gpt).state_dict()
     plan = BatchPlan(
         seq_len=config.gpt.seq_len, batch_size=config.batch_size, workers=config.workers, seed=config.seed
     )
+    device = torch.device(config.device)
+    curve: list[tuple[int, int, float]] = []
+
+    def batches(rank: int, model: TinyGPT, exchange: _Counted):
+        for step in range(config.steps):
+            if rank == 0 and config.eval_every and step and step % config.eval_every == 0:
+                # asked for the next batch: step `step - 1` is done (and DiLoCo's outer step with it)
+                curve.append(
+                    (step * config.tokens_per_step, exchange.sent, validation_loss(model, streams, config))
+                )
+            inputs, targets = plan.batch(streams.train, step, rank)
+            yield inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
     def work(rank: int, exchange: Exchange) -> _WorkerOutcome:
-        model = TinyGPT(config.gpt)
+        model = TinyGPT(config.gpt).to(device)
         model.load_state_dict(initial)
-        batches = (plan.batch(streams.train, step, rank) for step in range(config.steps))
-        return _WorkerOutcome(model, TRAINERS[method](model, exchange, batches, config))
+        model.bf16 = config.precision == "bf16"
+        counted = _Counted(exchange)
+        sent = TRAINERS[method](model, counted, batches(rank, model, counted), config)
+        return _WorkerOutcome(model, sent if not config.eval_every else counted.sent)
 
     start = time.perf_counter()
     outcomes = run_loopback(config.workers, work, gather_limit=config.gather)
@@ -224,7 +282,9 @@ def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> Me
     loss = validation_loss(outcomes[0].model, streams, config)
     if not math.isfinite(loss):
         raise RuntimeError(f"{method}: validation loss is {loss}")
-    return MethodResult(method, loss, outcomes[0].bytes_sent, wall)
+    if config.eval_every:
+        curve.append((config.steps * config.tokens_per_step, outcomes[0].bytes_sent, loss))
+    return MethodResult(method, loss, outcomes[0].bytes_sent, wall, curve)
 
 
 def main(*, as_json: bool, quick: bool, methods: tuple[str, ...] = METHODS, **overrides: float) -> int:

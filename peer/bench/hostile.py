@@ -57,7 +57,14 @@ from shoal.compression.dct_topk import unpack
 from shoal.peer.algorithms.configs import SPARSE_OUTER, AlgorithmConfig, DeMoConfig, DiLoCoConfig
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
-from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, Gathered, run_loopback
+from shoal.peer.algorithms.exchange import (
+    Averaged,
+    Contribution,
+    Delegating,
+    Exchange,
+    Gathered,
+    run_loopback,
+)
 from shoal.peer.algorithms.feedback import codec_for
 from shoal.peer.bench import converge
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
@@ -160,31 +167,6 @@ def _fixed_direction(shape: tuple[int, ...]) -> torch.Tensor:
     return direction / direction.norm()
 
 
-class _Wrapped(Exchange):
-    """An exchange that passes everything to `inner`; subclasses change what they need."""
-
-    def __init__(self, inner: Exchange):
-        self.inner = inner
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
-
-    def gather(self, payload: bytes, samples: int, state=None, plan=None) -> Gathered:
-        return self.inner.gather(payload, samples, state=state, plan=plan)
-
-    @property
-    def gather_limit(self) -> int:
-        return self.inner.gather_limit
-
-    def mean(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
-        return self.inner.mean(tensor, weight)
-
-
 class Collusion:
     """What colluding attackers share: each round, the first one's poisoned payload, sent by all."""
 
@@ -201,7 +183,7 @@ class Collusion:
         return shared
 
 
-class Poisoned(_Wrapped):
+class Poisoned(Delegating):
     """An attacker's exchange: `inner`, with the payloads and sample counts it sends rewritten."""
 
     def __init__(
@@ -244,7 +226,7 @@ class HostileResult:
     wall_s: float
 
 
-class _Recorder(_Wrapped):
+class _Recorder(Delegating):
     """An honest worker's exchange that counts, per reason, whom its optimizer reported."""
 
     def __init__(self, inner: Exchange, attackers: set[int]):

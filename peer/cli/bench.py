@@ -3,6 +3,7 @@
 
 import argparse
 import sys
+from pathlib import Path
 
 from shoal.peer.cli.flags import positive_int
 
@@ -18,6 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _wan_arguments(benchmarks)
     _swarm_local_arguments(benchmarks)
     _coordinator_arguments(benchmarks)
+    _utilization_arguments(benchmarks)
 
 
 def _codec_arguments(benchmarks: argparse._SubParsersAction) -> None:
@@ -66,6 +68,23 @@ def _converge_arguments(benchmarks: argparse._SubParsersAction) -> None:
     converge.add_argument(
         "--quick", action="store_true", help="the tiny model for 300 steps (~3 minutes on 2 cores)"
     )
+    converge.add_argument(
+        "--scale",
+        choices=("medium", "gpu"),
+        help="medium: a 5.8M-parameter GPT on a 4,096-token BPE, every method swept (~2 hours on 2 cores); "
+        "gpu: 27M parameters in bf16 on --device cuda, one run per method (<= 8 minutes)",
+    )
+    converge.add_argument(
+        "--record",
+        type=Path,
+        metavar="FILE",
+        help="with --scale: the runs, one JSON line each, resumed from (default converge-SCALE.jsonl)",
+    )
+    converge.add_argument(
+        "--plots", type=Path, metavar="DIR", help="with --scale: write the loss curves there as PNG files"
+    )
+    converge.add_argument("--steps", type=positive_int, help="with --scale: steps per worker")
+    converge.add_argument("--device", help="with --scale: cpu (medium's default) or cuda (gpu's)")
     converge.add_argument(
         "--methods",
         help="comma-separated, of adamw_dp,demo_reference,demo_compact,diloco_standard,diloco_delayed,"
@@ -207,8 +226,49 @@ def run(args: argparse.Namespace) -> int:
         "converge": _converge,
         "hostile": _hostile,
         "swarm-local": _swarm_local,
+        "utilization": _utilization,
         "wan": _wan,
     }[args.benchmark](args)
+
+
+def _utilization_arguments(benchmarks: argparse._SubParsersAction) -> None:
+    bench = benchmarks.add_parser(
+        "utilization",
+        help="tokens/s of a default swarm's `shoal join` peers on loopback against plain torch's, same run",
+    )
+    bench.add_argument("--json", action="store_true", help='print one JSON object {"results": [...]}')
+    bench.add_argument("--peers", type=positive_int, default=4, help="peer processes (default 4)")
+    bench.add_argument("--model", choices=["tiny", "small", "base"], default="small", help="default: small")
+    bench.add_argument("--algorithms", default="demo,diloco", help="comma-separated (default demo,diloco)")
+    bench.add_argument("--rounds", type=positive_int, default=10, help="rounds per swarm (default 10)")
+    bench.add_argument(
+        "--round-seconds", type=float, default=10.0, help="round length (default 10: shoal join's)"
+    )
+    bench.add_argument("--batch-size", type=positive_int, default=8, help="sequences a micro-batch (8)")
+
+
+def _utilization(args: argparse.Namespace) -> int:
+    from shoal.peer.bench import utilization
+    from shoal.peer.settings import ALGORITHMS
+
+    algorithms = tuple(args.algorithms.split(","))
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown or not args.round_seconds > 0 or args.rounds <= utilization.WARMUP_ROUNDS:
+        print(
+            f"shoal bench utilization: error: unknown --algorithms {', '.join(unknown)}, or --round-seconds "
+            f"<= 0, or --rounds <= {utilization.WARMUP_ROUNDS}",
+            file=sys.stderr,
+        )
+        return 2
+    return utilization.main(
+        as_json=args.json,
+        peers=args.peers,
+        model=args.model,
+        algorithms=algorithms,
+        rounds=args.rounds,
+        round_seconds=args.round_seconds,
+        batch_size=args.batch_size,
+    )
 
 
 def _codec(args: argparse.Namespace) -> int:
@@ -239,6 +299,8 @@ def _coordinator(args: argparse.Namespace) -> int:
 def _converge(args: argparse.Namespace) -> int:
     from shoal.peer.bench import converge
 
+    if args.scale:
+        return _converge_scale(args)
     methods = tuple(args.methods.split(",")) if args.methods else converge.METHODS
     unknown = set(methods) - set(converge.TRAINERS)
     if unknown:
@@ -252,6 +314,28 @@ def _converge(args: argparse.Namespace) -> int:
     names = ("inner_steps", "outer_lr", "outer_momentum", "error_decay", "workers", "gather", "carry")
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return converge.main(as_json=args.json, quick=args.quick, methods=methods, **overrides)
+
+
+def _converge_scale(args: argparse.Namespace) -> int:
+    from shoal.peer.bench import scale
+
+    methods = tuple(args.methods.split(",")) if args.methods else tuple(scale.SWEEPS)
+    unknown = set(methods) - set(scale.SWEEPS)
+    if unknown or args.quick:
+        what = f"--methods: {', '.join(sorted(unknown))} not swept (choose of {', '.join(scale.SWEEPS)})"
+        what = "--quick and --scale" if args.quick else what
+        print(f"shoal bench converge: error: {what}", file=sys.stderr)
+        return 2
+    names = ("steps", "device", "workers", "inner_steps")
+    overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return scale.main(
+        scale=args.scale,
+        as_json=args.json,
+        methods=methods,
+        record=args.record,
+        plots=args.plots,
+        **overrides,
+    )
 
 
 def _swarm_local(args: argparse.Namespace) -> int:

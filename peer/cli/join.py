@@ -88,7 +88,11 @@ JOIN_FLAGS = {
         "S",
         "with --initial-peers: wait this long for a peer of --run, then start the run (0: at once)",
     ),
-    "compute_fraction": ("F", "share of a round spent computing; the rest is for the exchange"),
+    "compute_fraction": (
+        "F",
+        "share of a round spent computing, the rest left for the exchange (default: until the round's "
+        "deadline less the exchange time this peer measured)",
+    ),
     "lr": ("LR", "learning rate (0: 2e-3 for DeMo, 1e-3 for DiLoCo's inner AdamW)"),
     "compression": (
         "PRESET",

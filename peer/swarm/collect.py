@@ -174,7 +174,7 @@ async def collect(
         taken, read_at = len(reads.announced), time.time()
         await reads.read(polls, idle)
         if pulls.due(reads.compatible, reads.announced.keys() | reads.ignored, read_at):
-            pull_chosen(stages, round_number, reads.announced, fetches)
+            pull_chosen(stages, round_number, reads.announced, fetches, reads.pulled_at)
         # while pulls wait for the chosen set, a new announcement does not hasten the next read
         poll_s = polls.next_poll_s(news=polls.unknown or (len(reads.announced) > taken and pulls.started))
         remaining = deadline - time.time()
@@ -182,6 +182,7 @@ async def collect(
             break
         await asyncio.sleep(min(poll_s, remaining))
     strike_unserved(stages, reads, fetches, deadline, pulls.since)
+    standing.needed = _needed(stages, reads, fetches, pulls.since, polls.longest_s)
     await abandon(list(fetches.values()))
     standing.settled_s = pulls.settled_s(started, polls.shortest_s)
     return reads.announced, reads.compatible
@@ -196,6 +197,8 @@ class Reads:
         self.key = round_key(stages.run, round_number)
         self.announced = {mine.owner: mine}
         self.announced_at: dict[bytes, float] = {}
+        self.pulled_at: dict[bytes, float] = {}
+        """When each pull ended (`pull_chosen`)."""
         self.ignored: set[bytes] = set()
         self.compatible: set[bytes] = set()
 
@@ -224,6 +227,22 @@ class Reads:
             self.announced_at[owner] = time.time()
 
 
+def _needed(
+    stages: "RoundStages", reads: "Reads", fetches: dict[bytes, asyncio.Task], since: float, poll_s: float
+) -> tuple[float, float] | None:
+    """What this round's exchange needed, whenever the others announced (shoal.peer.window): storing
+    this peer's announcement and a poll's wait to read one; and the longest pull, from its
+    announcement read to its payload held. None if a payload was still being pulled at the deadline."""
+    if not all(task.done() for task in fetches.values()):
+        return None
+    pulls = [
+        reads.pulled_at[owner] - max(reads.announced_at[owner], since)
+        for owner in fetches
+        if owner in reads.pulled_at
+    ]
+    return stages.standing.announce_s + poll_s, max(pulls, default=0.0)
+
+
 def strike_unserved(
     stages: "RoundStages",
     reads: Reads,
@@ -248,6 +267,7 @@ def pull_chosen(
     round_number: int,
     announced: dict[bytes, Announcement],
     fetches: dict[bytes, asyncio.Task],
+    pulled_at: dict[bytes, float],
 ) -> None:
     """Pulls the chosen payloads (`RoundStages.chosen`) not held yet, and stops pulling those a later
     announcement displaced from the chosen set (with no limit: every payload announced)."""
@@ -257,3 +277,4 @@ def pull_chosen(
     for owner, announcement in chosen.items():
         if owner not in fetches and not stages.server.holds(round_number, announcement.digest):
             fetches[owner] = asyncio.create_task(stages.fetch(round_number, announcement, announced))
+            fetches[owner].add_done_callback(lambda _, owner=owner: pulled_at.__setitem__(owner, time.time()))

@@ -17,6 +17,7 @@ over these stages, and each returns an `Outcome`: the round's result as one valu
 Runs on the exchange's event loop thread.
 """
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -60,6 +61,12 @@ class Standing:
     """Compatible peers seen in the last round, by public key."""
     settled_s: float | None = None
     """How far into its last round every compatible peer announced (`collect`)."""
+    announce_s: float = 0.0
+    """How long holding and announcing this peer's payload took, last round."""
+    needed: tuple[float, float] | None = None
+    """What the last round's exchange needed, `collect`'s, for the compute window (shoal.peer.window):
+    seconds to announce and be read, and of the longest pull; None: a pull was still on at the
+    deadline."""
 
 
 @dataclass(frozen=True)
@@ -112,9 +119,11 @@ class RoundStages:
         self, number: int, payload: bytes, samples: int, snapshot: Snapshot, schedule: RoundSchedule
     ) -> Outcome:
         """A round with no coordinator: every stage, until the round's deadline on `schedule`."""
+        began = time.time()
         mine = await self.hold(number, payload, samples, snapshot, schedule)
         if not self.isolation.sits_out(number):
             await self.announce(number, mine, schedule)
+        self.standing.announce_s = time.time() - began
         deadline = schedule.deadline(number)
         announced, compatible = await self.collect(number, mine, deadline, schedule.round_seconds)
         self.standing.members = sorted(compatible)

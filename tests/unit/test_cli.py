@@ -100,7 +100,8 @@ def test_bench_converge_json_reports_every_method(monkeypatch, capsys):
     rows = {r["method"]: r for r in json.loads(capsys.readouterr().out)["results"]}
     assert set(rows) == set(converge.METHODS)
     for row in rows.values():
-        assert set(row) == {"method", "final_val_loss", "bytes_sent_per_worker", "wall_s"}
+        assert set(row) == {"method", "final_val_loss", "bytes_sent_per_worker", "wall_s", "curve"}
+        assert row["curve"] == []  # curves: --scale only
         assert 0 < row["final_val_loss"] < 10 and row["bytes_sent_per_worker"] > 0
     assert rows["demo_compact"]["bytes_sent_per_worker"] * 100 < rows["adamw_dp"]["bytes_sent_per_worker"]
 

@@ -110,6 +110,26 @@ def test_micro_batches_fill_the_compute_window():
     assert reports[-1].compute_s == reports[-1].phases["compute"]
 
 
+def test_a_diloco_round_fills_its_window_with_more_micro_batches_than_it_has_steps():
+    """H = 4 steps in a window of about 7 micro-batches: the remainder goes to some of the steps
+    instead of being lost to one micro-batch a step (4 of 7)."""
+
+    def slow_loss(model, inputs, targets):
+        time.sleep(0.02)
+        return model(inputs, targets)
+
+    torch.manual_seed(0)
+    algorithm = DiLoCoConfig(inner_steps=4)
+    peer = Trainer(
+        Linear(), LoopbackExchange.group(1)[0], algorithm=algorithm, batches=batches, loss_fn=slow_loss,
+        compute_window=0.15, max_micro_batches=50,
+    )  # fmt: skip
+    reports = [peer.round() for _ in range(3)]
+    assert peer.micro_batches == 1  # 0.15 s / (4 steps x 0.02 s): one each, and a remainder
+    assert 5 * 8 <= reports[-1].samples <= 7 * 8
+    assert reports[-1].phases["compute"] <= 0.15 + 0.05
+
+
 def test_accumulated_micro_batches_give_the_mean_gradient():
     # two micro-batches of 4 accumulate the gradient of their mean loss, as one batch of 8 would
     peer = trainer(batch_size=4)

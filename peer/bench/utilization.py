@@ -1,0 +1,162 @@
+"""`shoal bench utilization`: the tokens/s a default swarm's peers train, against plain torch.
+
+    shoal bench utilization                          # 4 peers, DeMo and DiLoCo, 10 rounds of 10 s each
+    shoal bench utilization --algorithms demo --rounds 6 --json
+
+For each algorithm, in one run:
+1. plain torch: as many processes as peers, at once (the same share of the CPU each), each training
+   the model with AdamW on one batch of `--batch-size` sequences a step, for `--plain-seconds`;
+2. the swarm: real `shoal join` processes on 127.0.0.1 (shoal demo's launcher, without a
+   coordinator), at `shoal join`'s defaults but for the model, the run's length and the logs: rounds of
+   10 s, the compute window of shoal.peer.window, batch 8.
+
+Reported per peer: the tokens it trained in the rounds after the first two (the first plans half a
+round before anything is measured, and the peers start their DHTs), over those rounds' length, and
+that against plain torch's tokens/s: the share of the device the swarm keeps busy with training.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WARMUP_ROUNDS = 2
+
+
+def plain(model: str, batch_size: int, seconds: float) -> float:
+    """Tokens/s of plain torch training `model` (AdamW, one batch a step) for `seconds`."""
+    import torch
+
+    from shoal.peer.model import GPTConfig, TinyGPT
+
+    config = GPTConfig.preset(model)
+    torch.manual_seed(0)
+    net = TinyGPT(config)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    rows = torch.randint(0, config.vocab_size, (batch_size, config.seq_len + 1))
+    tokens, started = 0, None
+    while started is None or time.perf_counter() - started < seconds:
+        loss = net(rows[:, :-1], targets=rows[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if started is None:  # the first step warms the allocator up
+            started = time.perf_counter()
+        else:
+            tokens += batch_size * config.seq_len
+    return tokens / (time.perf_counter() - started)
+
+
+def plain_processes(peers: int, model: str, batch_size: int, seconds: float) -> list[float]:
+    """Plain torch's tokens/s in `peers` processes at once, each with the threads a demo peer gets."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // peers))}
+    command = [sys.executable, "-m", "shoal.peer.bench.utilization", model, str(batch_size), str(seconds)]
+    processes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) for _ in range(peers)]
+    return [float(p.communicate(timeout=seconds * 4 + 120)[0]) for p in processes]
+
+
+def swarm(
+    peers: int, model: str, algorithm: str, rounds: int, round_seconds: float, batch_size: int
+) -> list[dict]:
+    """Each peer's rounds (their `round` events) of a swarm of `shoal join` processes."""
+    from shoal.peer.cli import local_swarm
+    from shoal.peer.progress import Progress
+
+    with tempfile.TemporaryDirectory(prefix="shoal-utilization-") as logs:
+        local_swarm.run(
+            peers=peers,
+            rounds=rounds,
+            algorithm=algorithm,
+            round_seconds=round_seconds,
+            model=model,
+            progress=Progress("human", sys.stderr, title=f"utilization · {algorithm}"),
+            coordinator=False,
+            keep_logs=logs,
+            codec=("--batch-size", str(batch_size)),
+        )
+        return [_rounds(Path(logs) / f"peer{index}.log") for index in range(peers)]
+
+
+def _rounds(log: Path) -> dict:
+    rounds = {}
+    for line in log.read_text().splitlines():
+        if line.startswith("{"):
+            event = json.loads(line)
+            if event.get("event") == "round":
+                rounds[event["round"]] = event
+    return rounds
+
+
+def measure(rounds_of: dict, round_seconds: float, first: int, last: int) -> dict:
+    """A peer's tokens/s and compute share over rounds [first, last] (rounds it missed count as 0)."""
+    kept = [rounds_of[n] for n in range(first, last + 1) if n in rounds_of]
+    span = (last - first + 1) * round_seconds
+    return {
+        "tokens_per_s": sum(e["tokens"] for e in kept) / span,
+        "compute_share": sum(e["phases"]["compute"] for e in kept) / span,
+        "rounds": len(kept),
+    }
+
+
+def run(
+    *, peers: int, model: str, algorithm: str, rounds: int, round_seconds: float, batch_size: int
+) -> dict:
+    baseline = plain_processes(peers, model, batch_size, seconds=min(30.0, rounds * round_seconds / 2))
+    logs = swarm(peers, model, algorithm, rounds, round_seconds, batch_size)
+    last = min(max(r) for r in logs if r)
+    per_peer = [measure(r, round_seconds, WARMUP_ROUNDS, last) for r in logs]
+    plain_tps = statistics.fmean(baseline)
+    swarm_tps = statistics.fmean(p["tokens_per_s"] for p in per_peer)
+    return {
+        "algorithm": algorithm,
+        "peers": peers,
+        "model": model,
+        "round_seconds": round_seconds,
+        "rounds_measured": last - WARMUP_ROUNDS + 1,
+        "plain_tokens_per_s": plain_tps,
+        "swarm_tokens_per_s": swarm_tps,
+        "utilization": swarm_tps / plain_tps,
+        "compute_share": statistics.fmean(p["compute_share"] for p in per_peer),
+        "per_peer": per_peer,
+    }
+
+
+def main(
+    *,
+    as_json: bool,
+    peers: int,
+    model: str,
+    algorithms: tuple[str, ...],
+    rounds: int,
+    round_seconds: float,
+    batch_size: int,
+) -> int:
+    results = []
+    for algorithm in algorithms:
+        result = run(
+            peers=peers,
+            model=model,
+            algorithm=algorithm,
+            rounds=rounds,
+            round_seconds=round_seconds,
+            batch_size=batch_size,
+        )
+        results.append(result)
+        if not as_json:
+            print(
+                f"{algorithm:<14} {peers} peers, {model}: plain torch {result['plain_tokens_per_s']:7.0f} "
+                f"tokens/s, swarm peer {result['swarm_tokens_per_s']:7.0f} tokens/s: "
+                f"{result['utilization']:6.1%} (compute {result['compute_share']:.1%} of each round)",
+                flush=True,
+            )
+    if as_json:
+        print(json.dumps({"results": results}))
+    return 0
+
+
+if __name__ == "__main__":  # one plain-torch process: MODEL BATCH SECONDS, prints its tokens/s
+    print(plain(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))

@@ -1,0 +1,58 @@
+"""`shoal bench converge --scale`'s sweep (shoal.peer.bench.scale): the same rule for every method, a
+record that a stopped sweep resumes from, curves against tokens and bytes, and the parity table."""
+
+import dataclasses
+import json
+
+import pytest
+
+from shoal.peer.bench import scale
+from shoal.peer.bench.converge import ConvergeConfig
+from shoal.peer.data import stdlib_corpus
+
+TINY = ConvergeConfig(model="tiny", steps=4, batch_size=2, inner_steps=2, eval_every=2, eval_batches=1)
+
+
+@pytest.fixture(scope="module")
+def streams():
+    return stdlib_corpus(max_bytes=1 << 20)
+
+
+def test_every_method_gets_three_rates_an_edge_step_and_its_knob_and_a_rerun_reads_the_record(
+    tmp_path, streams, monkeypatch
+):
+    record = tmp_path / "runs.jsonl"
+    methods = ("adamw_dp", "demo_compact", "diloco_sparse")
+    runs = scale.sweep(methods, TINY, streams, record)
+    for method in methods:
+        plan, found = scale.SWEEPS[method], runs[method]
+        lrs = [run.settings[plan.lr_field] for run in found[:3]]
+        assert lrs == list(plan.lrs)
+        best = min(found[:3], key=lambda run: run.final_val_loss).settings[plan.lr_field]
+        at_edge = best in (min(plan.lrs), max(plan.lrs))
+        assert len(found) == 3 + at_edge + len(plan.knobs)
+    # DiLoCo's inner AdamW runs at AdamW-DP's best rate
+    adamw_best = min(runs["adamw_dp"], key=lambda run: run.final_val_loss).settings["adamw_lr"]
+    assert all(run.settings["adamw_lr"] in (adamw_best, adamw_best / 2) for run in runs["diloco_sparse"])
+    # curves: every eval_every steps and the end, tokens and bytes growing
+    curve = runs["demo_compact"][0].curve
+    assert [point[0] for point in curve] == [2 * TINY.tokens_per_step, 4 * TINY.tokens_per_step]
+    assert 0 < curve[0][1] < curve[1][1] == runs["demo_compact"][0].bytes_sent_per_worker
+    lines = record.read_text().splitlines()
+    assert len(lines) == sum(len(found) for found in runs.values())
+
+    def never(*args):
+        raise AssertionError("a recorded run was run again")
+
+    monkeypatch.setattr(scale, "run_method", never)
+    again = scale.sweep(methods, TINY, streams, record)
+    keys = {m: [r.key for r in found] for m, found in runs.items()}
+    assert {m: [r.key for r in found] for m, found in again.items()} == keys
+    other = dataclasses.replace(TINY, seed=1)  # other settings: not the record's runs
+    assert scale.run_key("adamw_dp", other, streams.digest) != runs["adamw_dp"][0].key
+
+    result = scale.report(runs, TINY, streams)
+    assert [row["comparison"] for row in result["parity"]] == ["DeMo compact / AdamW-DP"]
+    ratio = result["best"]["demo_compact"]["final_val_loss"] / result["best"]["adamw_dp"]["final_val_loss"]
+    assert result["parity"][0]["ratio"] == pytest.approx(ratio)
+    json.dumps(result)  # what --json prints

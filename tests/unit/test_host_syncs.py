@@ -1,0 +1,65 @@
+"""The DeMo step's host synchronizations do not grow with the model's tensors: each one stalls a GPU's
+queue, and one per tensor made the step host-bound (BENCHMARKS.md). Counted on the CPU, device-agnostic:
+the operations that read a value back to the host (`item`, `bool`, data-dependent shapes) as they reach
+torch's dispatcher, and the tensor methods that copy to host memory."""
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.exchange import LoopbackExchange
+from shoal.peer.model import GPTConfig, TinyGPT
+
+READS_BACK = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero"}
+"""Operators that make the host wait for the device's result."""
+
+
+class HostReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in READS_BACK:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def host_copies(monkeypatch):
+    counts = collections.Counter()
+    for method in ("tolist", "cpu"):  # .numpy() follows .cpu(): one copy
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _method=method, **kwargs):
+            counts[_method] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    return counts
+
+
+def syncs_per_step(layers: int, host_copies: collections.Counter, **settings) -> tuple[int, int]:
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig.preset("tiny", n_layer=layers))
+    optimizer = DeMo(model.parameters(), lr=1e-3, exchange=LoopbackExchange.group(1)[0], **settings)
+    tokens = torch.randint(0, 256, (2, 65))
+    for _ in range(2):  # the second step: buffers exist, as in training
+        model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+        host_copies.clear()
+        with HostReads() as reads:
+            optimizer.step(samples=2)
+        optimizer.zero_grad(set_to_none=True)
+    return sum(reads.counts.values()), sum(host_copies.values())
+
+
+@pytest.mark.parametrize("settings", [{}, {"compression_topk": 4, "value_bits": 1}], ids=["k32", "k4-1bit"])
+def test_a_demo_step_syncs_as_often_with_four_times_the_tensors(settings, host_copies):
+    small = syncs_per_step(2, host_copies, **settings)
+    large = syncs_per_step(8, host_copies, **settings)  # 68 tensors instead of 20
+    assert large == small
+    assert small[0] <= 8 and small[1] <= 8  # a handful a step: the payload, the checks, the screen
