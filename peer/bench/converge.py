@@ -35,6 +35,7 @@ from shoal.peer.algorithms.configs import SPARSE_ERROR_DECAY, SPARSE_OUTER
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Delegating, Exchange, run_loopback
+from shoal.peer.algorithms.schedule import Schedule
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
 from shoal.peer.data import validation_loss as held_out_loss
 from shoal.peer.model import GPTConfig, TinyGPT
@@ -83,6 +84,10 @@ class ConvergeConfig:
     carry: bool = False
     """Whether a worker left out of a round also sends its work again with its next contribution (the
     optimizers' `carry`)."""
+    warmup: int = 0
+    """Steps of linear warmup of every method's learning rate (DiLoCo's inner one)."""
+    cosine: bool = False
+    """After the warmup, a cosine decay to a tenth of the rate by the last step; else constant."""
     eval_every: int = 0
     """Worker 0's validation loss every this many steps (a multiple of `inner_steps`, so that DiLoCo is
     measured just after an outer step), for the curves; 0: only at the end."""
@@ -149,8 +154,24 @@ class _Counted(Delegating):
         return super().mean(tensor, weight)
 
 
+def _scheduled(optimizer: torch.optim.Optimizer, config: ConvergeConfig, batches):
+    """The batches, the optimizer's learning rate set for each one's step (`warmup`, `cosine`)."""
+    if not config.warmup and not config.cosine:
+        yield from batches
+        return
+    bases = [group["lr"] for group in optimizer.param_groups]
+    kind, decay = ("cosine", config.steps - config.warmup) if config.cosine else ("constant", 0)
+    for step, batch in enumerate(batches):
+        for group, base in zip(optimizer.param_groups, bases, strict=True):
+            group["lr"] = Schedule(kind=kind, warmup=config.warmup, decay=decay, min_lr=base / 10).lr(
+                base, step
+            )
+        yield batch
+
+
 def _train_adamw_dp(model, exchange, batches, config) -> int:
     optimizer = _adamw(model, config)
+    batches = _scheduled(optimizer, config, batches)
     params = [p for p in model.parameters() if p.requires_grad]
     sent = 0
     for inputs, targets in batches:
@@ -172,6 +193,7 @@ def _train_demo(model, exchange, batches, config, **settings) -> int:
     if config.demo_decay is not None:
         settings["compression_decay"] = config.demo_decay
     optimizer = DeMo(model.parameters(), lr=config.demo_lr, exchange=exchange, **settings)
+    batches = _scheduled(optimizer, config, batches)
     for inputs, targets in batches:
         _loss(model, inputs, targets).backward()
         optimizer.step(samples=inputs.shape[0])
@@ -184,9 +206,11 @@ def _train_demo(model, exchange, batches, config, **settings) -> int:
 def _train_diloco(model, exchange, batches, config, mode: str, codec: Codec | None = None) -> int:
     sparse = isinstance(codec, DCTTopKCodec)  # and TopKCodec: what `--compression sparse` runs with
     outer_lr, outer_momentum = SPARSE_OUTER if sparse else OUTER[mode]
+    inner = _adamw(model, config)
+    batches = _scheduled(inner, config, batches)
     with DiLoCo(
         model,
-        _adamw(model, config),
+        inner,
         exchange=exchange,
         inner_steps=config.inner_steps,
         mode=mode,

@@ -9,7 +9,8 @@ The medium scale (`MEDIUM`): a 5.8M-parameter GPT (6 blocks of width 256) on a b
 tokens trained here on the standard library's sources; the corpus goes through `shoal data prepare`'s
 path (shoal.peer.data.prepare), so validation is on held-out documents (1 in 20, by the SHA-256 of
 each). Four workers, 8 sequences of 128 tokens each per step, the same 250 steps (1.02M tokens) for
-every method.
+every method, each learning rate (DiLoCo's inner one) warmed up over 25 steps, then decayed along a
+cosine to a tenth.
 
 The sweep (`SWEEPS`) gives every method the same rule: three learning rates a factor of 2 apart; a
 fourth beyond the edge if the best was at one (once); then one run of the method's own knob at the
@@ -45,12 +46,12 @@ from shoal.peer.data.tokenizer import HFTokenizer
 VOCAB = 4096
 MEDIUM = ConvergeConfig(
     model="small", n_layer=6, vocab_size=VOCAB, steps=250, batch_size=8, inner_steps=10, eval_every=50,
-    eval_batches=16,
+    eval_batches=16, warmup=25, cosine=True,
 )  # fmt: skip
 """5.8M parameters; H = 10, the DiLoCo presets' (shoal.peer.algorithms.configs)."""
 GPU = ConvergeConfig(
     model="base", vocab_size=VOCAB, steps=600, batch_size=16, inner_steps=10, eval_every=100, eval_batches=16,
-    device="cuda", precision="bf16",
+    device="cuda", precision="bf16", warmup=60, cosine=True,
 )  # fmt: skip
 """27M parameters (8 blocks of width 512, 256 tokens of context), bf16 autocast."""
 SCALES = {"medium": MEDIUM, "gpu": GPU}

@@ -2,6 +2,7 @@
 record that a stopped sweep resumes from, curves against tokens and bytes, and the parity table."""
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -10,7 +11,9 @@ from shoal.peer.bench import scale
 from shoal.peer.bench.converge import ConvergeConfig
 from shoal.peer.data import stdlib_corpus
 
-TINY = ConvergeConfig(model="tiny", steps=4, batch_size=2, inner_steps=2, eval_every=2, eval_batches=1)
+TINY = ConvergeConfig(
+    model="tiny", steps=4, batch_size=2, inner_steps=2, eval_every=2, eval_batches=1, warmup=1, cosine=True
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +59,15 @@ def test_every_method_gets_three_rates_an_edge_step_and_its_knob_and_a_rerun_rea
     ratio = result["best"]["demo_compact"]["final_val_loss"] / result["best"]["adamw_dp"]["final_val_loss"]
     assert result["parity"][0]["ratio"] == pytest.approx(ratio)
     json.dumps(result)  # what --json prints
+
+
+def test_every_method_warms_up_then_decays_along_a_cosine_to_a_tenth():
+    import torch
+
+    from shoal.peer.bench.converge import _scheduled
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    config = dataclasses.replace(TINY, steps=6, warmup=2)
+    lrs = [optimizer.param_groups[0]["lr"] for _ in _scheduled(optimizer, config, iter(range(6)))]
+    assert lrs[:2] == [0.5, 1.0] and lrs[2] == pytest.approx(1.0)
+    assert all(a > b for a, b in itertools.pairwise(lrs[2:])) and lrs[-1] > 0.1
