@@ -2,13 +2,15 @@
 
     shoal bench utilization                          # 4 peers, DeMo and DiLoCo, 10 rounds of 10 s each
     shoal bench utilization --algorithms demo --rounds 6 --json
+    shoal bench utilization --rate-mbit 10           # and each peer behind a 10 Mbit/s link (root)
 
 For each algorithm, in one run:
 1. plain torch: as many processes as peers, at once (the same share of the CPU each), each training
    the model with AdamW on one batch of `--batch-size` sequences a step, for `--plain-seconds`;
 2. the swarm: real `shoal join` processes on 127.0.0.1 (shoal demo's launcher, without a
    coordinator), at `shoal join`'s defaults but for the model, the run's length and the logs: rounds of
-   10 s, the compute window of shoal.peer.window, batch 8.
+   10 s, the compute window of shoal.peer.window, batch 8; with `--rate-mbit`, also each in a network
+   namespace of its own behind a link shaped to that rate each way (shoal.peer.bench.netlab).
 
 Reported per peer: the tokens it trained in the rounds after the first two (the first plans half a
 round before anything is measured, and the peers start their DHTs), over those rounds' length, and
@@ -17,10 +19,12 @@ that against plain torch's tokens/s: the share of the device the swarm keeps bus
 
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -81,6 +85,58 @@ def swarm(
         return [_rounds(Path(logs) / f"peer{index}.log") for index in range(peers)]
 
 
+def lab_swarm(
+    peers: int,
+    model: str,
+    algorithm: str,
+    rounds: int,
+    round_seconds: float,
+    batch_size: int,
+    rate_mbit: float,
+) -> list[dict]:
+    """The same swarm, each peer in a network namespace of its own behind a link shaped to `rate_mbit`
+    each way (shoal.peer.bench.netlab; needs root)."""
+    from shoal.peer.bench.netlab import NetLab
+    from shoal.peer.cli import local_swarm
+
+    threads = str(max(1, (os.cpu_count() or 1) // peers))
+    events: queue.Queue = queue.Queue()
+    with tempfile.TemporaryDirectory(prefix="shoal-utilization-") as logs, NetLab(peers, rate_mbit) as lab:
+        processes = []
+
+        def launch(index: int, *flags: str) -> None:
+            command = [sys.executable, "-m", "shoal.peer.cli", "join", "--host", lab.address(index)]
+            command += [
+                "--run",
+                "utilization",
+                "--log-format",
+                "json",
+                "--model",
+                model,
+                "--algorithm",
+                algorithm,
+            ]
+            command += ["--round-seconds", str(round_seconds), "--until-round", str(rounds - 1)]
+            command += ["--batch-size", str(batch_size), *flags]
+            log = (Path(logs) / f"peer{index}.log").open("a")
+            env = {**os.environ, "OMP_NUM_THREADS": threads}
+            process = lab.popen(index, command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            threading.Thread(
+                target=local_swarm._read, args=(index, process.stdout, events, log), daemon=True
+            ).start()
+            processes.append(process)
+
+        start = time.time() + local_swarm.STARTUP_S + local_swarm.STARTUP_PER_PEER_S * peers
+        launch(0, "--start-time", repr(start))
+        address = local_swarm._first_address(events, processes[0], Path(logs) / "peer0.log")
+        for index in range(1, peers):
+            launch(index, "--initial-peers", address)
+        for index, process in enumerate(processes):
+            if process.wait(timeout=start - time.time() + rounds * round_seconds * 3 + 120) != 0:
+                raise RuntimeError(f"peer {index} exited with {process.returncode}: see its log")
+        return [_rounds(Path(logs) / f"peer{index}.log") for index in range(peers)]
+
+
 def _rounds(log: Path) -> dict:
     rounds = {}
     for line in log.read_text().splitlines():
@@ -103,16 +159,27 @@ def measure(rounds_of: dict, round_seconds: float, first: int, last: int) -> dic
 
 
 def run(
-    *, peers: int, model: str, algorithm: str, rounds: int, round_seconds: float, batch_size: int
+    *,
+    peers: int,
+    model: str,
+    algorithm: str,
+    rounds: int,
+    round_seconds: float,
+    batch_size: int,
+    rate_mbit: float | None = None,
 ) -> dict:
     baseline = plain_processes(peers, model, batch_size, seconds=min(30.0, rounds * round_seconds / 2))
-    logs = swarm(peers, model, algorithm, rounds, round_seconds, batch_size)
+    if rate_mbit is None:
+        logs = swarm(peers, model, algorithm, rounds, round_seconds, batch_size)
+    else:
+        logs = lab_swarm(peers, model, algorithm, rounds, round_seconds, batch_size, rate_mbit)
     last = min(max(r) for r in logs if r)
     per_peer = [measure(r, round_seconds, WARMUP_ROUNDS, last) for r in logs]
     plain_tps = statistics.fmean(baseline)
     swarm_tps = statistics.fmean(p["tokens_per_s"] for p in per_peer)
     return {
         "algorithm": algorithm,
+        "link": "loopback" if rate_mbit is None else f"{rate_mbit:g} Mbit/s",
         "peers": peers,
         "model": model,
         "round_seconds": round_seconds,
@@ -134,9 +201,10 @@ def main(
     rounds: int,
     round_seconds: float,
     batch_size: int,
+    rates: tuple[float | None, ...] = (None,),
 ) -> int:
     results = []
-    for algorithm in algorithms:
+    for rate, algorithm in ((rate, algorithm) for rate in rates for algorithm in algorithms):
         result = run(
             peers=peers,
             model=model,
@@ -144,11 +212,13 @@ def main(
             rounds=rounds,
             round_seconds=round_seconds,
             batch_size=batch_size,
+            rate_mbit=rate,
         )
         results.append(result)
         if not as_json:
             print(
-                f"{algorithm:<14} {peers} peers, {model}: plain torch {result['plain_tokens_per_s']:7.0f} "
+                f"{algorithm:<14} {result['link']:<12} {peers} peers, {model}: plain torch "
+                f"{result['plain_tokens_per_s']:7.0f} "
                 f"tokens/s, swarm peer {result['swarm_tokens_per_s']:7.0f} tokens/s: "
                 f"{result['utilization']:6.1%} (compute {result['compute_share']:.1%} of each round)",
                 flush=True,

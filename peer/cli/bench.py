@@ -245,6 +245,12 @@ def _utilization_arguments(benchmarks: argparse._SubParsersAction) -> None:
         "--round-seconds", type=float, default=10.0, help="round length (default 10: shoal join's)"
     )
     bench.add_argument("--batch-size", type=positive_int, default=8, help="sequences a micro-batch (8)")
+    bench.add_argument(
+        "--rate-mbit",
+        type=float,
+        metavar="R",
+        help="also run each peer in a namespace behind a link of R Mbit/s each way (needs root)",
+    )
 
 
 def _utilization(args: argparse.Namespace) -> int:
@@ -268,6 +274,7 @@ def _utilization(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         round_seconds=args.round_seconds,
         batch_size=args.batch_size,
+        rates=(None,) if args.rate_mbit is None else (None, args.rate_mbit),
     )
 
 

@@ -182,7 +182,7 @@ async def collect(
             break
         await asyncio.sleep(min(poll_s, remaining))
     strike_unserved(stages, reads, fetches, deadline, pulls.since)
-    standing.needed = _needed(stages, reads, fetches, pulls.since, polls.longest_s)
+    standing.needed = _needed(stages, reads, fetches, pulls.since, 2 * polls.shortest_s)
     await abandon(list(fetches.values()))
     standing.settled_s = pulls.settled_s(started, polls.shortest_s)
     return reads.announced, reads.compatible
@@ -231,8 +231,9 @@ def _needed(
     stages: "RoundStages", reads: "Reads", fetches: dict[bytes, asyncio.Task], since: float, poll_s: float
 ) -> tuple[float, float] | None:
     """What this round's exchange needed, whenever the others announced (shoal.peer.window): storing
-    this peer's announcement and a poll's wait to read one; and the longest pull, from its
-    announcement read to its payload held. None if a payload was still being pulled at the deadline."""
+    this peer's announcement and `poll_s` for the others to read it (they poll at the shortest interval
+    while announcements come, and all come together); and the longest pull, from its announcement read
+    to its payload held. None if a payload was still being pulled at the deadline."""
     if not all(task.done() for task in fetches.values()):
         return None
     pulls = [
