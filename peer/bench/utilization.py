@@ -148,9 +148,11 @@ def _rounds(log: Path) -> dict:
 
 
 def measure(rounds_of: dict, round_seconds: float, first: int, last: int) -> dict:
-    """A peer's tokens/s and compute share over rounds [first, last] (rounds it missed count as 0)."""
+    """A peer's tokens/s and compute share over rounds [first, last]: over the wall time its loop spent
+    in them (an overlapped algorithm's round starts while the last one is exchanged, so the clock's
+    rounds would not bound its computation), and at least the clock's rounds (a missed round counts)."""
     kept = [rounds_of[n] for n in range(first, last + 1) if n in rounds_of]
-    span = (last - first + 1) * round_seconds
+    span = max(sum(e["round_s"] for e in kept), (last - first + 1) * round_seconds)
     return {
         "tokens_per_s": sum(e["tokens"] for e in kept) / span,
         "compute_share": sum(e["phases"]["compute"] for e in kept) / span,
