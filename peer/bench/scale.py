@@ -3,6 +3,7 @@ the best of the same sweep budget.
 
     shoal bench converge --scale medium               # the sweep (~2 h on 2 CPU cores), then the table
     shoal bench converge --scale medium --plots docs/ # and the PNG curves of each method at its best
+    shoal bench converge --scale medium --report      # the table from the record alone, running nothing
     shoal bench converge --scale gpu                  # the GPU form: 27M parameters, bf16, <= 8 minutes
 
 The medium scale (`MEDIUM`): a 5.8M-parameter GPT (6 blocks of width 256) on a byte-level BPE of 4,096
@@ -23,6 +24,7 @@ Every run is appended to a record (`--record`, JSON lines) as it ends: an interr
 where it stopped, and the table and plots are made from the record.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -155,30 +157,64 @@ def _settings(config: ConvergeConfig, base: ConvergeConfig, method: str) -> dict
     return {k: v for k, v in asdict(config).items() if v != getattr(base, k) or k in shown}
 
 
+class NotRecorded(Exception):
+    """`sweep(..., run=False)` needs a run the record does not hold."""
+
+
 def sweep(
-    methods: tuple[str, ...], base: ConvergeConfig, streams: TokenStreams, record: Path, full: bool = True
+    methods: tuple[str, ...],
+    base: ConvergeConfig,
+    streams: TokenStreams,
+    record: Path,
+    full: bool = True,
+    run: bool = True,
 ) -> dict[str, list[Run]]:
     """Each method's runs (`SWEEPS`; only its first point when not `full`), read from `record` where it
-    holds them, else run and appended to it."""
+    holds them, else run and appended to it; with `run` False, only what the record holds (a method's
+    sweep up to its first run missing)."""
     done = load_record(record)
+    if not run:
+        done = _Recorded(done)
     runs: dict[str, list[Run]] = {}
     for method in methods:
-        plan = SWEEPS[method]
-        start = base
-        if method.startswith("diloco") and "adamw_dp" in runs:  # the inner AdamW: AdamW-DP's best lr
-            start = replace(start, adamw_lr=_best(runs["adamw_dp"]).settings.get("adamw_lr", base.adamw_lr))
-        points = [replace(start, **{plan.lr_field: lr}) for lr in (plan.lrs if full else plan.lrs[:1])]
-        runs[method] = [_run(method, c, base, streams, record, done) for c in points]
-        best = _best(runs[method]).settings[plan.lr_field]
-        if full and best in (min(plan.lrs), max(plan.lrs)):  # the best at an edge: one step beyond it
-            beyond = best / 2 if best == min(plan.lrs) else best * 2
-            further = replace(start, **{plan.lr_field: beyond})
-            runs[method].append(_run(method, further, base, streams, record, done))
-        for knob in plan.knobs if full else ():
-            best = replace(start, **_best(runs[method]).settings)
-            change = {k: (getattr(best, k) / 2 if v == "half" else v) for k, v in knob.items()}
-            runs[method].append(_run(method, replace(best, **change), base, streams, record, done))
+        found: list[Run] = []
+        with contextlib.suppress(NotRecorded):  # report only: the sweep as far as the record goes
+            _sweep_method(method, base, streams, record, full, done, runs, found)
+        if found:
+            runs[method] = found
     return runs
+
+
+class _Recorded(dict):
+    """A record that must hold every run asked for."""
+
+
+def _sweep_method(
+    method: str,
+    base: ConvergeConfig,
+    streams: TokenStreams,
+    record: Path,
+    full: bool,
+    done: dict,
+    runs: dict[str, list[Run]],
+    found: list[Run],
+) -> None:
+    """Appends to `found` the method's runs, one by one (see `sweep`)."""
+    plan = SWEEPS[method]
+    start = base
+    if method.startswith("diloco") and "adamw_dp" in runs:  # the inner AdamW: AdamW-DP's best lr
+        start = replace(start, adamw_lr=_best(runs["adamw_dp"]).settings.get("adamw_lr", base.adamw_lr))
+    for lr in plan.lrs if full else plan.lrs[:1]:
+        found.append(_run(method, replace(start, **{plan.lr_field: lr}), base, streams, record, done))
+    best = _best(found).settings[plan.lr_field]
+    if full and best in (min(plan.lrs), max(plan.lrs)):  # the best at an edge: one step beyond it
+        beyond = best / 2 if best == min(plan.lrs) else best * 2
+        further = replace(start, **{plan.lr_field: beyond})
+        found.append(_run(method, further, base, streams, record, done))
+    for knob in plan.knobs if full else ():
+        best = replace(start, **_best(found).settings)
+        change = {k: (getattr(best, k) / 2 if v == "half" else v) for k, v in knob.items()}
+        found.append(_run(method, replace(best, **change), base, streams, record, done))
 
 
 def _run(
@@ -187,6 +223,8 @@ def _run(
     key = run_key(method, config, streams.digest)
     if key in done:
         return done[key]
+    if isinstance(done, _Recorded):
+        raise NotRecorded()
     result: MethodResult = run_method(method, config, streams)
     run = Run(
         key, method, _settings(config, base, method), result.final_val_loss, result.bytes_sent_per_worker,
@@ -299,18 +337,19 @@ def main(
     methods: tuple[str, ...],
     record: Path | None,
     plots: Path | None,
+    report_only: bool = False,
     **overrides,
 ) -> int:
     """`overrides`: ConvergeConfig fields (steps, workers, device...). The GPU form runs each method's
     first sweep point only: one run each, to stay within 8 minutes."""
     config = replace(SCALES[scale], **overrides)
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
+    if config.device.startswith("cuda") and not torch.cuda.is_available() and not report_only:
         print("shoal bench converge: error: --device cuda: no CUDA device here", file=sys.stderr)
         return 2
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.workers))
     streams = medium_corpus()
     record = record or Path(f"converge-{scale}.jsonl")
-    runs = sweep(methods, config, streams, record, full=scale != "gpu")
+    runs = sweep(methods, config, streams, record, full=scale != "gpu", run=not report_only)
     result = report(runs, config, streams)
     if plots is not None:
         result["plots"] = [str(p) for p in plot(result, plots, scale)]

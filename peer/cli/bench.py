@@ -84,6 +84,11 @@ def _converge_arguments(benchmarks: argparse._SubParsersAction) -> None:
         "--plots", type=Path, metavar="DIR", help="with --scale: write the loss curves there as PNG files"
     )
     converge.add_argument("--steps", type=positive_int, help="with --scale: steps per worker")
+    converge.add_argument(
+        "--report",
+        action="store_true",
+        help="with --scale: the table (and --plots) from the record's runs alone, running nothing",
+    )
     converge.add_argument("--device", help="with --scale: cpu (medium's default) or cuda (gpu's)")
     converge.add_argument(
         "--methods",
@@ -341,6 +346,7 @@ def _converge_scale(args: argparse.Namespace) -> int:
         methods=methods,
         record=args.record,
         plots=args.plots,
+        report_only=args.report,
         **overrides,
     )
 

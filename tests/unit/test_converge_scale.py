@@ -54,6 +54,13 @@ def test_every_method_gets_three_rates_an_edge_step_and_its_knob_and_a_rerun_rea
     other = dataclasses.replace(TINY, seed=1)  # other settings: not the record's runs
     assert scale.run_key("adamw_dp", other, streams.digest) != runs["adamw_dp"][0].key
 
+    # --report: what the record holds, a sweep cut at its first run missing, nothing run
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text("\n".join(lines[:2]) + "\n")
+    assert scale.sweep(methods, TINY, streams, tmp_path / "none.jsonl", run=False) == {}
+    cut = scale.sweep(methods, TINY, streams, partial, run=False)
+    assert {m: [r.key for r in found] for m, found in cut.items()} == {"adamw_dp": keys["adamw_dp"][:2]}
+
     result = scale.report(runs, TINY, streams)
     assert [row["comparison"] for row in result["parity"]] == ["DeMo compact / AdamW-DP"]
     ratio = result["best"]["demo_compact"]["final_val_loss"] / result["best"]["adamw_dp"]["final_val_loss"]
