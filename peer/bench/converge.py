@@ -27,6 +27,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import torch
 
@@ -301,7 +302,8 @@ def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> Me
         return _WorkerOutcome(model, sent if not config.eval_every else counted.sent)
 
     start = time.perf_counter()
-    outcomes = run_loopback(config.workers, work, gather_limit=config.gather)
+    # a medium-scale run takes minutes, and a paused machine longer: hours before a worker counts as hung
+    outcomes = run_loopback(config.workers, work, gather_limit=config.gather, timeout=timedelta(hours=4))
     wall = time.perf_counter() - start
     loss = validation_loss(outcomes[0].model, streams, config)
     if not math.isfinite(loss):
