@@ -371,8 +371,7 @@ class Trainer:
 
     def _refit(self) -> None:
         if self.compute_window is not None and self._micro_seconds is not None:
-            fits = math.floor(self.compute_window / (self.inner_steps * self._micro_seconds))
-            self.micro_batches = max(1, min(self._most_micro_batches, fits))
+            self.micro_batches = self._micro_batches_within(self.compute_window / self.inner_steps)
 
     @property
     def _most_micro_batches(self) -> int:

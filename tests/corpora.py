@@ -7,6 +7,8 @@ import json
 import sysconfig
 from pathlib import Path
 
+from shoal.peer.data import tokenizer
+
 MODULES = ("json", "argparse", "dataclasses", "pathlib", "textwrap", "functools", "shutil", "zipfile")
 
 
@@ -26,23 +28,8 @@ def documents(count: int = 400) -> list[str]:
 
 
 def train_bpe(folder: Path, texts: list[str], vocab_size: int = 400) -> Path:
-    """A byte-level BPE trained on `texts`, saved as folder/tokenizer.json with an end-of-text token
-    named by folder/tokenizer_config.json (as a Hugging Face model folder holds them)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    return folder
+    """A byte-level BPE trained on `texts`, saved in `folder` as a Hugging Face model folder holds it."""
+    return tokenizer.train_bpe(folder, texts, vocab_size)
 
 
 def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:

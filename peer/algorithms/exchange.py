@@ -187,7 +187,7 @@ class Delegating(Exchange):
 
     @property
     def gather_limit(self) -> int:
-        return getattr(self.inner, "gather_limit", 0)
+        return self.inner.gather_limit
 
     def gather(
         self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None, plan: object = None

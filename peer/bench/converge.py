@@ -298,8 +298,7 @@ def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> Me
         model.load_state_dict(initial)
         model.bf16 = config.precision == "bf16"
         counted = _Counted(exchange)
-        sent = TRAINERS[method](model, counted, batches(rank, model, counted), config)
-        return _WorkerOutcome(model, sent if not config.eval_every else counted.sent)
+        return _WorkerOutcome(model, TRAINERS[method](model, counted, batches(rank, model, counted), config))
 
     start = time.perf_counter()
     # a medium-scale run takes minutes, and a paused machine longer: hours before a worker counts as hung

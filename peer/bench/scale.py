@@ -30,7 +30,7 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -43,7 +43,7 @@ from shoal.peer.data.shards import open_prepared
 from shoal.peer.data.sources import default_cache
 from shoal.peer.data.streams import stdlib_files
 from shoal.peer.data.text import TextSource
-from shoal.peer.data.tokenizer import HFTokenizer
+from shoal.peer.data.tokenizer import HFTokenizer, train_bpe
 
 VOCAB = 4096
 MEDIUM = ConvergeConfig(
@@ -111,29 +111,11 @@ def medium_corpus(cache: Path | None = None) -> TokenStreams:
     source = TextSource("stdlib", tuple(stdlib_files()), "plain")
     folder = root / f"bpe{VOCAB}"
     if not (folder / "tokenizer.json").is_file():
-        _train_bpe(folder, (d for d in source.documents() if not _held_out(d)))
+        train_bpe(folder, (d for d in source.documents() if not _held_out(d)), VOCAB)
     prepare(source, root / "corpus", HFTokenizer(folder))
     streams = open_prepared(root / "corpus")
     assert streams.vocab_size <= VOCAB, streams.vocab_size
     return streams
-
-
-def _train_bpe(folder: Path, documents: Iterator[str]) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(documents, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
 def run_key(method: str, config: ConvergeConfig, corpus: str) -> str:
@@ -173,31 +155,33 @@ def sweep(
     holds them, else run and appended to it; with `run` False, only what the record holds (a method's
     sweep up to its first run missing)."""
     done = load_record(record)
-    if not run:
-        done = _Recorded(done)
+
+    def point(method: str, config: ConvergeConfig) -> Run:
+        """The run of `method` with `config`: the record's, else run now and recorded."""
+        key = run_key(method, config, streams.digest)
+        if key not in done:
+            if not run:
+                raise NotRecorded(key)
+            done[key] = _record(record, key, method, config, base, streams)
+        return done[key]
+
     runs: dict[str, list[Run]] = {}
     for method in methods:
         found: list[Run] = []
         with contextlib.suppress(NotRecorded):  # report only: the sweep as far as the record goes
-            _sweep_method(method, base, streams, record, full, done, runs, found)
+            _sweep_method(method, base, full, runs, found, point)
         if found:
             runs[method] = found
     return runs
 
 
-class _Recorded(dict):
-    """A record that must hold every run asked for."""
-
-
 def _sweep_method(
     method: str,
     base: ConvergeConfig,
-    streams: TokenStreams,
-    record: Path,
     full: bool,
-    done: dict,
     runs: dict[str, list[Run]],
     found: list[Run],
+    point: Callable[[str, ConvergeConfig], Run],
 ) -> None:
     """Appends to `found` the method's runs, one by one (see `sweep`)."""
     plan = SWEEPS[method]
@@ -205,26 +189,21 @@ def _sweep_method(
     if method.startswith("diloco") and "adamw_dp" in runs:  # the inner AdamW: AdamW-DP's best lr
         start = replace(start, adamw_lr=_best(runs["adamw_dp"]).settings.get("adamw_lr", base.adamw_lr))
     for lr in plan.lrs if full else plan.lrs[:1]:
-        found.append(_run(method, replace(start, **{plan.lr_field: lr}), base, streams, record, done))
+        found.append(point(method, replace(start, **{plan.lr_field: lr})))
     best = _best(found).settings[plan.lr_field]
     if full and best in (min(plan.lrs), max(plan.lrs)):  # the best at an edge: one step beyond it
         beyond = best / 2 if best == min(plan.lrs) else best * 2
-        further = replace(start, **{plan.lr_field: beyond})
-        found.append(_run(method, further, base, streams, record, done))
+        found.append(point(method, replace(start, **{plan.lr_field: beyond})))
     for knob in plan.knobs if full else ():
         best = replace(start, **_best(found).settings)
         change = {k: (getattr(best, k) / 2 if v == "half" else v) for k, v in knob.items()}
-        found.append(_run(method, replace(best, **change), base, streams, record, done))
+        found.append(point(method, replace(best, **change)))
 
 
-def _run(
-    method: str, config: ConvergeConfig, base: ConvergeConfig, streams: TokenStreams, record: Path, done: dict
+def _record(
+    record: Path, key: str, method: str, config: ConvergeConfig, base: ConvergeConfig, streams: TokenStreams
 ) -> Run:
-    key = run_key(method, config, streams.digest)
-    if key in done:
-        return done[key]
-    if isinstance(done, _Recorded):
-        raise NotRecorded()
+    """Runs `method` with `config` and appends the run to `record`."""
     result: MethodResult = run_method(method, config, streams)
     run = Run(
         key, method, _settings(config, base, method), result.final_val_loss, result.bytes_sent_per_worker,
@@ -234,7 +213,6 @@ def _run(
         file.write(json.dumps(asdict(run)) + "\n")
     print(f"{method:<16} {_describe(run.settings):<40} val loss {run.final_val_loss:.4f}  "
           f"{run.wall_s:6.0f} s", file=sys.stderr, flush=True)  # fmt: skip
-    done[key] = run
     return run
 
 
@@ -255,7 +233,7 @@ def report(runs: dict[str, list[Run]], config: ConvergeConfig, streams: TokenStr
         for name, a, b, target in PARITY
         if a in best and b in best
     ]
-    params = sum(p.numel() for p in _model(config, streams).parameters())
+    params = sum(p.numel() for p in _model(config).parameters())
     return {
         "setting": {
             "parameters": params,
@@ -272,7 +250,7 @@ def report(runs: dict[str, list[Run]], config: ConvergeConfig, streams: TokenStr
     }
 
 
-def _model(config: ConvergeConfig, streams: TokenStreams) -> torch.nn.Module:
+def _model(config: ConvergeConfig) -> torch.nn.Module:
     from shoal.peer.model import TinyGPT
 
     with torch.device("meta"):

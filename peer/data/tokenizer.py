@@ -10,10 +10,12 @@
 `load_tokenizer` takes `--tokenizer` (a tokenizer.json, a folder holding one, or `bytes`) or, when it
 is not given, the `--model` directory's own tokenizer. A tokenizer's `digest` names it in a prepared
 corpus's manifest and in the run's configuration: peers with another tokenizer are refused.
+`train_bpe` makes a byte-level BPE here, for benchmarks and tests (nothing is downloaded).
 """
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -124,3 +126,26 @@ def load_tokenizer(spec: str | None, model: str) -> Tokenizer | None:
     if model and Path(model).is_dir() and (Path(model) / "tokenizer.json").is_file():
         return HFTokenizer(Path(model))
     return None
+
+
+def train_bpe(folder: Path, texts: Iterable[str], vocab_size: int) -> Path:
+    """A byte-level BPE of `vocab_size` trained on `texts` with the `tokenizers` library, saved as
+    folder/tokenizer.json with an end-of-text token named by folder/tokenizer_config.json, as a Hugging
+    Face model folder holds them (the benchmarks' and the tests' tokenizers: nothing is downloaded)."""
+    from tokenizers import Tokenizer as Fast
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Fast(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return folder
