@@ -84,7 +84,8 @@ class RoundReport:
     tokens: int = 0
     """Target tokens trained on."""
     micro_batches: int = 1
-    """Micro-batches accumulated per optimizer step."""
+    """Micro-batches accumulated per optimizer step: those the round did, over its steps (rounded down
+    where a window's remainder gave some steps one more)."""
     batch_size: int = 0
     """Samples per micro-batch."""
     lr: float = 0.0
@@ -265,7 +266,7 @@ class Trainer:
             samples=samples,
             finished_at=time.time(),
             tokens=tokens,
-            micro_batches=micro_batches,
+            micro_batches=done // self.inner_steps,
             batch_size=self.batch_size,
             phases={k: phases[k] for k in PHASES},
             lr=self.lr,
