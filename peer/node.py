@@ -293,7 +293,7 @@ def _train(
         return _loop(settings, progress, peer, workload, metrics)
     except OutOfMemory as error:
         raise JoinError(str(error)) from None
-    except CoordinatorError as error:  # the coordinator refused the token it accepted at the start
+    except CoordinatorError as error:  # it refused the token it accepted at the start, or never answered
         raise SettingsError(str(error)) from None
     finally:
         if metrics is not None:
@@ -451,6 +451,7 @@ def _coordinator_link(
         token=credentials.token,
         tls_roots=credentials.tls_roots,
         tls=credentials.tls,
+        first_contact_s=settings.coordinator.wait,
     )
 
 

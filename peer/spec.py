@@ -188,6 +188,9 @@ class CoordinatorSpec(_Section):
     """The file holding this peer's token for it."""
     ca: str | None = _setting("coordinator_ca", _text, None)
     """Talk TLS to it, trusting this CA file (or "system")."""
+    wait: float = _setting("coordinator_wait", _float(1, 86400), 120.0)
+    """Seconds a peer trains uncoordinated while its coordinator has never answered, before it stops
+    (exit 2): a wrong address is told, not trained around forever. Once answered, an outage is ridden out."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -6,6 +6,7 @@
     shoal status [--initial-peers MADDR ...] [--run NAME] [--json]
     shoal check [--initial-peers MADDR ...] [--json]
     shoal keygen PATH
+    shoal health [URL ...]
     shoal export --checkpoint-dir DIR OUT [--model MODEL]
     shoal data prepare SOURCE OUT [--tokenizer PATH|bytes] [--text-field NAME] [--shard-tokens N]
     shoal bootstrap [--host IP] [--port N] [--identity PATH] [--address-file PATH] [--metrics-port N] ...
@@ -23,7 +24,19 @@ Building the parser imports no torch and no hivemind (each command imports what 
 import argparse
 from importlib.metadata import version
 
-from shoal.peer.cli import bench, bootstrap, check, coordinator, data, demo, export, join, keygen, status
+from shoal.peer.cli import (
+    bench,
+    bootstrap,
+    check,
+    coordinator,
+    data,
+    demo,
+    export,
+    health,
+    join,
+    keygen,
+    status,
+)
 
 COMMANDS = {
     "join": join,
@@ -35,6 +48,7 @@ COMMANDS = {
     "export": export,
     "data": data,
     "coordinator": coordinator,
+    "health": health,
     "bench": bench,
 }
 

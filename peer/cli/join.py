@@ -21,6 +21,11 @@ JOIN_FLAGS = {
     "coordinator": ("HOST:PORT", "the swarm's coordinator, if it has one (see shoal coordinator)"),
     "coordinator_token_file": ("F", "file holding this peer's token for the coordinator"),
     "coordinator_ca": ("PEM", "talk TLS to the coordinator, trusting this CA file (or: system)"),
+    "coordinator_wait": (
+        "S",
+        "train uncoordinated at most S seconds while the coordinator has never answered, then exit 2 "
+        "(default 120)",
+    ),
     "run": ("NAME", "the run's name; peers of one run train one model"),
     "model": (
         "NAME",

@@ -169,8 +169,13 @@ class CoordinatorLink:
         tls_roots: bytes | None = None,
         tls: bool = False,
         heartbeat_interval: float | None = None,
+        first_contact_s: float | None = None,
     ):
         self.address, self.peer_id = address, peer_id
+        self.first_contact_s = first_contact_s
+        """Seconds from the start within which the coordinator must answer once (None: no bound)."""
+        self.answered = False
+        """Whether any call ever reached the coordinator."""
         self._interval = heartbeat_interval
         self.heartbeat_interval = heartbeat_interval or DEFAULT_HEARTBEAT_S
         """Longest silence toward the coordinator (set from its join reply unless given)."""
@@ -178,7 +183,7 @@ class CoordinatorLink:
         self.connected = False
         """Whether the last call reached the coordinator."""
         self.refusal: str | None = None
-        """Why the coordinator refuses this peer's token, once it has (the link then stops)."""
+        """Why the link stopped for good: the coordinator refused this peer's token, or never answered."""
         self.member = False
         """Whether the coordinator counts this peer as a member."""
         self.compute_scale = 1.0
@@ -310,6 +315,7 @@ class CoordinatorLink:
 
     async def _keep_member(self) -> None:
         backoff = 0.5
+        started = time.monotonic()
         while True:
             stream = None
             try:
@@ -333,6 +339,8 @@ class CoordinatorLink:
                     async with self._announced:
                         self._announced.notify_all()
                     return
+                if not self.answered and self._waited_too_long(started):
+                    return
                 if failed is not None and not failed.unreachable:
                     self.member = False  # refused: unknown (dropped, evicted) or not allowed; join again
                     logger.warning(f"coordinator {self.address} refused this peer: {failed}; joining again")
@@ -348,6 +356,20 @@ class CoordinatorLink:
             finally:
                 if stream is not None:
                     stream.cancel()
+
+    def _waited_too_long(self, started: float) -> bool:
+        """True, and the link stopped with the reason, once the coordinator has not answered a single
+        call in `first_contact_s` since the start: a wrong address is told, not trained around forever."""
+        waited = time.monotonic() - started
+        if self.first_contact_s is None or waited < self.first_contact_s:
+            return False
+        self.member, self.connected = False, False
+        self.refusal = (
+            f"the coordinator {self.address} has not answered in {waited:.0f} s since this peer started: "
+            "check the address and that the coordinator runs and is reachable from here, give it "
+            "longer with --coordinator-wait, or leave --coordinator out to train without one"
+        )
+        return True
 
     async def _join(self) -> None:
         progress = self.progress
@@ -388,8 +410,10 @@ class CoordinatorLink:
         except grpc.aio.AioRpcError as error:
             if error.code() in UNREACHABLE:
                 self.connected = False
+            else:
+                self.answered = True  # with a refusal, but it answered
             raise
-        self.connected = True
+        self.connected = self.answered = True
         return reply
 
     def _measure(self, coordinator_now: float) -> None:

@@ -157,3 +157,39 @@ def test_a_link_refused_for_its_token_stops_and_says_why(tmp_path):
             await server.stop(grace_s=0)
 
     asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+@pytest.mark.timeout(30)
+def test_a_coordinator_that_never_answers_stops_the_link_and_one_that_answered_once_does_not(tmp_path):
+    """A wrong --coordinator address is told after --coordinator-wait (the plan raises, `shoal join`
+    exits 2), while a coordinator that answered once and then went away is ridden out uncoordinated."""
+    with socket.socket() as unused:  # a port that was free a moment ago: nothing answers there
+        unused.bind(("127.0.0.1", 0))
+        nowhere = unused.getsockname()[1]
+
+    async def scenario() -> None:
+        never = CoordinatorLink(f"127.0.0.1:{nowhere}", PEER_A, first_contact_s=1.0)
+        server = Coordinator(listen="127.0.0.1:0", state_path=tmp_path / "c.db")
+        port = await server.start()
+        once = CoordinatorLink(f"127.0.0.1:{port}", PEER_A, first_contact_s=1.0)
+        try:
+            await never.start()
+            await once.start()
+            assert await once.wait_connected(datetime.timedelta(seconds=10))
+            await server.stop(grace_s=0)
+            deadline = time.monotonic() + 15
+            while never.refusal is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert never.refusal is not None and "--coordinator-wait" in never.refusal
+            assert not never.answered and not never.connected
+            while once.connected and time.monotonic() < deadline:  # the outage is seen...
+                await asyncio.sleep(0.05)
+            ridden_out = time.monotonic() + 2 * once.first_contact_s
+            while time.monotonic() < ridden_out:  # ...and outlasts the first-contact bound, harmlessly
+                await asyncio.sleep(0.05)
+            assert not once.connected and once.answered and once.refusal is None
+        finally:
+            await never.stop()
+            await once.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 25))

@@ -123,6 +123,30 @@ def test_kubernetes_manifests_have_what_the_issue_asks_for():
     assert coordinator["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] == 7733
 
 
+@pytest.mark.parametrize("version", ["1.27", "latest"])
+def test_kubernetes_manifests_pass_the_api_schemas_strictly(version):
+    """kubernetes-validate checks each object against the OpenAPI schemas of that Kubernetes release,
+    which it bundles (no cluster, no network): required fields, types, enums and, strictly, no unknown
+    field. 1.27 is the oldest release the manifests support (gRPC probes); a typo'd field fails."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    version = kubernetes_validate.latest_version() if version == "latest" else version
+    documents = [
+        document
+        for path in sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+        for document in yaml.safe_load_all(path.read_text())
+    ]
+    assert len(documents) >= 8
+    for document in documents:
+        kubernetes_validate.validate(document, version, strict=True)
+    peers = next(d for d in documents if d["metadata"]["name"] == "shoal-peer" and d["kind"] == "StatefulSet")
+    container = peers["spec"]["template"]["spec"]["containers"][0]
+    for broken in ({"imagePullPolicyy": "Always"}, {"ports": [{"containerPort": "31337"}]}):
+        mutated = json.loads(json.dumps(peers))
+        mutated["spec"]["template"]["spec"]["containers"][0] = {**container, **broken}
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(mutated, version, strict=True)
+
+
 def test_systemd_units_restart_and_keep_state():
     for name in ("shoal-peer.service", "shoal-coordinator.service"):
         text = (DEPLOY / "systemd" / name).read_text()
