@@ -3,8 +3,8 @@ Debian's own packages (mmdebstrap), with no network during the build or the demo
 
 - the image (deploy/docker/Dockerfile) builds offline from a wheel folder, runs as uid 10001, and trains
   `shoal demo --peers 2 --rounds 4` inside to one hash;
-- bad input inside it exits non-zero with the message: a missing token file, an unreachable
-  coordinator, a read-only volume;
+- bad input inside it exits non-zero with the message: a missing token file (the coordinator's, a
+  peer's), an unreachable coordinator, a read-only volume;
 - the compose stack (deploy/docker/compose.yml under podman-compose: a coordinator, a bootstrap peer,
   2 peers, Prometheus built from Debian's package) comes up, Prometheus reports every target up and
   every dashboard query returns data, the health checks pass, it goes down within the peers' grace
@@ -123,6 +123,10 @@ def test_bad_input_in_the_image_exits_non_zero_with_the_message(podman, image):
     missing = _run([*run, image, "coordinator", "--token-file", "/nowhere/tokens"], podman, check=False)
     assert missing.returncode == 2
     assert "cannot read the token file /nowhere/tokens" in missing.stderr
+    peer = [image, "join", "--coordinator", "127.0.0.1:9", "--coordinator-token-file", "/nowhere/token"]
+    missing = _run([*run, *peer], podman, check=False)
+    assert missing.returncode == 2
+    assert "--coordinator-token-file: cannot read /nowhere/token" in missing.stderr
 
     started = time.monotonic()
     join = [image, "join", "--coordinator", "127.0.0.1:9", "--coordinator-wait", "5", "--round-seconds", "2"]
