@@ -170,6 +170,10 @@ class Stack:
         listed = _run(["podman", "ps", "-a", "--filter", label, "--format", "{{.Names}}"], self.env)
         return listed.stdout.split()
 
+    def exit_code(self, container: str) -> int:
+        inspected = _run(["podman", "inspect", container, "--format", "{{.State.ExitCode}}"], self.env)
+        return int(inspected.stdout)
+
     def logs(self, container: str) -> str:
         done = _run(["podman", "logs", container], self.env, check=False)
         return done.stdout + done.stderr
@@ -201,8 +205,11 @@ def test_the_compose_stack_is_monitored_goes_down_cleanly_and_keeps_its_checkpoi
             assert health.returncode == 0, (container, health.stdout, health.stderr)
 
         started = time.monotonic()
-        stack.compose("down", timeout=120)
+        stack.compose("stop", timeout=120)
         assert time.monotonic() - started < 60  # each peer left at its round's end, none was killed
+        exits = {name: stack.exit_code(name) for name in stack.containers()}
+        assert len(exits) == 5 and set(exits.values()) == {0}, exits
+        stack.compose("down", timeout=120)
         assert stack.containers() == []
         checkpoints = sorted((stack.volume_path("bootstrap-state") / "checkpoints").glob("*"))
         assert checkpoints, "the bootstrap's stop left no checkpoint in its volume"
