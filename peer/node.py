@@ -87,6 +87,8 @@ class Credentials:
     token: str | None
     tls_roots: bytes | None
     tls: bool
+    answered: bool = False
+    """Whether the coordinator answered the check at the start."""
 
 
 def join(settings: PeerSpec, *, stream: IO[str] | None = None) -> dict:
@@ -429,7 +431,7 @@ def _check_coordinator(settings: PeerSpec) -> Credentials | None:
         credentials = Credentials(
             *CoordinatorLink.credentials(settings.coordinator.token_file, settings.coordinator.ca)
         )
-        check_access(
+        answered = check_access(
             settings.coordinator.address,
             token=credentials.token,
             tls_roots=credentials.tls_roots,
@@ -437,7 +439,7 @@ def _check_coordinator(settings: PeerSpec) -> Credentials | None:
         )
     except CoordinatorError as error:
         raise SettingsError(str(error)) from None
-    return credentials
+    return dataclasses.replace(credentials, answered=answered)
 
 
 def _coordinator_link(
@@ -452,6 +454,7 @@ def _coordinator_link(
         tls_roots=credentials.tls_roots,
         tls=credentials.tls,
         first_contact_s=settings.coordinator.wait,
+        answered=credentials.answered,
     )
 
 

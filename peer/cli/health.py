@@ -1,9 +1,10 @@
 """`shoal health [URL ...]`: whether this machine's shoal process answers, for a container's health check.
 
-A peer started with `--metrics-port` and a coordinator with `--metrics-port` serve Prometheus' /metrics;
-an answer there means the process's event loop is alive. With no URL it asks the ports the image and
-the compose and Kubernetes files use (9300: a peer, 9400: a coordinator), or those SHOAL_HEALTH_URLS
-lists (space-separated), and is healthy when any one answers 200.
+A peer started with `--metrics-port` and a coordinator with `--metrics-port` serve Prometheus' /metrics
+from a thread of their own: an answer there means the process is up and serving, not that its rounds
+advance (the alert rules watch that). With no URL it asks the ports the image and the compose and
+Kubernetes files use (9300: a peer, 9400: a coordinator), or those SHOAL_HEALTH_URLS lists
+(space-separated), and is healthy when any one answers 200. It never goes through a proxy.
 """
 
 import argparse
@@ -36,8 +37,9 @@ def urls_to_ask(given: list[str], environment: str | None) -> list[str]:
 
 def answers(url: str, timeout: float) -> str | None:
     """None when `url` answers 200, else why not."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # http_proxy must not apply
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with direct.open(url, timeout=timeout) as response:
             return None if response.status == 200 else f"status {response.status}"
     except (urllib.error.URLError, OSError, ValueError) as error:
         return str(getattr(error, "reason", error))

@@ -63,6 +63,9 @@ IN_WORDS = {
     grpc.StatusCode.INVALID_ARGUMENT: "the coordinator found the request malformed",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "the swarm is full",
 }
+# a refusal in one of these is the coordinator's own answer; any other code (UNIMPLEMENTED, UNKNOWN, ...)
+# may come from some other server at that address
+ANSWERED = frozenset(IN_WORDS) - UNREACHABLE
 TOKEN_HELP = (
     "pass the file holding the token the coordinator's operator gave this peer with "
     "--coordinator-token-file FILE"
@@ -111,9 +114,9 @@ def check_access(
     tls_roots: bytes | None = None,
     tls: bool = False,
     timeout: timedelta = timedelta(seconds=CALL_TIMEOUT_S),
-) -> None:
-    """Raises CoordinatorError if the coordinator at `address` refuses `token`; returns if it accepts it,
-    or if it cannot be reached now (the link keeps trying once the peer runs).
+) -> bool:
+    """Raises CoordinatorError if the coordinator at `address` refuses `token`; else whether it answered
+    (False: it cannot be reached now, and the link keeps trying once the peer runs).
 
     Asks for the swarm's status, which changes nothing and which any known token may ask for; whether
     a per-peer token is this peer's is known only once the DHT has drawn its id (without --identity),
@@ -133,6 +136,8 @@ def check_access(
             )
             if refusal is not None:
                 raise CoordinatorError(refusal) from None
+            return error.code() in ANSWERED
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,12 +175,13 @@ class CoordinatorLink:
         tls: bool = False,
         heartbeat_interval: float | None = None,
         first_contact_s: float | None = None,
+        answered: bool = False,
     ):
         self.address, self.peer_id = address, peer_id
         self.first_contact_s = first_contact_s
         """Seconds from the start within which the coordinator must answer once (None: no bound)."""
-        self.answered = False
-        """Whether any call ever reached the coordinator."""
+        self.answered = answered
+        """Whether the coordinator ever answered this peer (before the link, `check_access` may have)."""
         self._interval = heartbeat_interval
         self.heartbeat_interval = heartbeat_interval or DEFAULT_HEARTBEAT_S
         """Longest silence toward the coordinator (set from its join reply unless given)."""
@@ -340,6 +346,8 @@ class CoordinatorLink:
                         self._announced.notify_all()
                     return
                 if not self.answered and self._waited_too_long(started):
+                    async with self._announced:
+                        self._announced.notify_all()
                     return
                 if failed is not None and not failed.unreachable:
                     self.member = False  # refused: unknown (dropped, evicted) or not allowed; join again
@@ -366,8 +374,9 @@ class CoordinatorLink:
         self.member, self.connected = False, False
         self.refusal = (
             f"the coordinator {self.address} has not answered in {waited:.0f} s since this peer started: "
-            "check the address and that the coordinator runs and is reachable from here, give it "
-            "longer with --coordinator-wait, or leave --coordinator out to train without one"
+            "check the address and that the coordinator runs and is reachable from here (and, with TLS, "
+            "--coordinator-ca), give it longer with --coordinator-wait, or leave --coordinator out to train "
+            "without one"
         )
         return True
 
@@ -410,7 +419,7 @@ class CoordinatorLink:
         except grpc.aio.AioRpcError as error:
             if error.code() in UNREACHABLE:
                 self.connected = False
-            else:
+            elif error.code() in ANSWERED:
                 self.answered = True  # with a refusal, but it answered
             raise
         self.connected = self.answered = True

@@ -128,7 +128,12 @@ def test_kubernetes_manifests_pass_the_api_schemas_strictly(version):
     """kubernetes-validate checks each object against the OpenAPI schemas of that Kubernetes release,
     which it bundles (no cluster, no network): required fields, types, enums and, strictly, no unknown
     field. 1.27 is the oldest release the manifests support (gRPC probes); a typo'd field fails."""
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    try:
+        import kubernetes_validate
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("kubernetes-validate is not installed (the dev extra has it)")
+        pytest.skip("kubernetes-validate is not installed (pip install kubernetes-validate)")
     version = kubernetes_validate.latest_version() if version == "latest" else version
     documents = [
         document
