@@ -19,7 +19,6 @@ built once for the file (README's `--dist loadfile` keeps it on one worker).
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.harness import free_port
 from tests.integration.test_monitoring import _get, _query, _wait_for, dashboard_queries
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,14 +189,8 @@ class Stack:
             _run(["podman", "volume", "rm", "-f", f"{self.name}_{volume}"], self.env, check=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_the_compose_stack_is_monitored_goes_down_cleanly_and_keeps_its_checkpoints(podman, image):
-    stack = Stack(podman, f"shoaltest{uuid.uuid4().hex[:8]}", image, _free_port())
+    stack = Stack(podman, f"shoaltest{uuid.uuid4().hex[:8]}", image, free_port())
     try:
         stack.up()
         _check_monitored(stack)
@@ -221,7 +215,7 @@ def test_the_compose_stack_is_monitored_goes_down_cleanly_and_keeps_its_checkpoi
             said = stack.logs(f"{stack.name}_bootstrap_1")
             return "resumed from the checkpoint of round" in said or said[-400:]
 
-        _wait_for(resumed, 120, "the bootstrap resuming from its volume's checkpoint")
+        _wait_for(resumed, 120, "the bootstrap resuming from its volume's checkpoint", interval_s=0.2)
         stack.compose("down", "-v", timeout=120)
         assert stack.containers() == []
     finally:
@@ -238,7 +232,7 @@ def _check_monitored(stack: Stack) -> None:
         up = sorted(role for role, state in health if state == "up")
         return up == ["coordinator", "peer", "peer", "peer"] or f"targets: {health}"
 
-    _wait_for(all_targets_up, 240, "Prometheus reporting every target of the stack up")
+    _wait_for(all_targets_up, 240, "Prometheus reporting every target of the stack up", interval_s=0.2)
 
     queries = dashboard_queries()
 
@@ -247,7 +241,7 @@ def _check_monitored(stack: Stack) -> None:
         return not empty or f"no series for {empty}"
 
     # the checkpoint age needs the bootstrap's first checkpoint (round 10, 3 s rounds)
-    _wait_for(every_query_answers, 180, "every dashboard query returning a series", interval_s=5)
+    _wait_for(every_query_answers, 180, "every dashboard query returning a series", interval_s=0.5)
 
     def members_in_sync():  # a joiner syncs first; one excluded as a straggler under load comes back
         active = _query(stack.base, 'shoal_coordinator_active_peers{role="coordinator"}')
@@ -257,4 +251,4 @@ def _check_monitored(stack: Stack) -> None:
             counted and [s["value"][1] for s in synced] == ["1"] * 3
         ) or f"active {active}, synced {synced}"
 
-    _wait_for(members_in_sync, 90, "the coordinator counting the 3 peers, all in sync", interval_s=1)
+    _wait_for(members_in_sync, 90, "the coordinator counting the 3 peers, all in sync", interval_s=0.2)

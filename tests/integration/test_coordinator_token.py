@@ -21,6 +21,7 @@ import pytest
 from shoal.coordinator.auth import Tokens
 from shoal.coordinator.server import Coordinator
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
+from tests.integration.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SWARM_TOKEN, A_TOKEN = "swarm-token-0123456789", "peer-a-token-0123456789"
@@ -163,9 +164,7 @@ def test_a_link_refused_for_its_token_stops_and_says_why(tmp_path):
 def test_a_coordinator_that_never_answers_stops_the_link_and_one_that_answered_once_does_not(tmp_path):
     """A wrong --coordinator address is told after --coordinator-wait (the plan raises, `shoal join`
     exits 2), while a coordinator that answered once and then went away is ridden out uncoordinated."""
-    with socket.socket() as unused:  # a port that was free a moment ago: nothing answers there
-        unused.bind(("127.0.0.1", 0))
-        nowhere = unused.getsockname()[1]
+    nowhere = free_port()  # free a moment ago: nothing answers there
 
     async def scenario() -> None:
         never = CoordinatorLink(f"127.0.0.1:{nowhere}", PEER_A, first_contact_s=1.0)
