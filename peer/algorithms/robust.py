@@ -18,7 +18,10 @@ stay identical):
    `suspect_relative` times the round's lower-median mean (of the senders judged that round), is
    left out and reported as an `outlier` every round until it is not, so the swarm strikes and then
    bans it. The first bound catches an opposed sender, the second one that sends noise: random
-   directions agree with nothing (a mean near 0), while honest peers agree with each other.
+   directions agree with nothing (a mean near 0), while honest peers agree with each other. Outliers
+   do not vote on the others: neither in this round's median nor, read again, in the rounds each
+   record keeps (`Suspicion`), so attackers chosen together with honest peers cannot make them look
+   opposed.
 
 Rule 3 suits DiLoCo's dense pseudo-gradients, which agree strongly. Top-k payloads overlap little:
 DeMo's momenta, and DiLoCo's pseudo-gradients under `--compression sparse` (median cosine 0.10
@@ -153,29 +156,88 @@ def overclaims(samples: Sequence[float], ratio: float = BELIEVABLE_RATIO) -> lis
     return [s > bound for s in samples]
 
 
+MAX_VOTES = 64
+"""Most votes of one round kept in a sender's record: a round of more contributions than this plus one
+is kept as each one's agreement alone (as without votes)."""
+
+Record = float | dict[bytes, float]
+"""One round of a sender's record: its agreement (judged by the own update alone), or each other
+sender's vote, its cosine with that one, read again when the voters' standing changes."""
+
+
 class Suspicion:
     """Per sender, the cosines of its last `policy.suspect_window` rounds (see rule 4); local to a
-    participant, like the swarm's strikes."""
+    participant, like the swarm's strikes.
+
+    A round judged by the shared median keeps each voter's cosine, not only their median: a sender's
+    agreement in a past round is the median of the votes of those not now outliers, read anew each
+    round. Two attackers chosen with two honest peers (`--gather 4`, 2 of 8) are two of an honest DeMo
+    contribution's three votes, in the rounds before they are known as well as after, and the honest
+    contribution's record would carry those rounds for `suspect_window` rounds: 4-5% of honest
+    contributions were reported as outliers (`shoal bench hostile`). Once the attackers are outliers,
+    the honest record is as if they had never voted."""
 
     def __init__(self, policy: Robustness, max_senders: int = 4096):
         self.policy, self.max_senders = policy, max_senders
-        self._recent: dict[bytes, deque[float]] = {}
+        self._recent: dict[bytes, deque[Record]] = {}
+        self._outlying: set[bytes] = set()
 
-    def outliers(self, senders: Sequence[bytes], cosines: Sequence[float | None]) -> list[bool]:
-        """Records a round's cosines; returns which senders are outliers now."""
+    def suspected(self, senders: Sequence[bytes]) -> list[bool]:
+        """Which senders are outliers by their latest verdict: they do not vote on the others'
+        directions this round (`agreements`' `suspects`)."""
+        return [sender in self._outlying for sender in senders]
+
+    def outliers(
+        self,
+        senders: Sequence[bytes],
+        cosines: Sequence[float | None],
+        votes: Sequence[dict[bytes, float] | None] | None = None,
+    ) -> list[bool]:
+        """Records a round's cosines (with `votes`, each sender's cosine with each voter, which its
+        record keeps instead); returns which senders are outliers now."""
         policy = self.policy
         if not policy.suspects:
             return [False] * len(senders)
-        means: list[float | None] = []
-        for sender, cosine in zip(senders, cosines, strict=True):
+        for index, (sender, cosine) in enumerate(zip(senders, cosines, strict=True)):
             recent = self._recent.get(sender)
             if recent is None:
                 if len(self._recent) >= self.max_senders:  # bounded: the oldest sender is forgotten
-                    del self._recent[next(iter(self._recent))]
+                    forgotten = next(iter(self._recent))
+                    del self._recent[forgotten]
+                    self._outlying.discard(forgotten)
                 recent = self._recent[sender] = deque(maxlen=policy.suspect_window)
-            if cosine is not None:
-                recent.append(cosine)
-            means.append(sum(recent) / len(recent) if len(recent) >= policy.suspect_after else None)
+            record = votes[index] if votes is not None and votes[index] else cosine
+            if record is not None:
+                recent.append(record)
+        # who votes changes the means: the round's senders are found out one at a time, the lowest mean
+        # first, and each one found no longer votes on the others (an honest record that two attackers
+        # pulled below the bound recovers once they are out, before it is judged itself)
+        self._outlying.difference_update(senders)
+        while True:
+            means = [self._mean(self._recent[sender]) for sender in senders]
+            verdicts = self._beyond(means)
+            candidates = [
+                (mean, index)
+                for index, (mean, outlying) in enumerate(zip(means, verdicts, strict=True))
+                if outlying and mean is not None and senders[index] not in self._outlying
+            ]
+            if not candidates:
+                return verdicts
+            self._outlying.add(senders[min(candidates)[1]])
+
+    def _agreement(self, record: Record) -> float:
+        if isinstance(record, float):
+            return record
+        trusted = [c for voter, c in record.items() if voter not in self._outlying] or list(record.values())
+        return lower_median(trusted)
+
+    def _mean(self, recent: "deque[Record]") -> float | None:
+        if len(recent) < self.policy.suspect_after:
+            return None
+        return sum(self._agreement(record) for record in recent) / len(recent)
+
+    def _beyond(self, means: Sequence[float | None]) -> list[bool]:
+        policy = self.policy
         judged = [mean for mean in means if mean is not None]
         bounds = [] if policy.suspect_below is None else [policy.suspect_below]
         if policy.suspect_relative is not None and judged:
@@ -258,7 +320,9 @@ class Reference:
     """The update, as the contributions are (dense tensors, or for DeMo its top-k selections)."""
 
 
-def agreements(gram: Sequence[Sequence[float]], reference: bool = False) -> list[float | None]:
+def agreements(
+    gram: Sequence[Sequence[float]], reference: bool = False, suspects: Sequence[bool] = ()
+) -> list[float | None]:
     """Per contribution, the median of its cosines with each of the others, from the round's Gram
     matrix (gram[i][j] = <c_i, c_j>). A median, not the cosine with the others' sum: attackers, fewer
     than half of the others, cannot drag an honest contribution's figure below zero, however large or
@@ -270,18 +334,24 @@ def agreements(gram: Sequence[Sequence[float]], reference: bool = False) -> list
     and an attacker, opposed by the honest ones and the reference, is below zero. In a round of fewer
     than `SHARED_MEDIAN_FROM` contributions the reference's vote is the only one.
 
+    `suspects` (per contribution: its sender is an outlier by its earlier rounds, `Suspicion.suspected`)
+    do not vote on the others while anyone else does: two attackers chosen among 4 under `--gather 4`
+    would otherwise be two of an honest DeMo contribution's three votes in every round they share,
+    and honest peers were reported as outliers (4-5% of their contributions). A suspect is still
+    judged, by the others.
+
     None for a contribution with no direction, or nothing to judge it by."""
     count = len(gram) - reference
     # a round of two may be all hostile (two attackers chosen together under `--gather 2`): there the
     # reference alone judges, or the attackers would vote for each other and win the tie
     voters = [count] if reference and count < SHARED_MEDIAN_FROM else range(len(gram))
+    trusted = [j for j in voters if j >= count or not (suspects and suspects[j])]
     cosines: list[float | None] = []
     for i in range(count):
-        pairs = sorted(
-            gram[i][j] / math.sqrt(gram[i][i] * gram[j][j])
-            for j in voters
-            if j != i and gram[i][i] > 0 and gram[j][j] > 0
-        )
+        judges = [j for j in trusted if j != i and gram[j][j] > 0]
+        if not judges:  # nobody but suspects to judge it: all of them, as without suspects
+            judges = [j for j in voters if j != i and gram[j][j] > 0]
+        pairs = sorted(gram[i][j] / math.sqrt(gram[i][i] * gram[j][j]) for j in judges if gram[i][i] > 0)
         cosines.append(pairs[len(pairs) // 2 if reference else (len(pairs) - 1) // 2] if pairs else None)
     return cosines
 
@@ -342,13 +412,35 @@ def judged(
     # the median of the others is the same on every participant; the reference's vote is not (each
     # has its own update), so it decides only this round's `opposed`, where honest directions are far
     # from the border, and the record of suspicion only in a round too small for the shared median
-    shared = None
+    shared = votes = None
+    suspects = suspicion.suspected(senders) if judging and suspicion is not None else ()
     if judging and count >= policy.min_screened:
-        shared = agreements([row[:count] for row in gram[:count]])
-    voted = agreements(gram, reference=True) if judging and by_reference else None
+        shared = agreements([row[:count] for row in gram[:count]], suspects=suspects)
+        votes = pair_votes(gram, senders) if suspicion is not None else None
+    voted = agreements(gram, reference=True, suspects=suspects) if judging and by_reference else None
     opposing = voted or shared or [None] * count
-    outliers = suspicion.outliers(senders, shared or opposing) if suspicion is not None else None
+    outliers = suspicion.outliers(senders, shared or opposing, votes) if suspicion is not None else None
     return Screened.of(weights, scales, opposing, policy, outliers, overclaims(samples) if samples else ())
+
+
+def pair_votes(gram: Sequence[Sequence[float]], senders: Sequence[bytes]) -> list[dict[bytes, float] | None]:
+    """Per contribution of a round, each other sender's cosine with it (from the Gram matrix's first
+    `len(senders)` rows), for `Suspicion`'s record; None for one with no direction, or a round past
+    `MAX_VOTES` (kept as its median alone)."""
+    count = len(senders)
+    if count - 1 > MAX_VOTES:
+        return [None] * count
+    return [
+        {
+            senders[j]: gram[i][j] / math.sqrt(gram[i][i] * gram[j][j])
+            for j in range(count)
+            if j != i and gram[j][j] > 0
+        }
+        or None
+        if gram[i][i] > 0
+        else None
+        for i in range(count)
+    ]
 
 
 def add_screened_mean(

@@ -1,6 +1,6 @@
-"""Coordinate-wise trimmed mean and median, and centered clipping, in place of shoal's screening, for
-DiLoCo, in the `shoal bench hostile` setting (8 loopback workers, the last 2 hostile, `converge
---quick`).
+"""Coordinate-wise trimmed mean and median, centered clipping, and a direction-consistency score
+kept over rounds, for DiLoCo, in the `shoal bench hostile` setting (8 loopback workers, the last 2
+hostile, `converge --quick`).
 
     python -m tests.benchmarks.robust_alternatives [--workers 8] [--attackers 2] [--attacks ...]
 
@@ -9,10 +9,11 @@ contributions' values are sorted and the `attackers` largest and smallest droppe
 but the middle one or two (`median`); or centered clipping (Karimireddy, He and Jaggi, ICML 2021):
 from the coordinate-wise median, `CLIP_ITERATIONS` times, move by the mean of each contribution's
 offset clipped to the lower-median offset's length (`centered`). Every contribution counts alike (no
-sample weights: a sample lie buys nothing and needs no cap). Prints one JSON line per (aggregation,
-attack) with honest worker 0's final validation loss, its change against the same aggregation's clean
-run, and the aggregation's mean milliseconds a round; compare with `shoal bench hostile --methods
-diloco_eager` (BENCHMARKS.md, docs/ROBUSTNESS.md).
+sample weights: a sample lie buys nothing and needs no cap). `consistency` keeps shoal's screening and
+adds a score over rounds before it (`consistency`). Prints one JSON line per (aggregation, attack)
+with honest worker 0's final validation loss, its change against the same aggregation's clean run,
+the aggregation's mean milliseconds a round and the honest workers' reports; compare with
+`shoal bench hostile --methods diloco_eager` (BENCHMARKS.md, docs/ROBUSTNESS.md).
 """
 
 import argparse
@@ -77,29 +78,80 @@ def centered_clipping():
     return _timed(combine)
 
 
+def consistency(window: int = 8, floor: float = 0.5, ratio: float = 2.0, sketch: int = 4096):
+    """shoal's screening, then a direction-consistency score kept over rounds: per sender, the length
+    of the mean of its last `window` unit deviations from the round's screened mean (each projected
+    to `sketch` numbers by a fixed count sketch, so a sender's record is `window` x `sketch` floats
+    whatever the model's size). Deviations that point anywhere average out (about 1 / sqrt(window));
+    a sender that pushes one way every round ("a little is enough", colluders) keeps its length. From
+    its third round, a sender whose score exceeds both `floor` and `ratio` times the round's median
+    score is left out (`inconsistent`), judged on its earlier rounds, before the round's mean."""
+    original = robust.add_screened_mean
+    history: dict[tuple[int, bytes], list[torch.Tensor]] = {}
+    hashing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def sketched(flat: torch.Tensor) -> torch.Tensor:
+        if flat.numel() not in hashing:
+            generator = torch.Generator().manual_seed(flat.numel())
+            buckets = torch.randint(sketch, (flat.numel(),), generator=generator)
+            signs = torch.randint(2, (flat.numel(),), generator=generator).float() * 2 - 1
+            hashing[flat.numel()] = buckets, signs
+        buckets, signs = hashing[flat.numel()]
+        return torch.zeros(sketch).index_add_(0, buckets, flat * signs)
+
+    def aggregate(into, contributions, policy, suspicion=None, senders=(), reference=None):
+        start = time.perf_counter()
+        keys = [(id(suspicion), sender) for sender in senders]
+        scores = []
+        for key in keys:
+            recent = history.get(key, [])
+            scores.append(torch.stack(recent).mean(dim=0).norm().item() if len(recent) >= 2 else None)
+        known = [score for score in scores if score is not None]
+        bound = max(floor, ratio * robust.lower_median(known)) if known else None
+        left_out = [bound is not None and score is not None and score > bound for score in scores]
+        kept = [pair for pair, out in zip(contributions, left_out, strict=True) if not out]
+        kept_senders = [sender for sender, out in zip(senders, left_out, strict=True) if not out]
+        total, inner = original(into, kept, policy, suspicion, kept_senders, reference)
+        mean = torch.cat([m.float().reshape(-1) for m in into])
+        for key, (parts, _) in zip(keys, contributions, strict=True):
+            deviation = torch.cat([t.float().reshape(-1) for t in parts]) - mean
+            unit = sketched(deviation / deviation.norm().clamp(min=1e-30))
+            history[key] = [*history.get(key, []), unit][-window:]
+        SECONDS.append(time.perf_counter() - start)
+        verdicts = iter(zip(inner.factors, inner.weights, inner.reasons, inner.cosines, strict=True))
+        rows = [(0.0, 0.0, "inconsistent", None) if out else next(verdicts) for out in left_out]
+        factors, weights, reasons, cosines = (list(column) for column in zip(*rows, strict=True))
+        return total, robust.Screened(factors, weights, inner.clipped, reasons, cosines)
+
+    return aggregate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--attackers", type=int, default=2)
     parser.add_argument("--attacks", default="sign_flip,sample_lie,random,alie,collude")
-    parser.add_argument("--aggregations", default="trimmed,median,centered")
+    parser.add_argument("--aggregations", default="trimmed,median,centered,consistency")
     args = parser.parse_args()
     streams = stdlib_corpus()
-    aggregations = {
-        "trimmed": coordinate_wise(args.attackers),
-        "median": coordinate_wise(None),
-        "centered": centered_clipping(),
+    aggregations = {  # made anew for each run: consistency's record is the run's
+        "trimmed": lambda: coordinate_wise(args.attackers),
+        "median": lambda: coordinate_wise(None),
+        "centered": centered_clipping,
+        "consistency": consistency,
     }
     for name in args.aggregations.split(","):
-        diloco.add_screened_mean = aggregations[name]
         clean = None
         for attack in ("none", *args.attacks.split(",")):
+            diloco.add_screened_mean = aggregations[name]()
             SECONDS.clear()
             result = hostile.run("diloco_eager", attack, args.workers, args.attackers, streams, clean)
             clean = clean or result.final_val_loss
             row = {"aggregation": name, "attack": attack, "final_val_loss": round(result.final_val_loss, 4)}
             row["vs_clean"] = None if result.vs_clean is None else round(result.vs_clean, 4)
             row["aggregate_ms"] = round(1000 * sum(SECONDS) / max(len(SECONDS), 1), 2)
+            row["reports_on_attackers"] = result.reports_on_attackers
+            row["reports_on_honest"] = result.reports_on_honest
             print(json.dumps(row), flush=True)
 
 

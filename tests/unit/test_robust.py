@@ -252,6 +252,43 @@ def test_suspicion_keeps_its_record_across_rounds_of_two():
     assert verdicts[:2] == [[None, None]] * 2 and verdicts[2:] == [[None, "outlier"]] * 2
 
 
+def test_known_outliers_do_not_vote_on_honest_contributions_in_the_rounds_they_share():
+    """`--gather 4`, 2 attackers of 8, DeMo (suspicion only, no reference in its record): in a round
+    that chooses both attackers, an honest contribution's three votes are two attackers and one honest
+    peer. Once the attackers are outliers by their earlier rounds, they no longer vote: the honest
+    contributions are judged by each other, and none of them becomes an outlier."""
+    generator = torch.Generator().manual_seed(1)
+    common = torch.randn(256, generator=generator)
+    honest = [[0.3 * common + torch.randn(256, generator=generator)] for _ in range(6)]
+    attackers = [[-3.0 * common + torch.randn(256, generator=generator)] for _ in range(2)]
+    names = [b"h%d" % i for i in range(6)] + [b"a0", b"a1"]
+    policy = Robustness(min_agreement=None)
+
+    def shared_rounds(by_votes: bool) -> list[dict[bytes, str | None]]:
+        suspicion, verdicts = Suspicion(policy), []
+        for number in range(8):  # honest 2n and 2n+1 with both attackers, then the other four
+            pair = [2 * (number % 3), 2 * (number % 3) + 1]
+            for chosen in ([*pair, 6, 7], [i for i in range(6) if i not in pair]):
+                pairs = [(([*honest, *attackers])[i], 16) for i in chosen]
+                senders = [names[i] for i in chosen]
+                if by_votes:
+                    _, verdict = add_screened_mean([torch.zeros(256)], pairs, policy, suspicion, senders)
+                    reasons = verdict.reasons
+                else:  # as before: each round's median of every vote, kept as it was
+                    cosines = screen([t for t, _ in pairs], [16] * 4, policy).cosines
+                    reasons = ["outlier" if out else None for out in suspicion.outliers(senders, cosines)]
+                verdicts.append(dict(zip(senders, reasons, strict=True)))
+        return verdicts
+
+    def honest_reports(verdicts):
+        return [v for round_ in verdicts for sender, v in round_.items() if sender[:1] == b"h" and v]
+
+    verdicts = shared_rounds(by_votes=True)
+    attacker_reports = [round_[b"a0"] for round_ in verdicts if b"a0" in round_]
+    assert honest_reports(verdicts) == [] and attacker_reports[2:] == ["outlier"] * 6
+    assert len(honest_reports(shared_rounds(by_votes=False))) >= 4  # what the votes' record prevents
+
+
 def test_an_empty_contribution_weighs_nothing_and_does_not_lower_the_norm_bound():
     good, _, _ = honest_and_attackers(2, 0)
     zero = [torch.zeros(256)]
