@@ -1,0 +1,71 @@
+"""Issue 47's attacks with real `shoal join` processes on 127.0.0.1, against a clean run of the same
+seed and `--gather`: the last `--attackers` of `--peers` peers carry a fault of
+tests/integration/faults.py from round 0 (default `alie`, "a little is enough", Baruch et al., 2019:
+its own update plus its own norm along one fixed direction, the same for every attacker, so several
+collude); DeMo and DiLoCo, as tests/integration/test_hostile.py runs them (one micro-batch a step,
+seed 3).
+
+    python -m tests.benchmarks.hostile_swarm [--rounds 12] [--peers 4] [--attackers 1] [--json]
+    python -m tests.benchmarks.hostile_swarm --peers 6 --attackers 2             # two colluders
+    python -m tests.benchmarks.hostile_swarm --peers 8 --attackers 2 --gather 4 --attack sample_lie
+
+Prints, per algorithm, the honest peers' held-out loss attacked and clean, the change, what the honest
+peers rejected and banned, whether they ended on one model, and (under `--gather G`) the fewest rounds
+an honest peer counted in over its fair share, G / N of the rounds. The issue measured "a little is
+enough" at DeMo +4.9% and DiLoCo +2.0% over 12 rounds of 4 peers, undetected.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.integration.test_hostile import DEMO, DILOCO, final_loss, swarm
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--attackers", type=int, default=1)
+    parser.add_argument("--attack", default="alie", help="a fault of tests/integration/faults.py")
+    parser.add_argument("--gather", type=int, default=0, help="as join's --gather (0: every payload)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    peers, attackers, rows = args.peers, args.attackers, []
+    gather = ["--gather", str(args.gather)] if args.gather else []
+    with tempfile.TemporaryDirectory() as temp:
+        for name, algorithm in (("demo", [*DEMO, *gather]), ("diloco", [*DILOCO, *gather])):
+            folder = Path(temp) / name
+            folder.mkdir()
+            clean = swarm(folder, "clean", algorithm, None, args.rounds, peers=peers, attackers=0)
+            attacked = swarm(
+                folder, "attacked", algorithm, args.attack, args.rounds, peers=peers, attackers=attackers
+            )
+            honest = attacked[: peers - attackers]
+            rejected: dict[str, int] = {}
+            for summary in honest:
+                for reason, count in summary["rejected"].items():
+                    rejected[reason] = rejected.get(reason, 0) + count
+            share = args.rounds * (min(args.gather, peers) / peers if args.gather else 1.0)
+            counted = min(s["rounds"] - s["left_out_rounds"] for s in honest)
+            rows.append({
+                "algorithm": name, "clean": final_loss(clean), "attacked": final_loss(honest),
+                "change": final_loss(honest) / final_loss(clean) - 1, "rejected": rejected,
+                "banned": sum(s["banned"] for s in honest),
+                "one_model": len({s["param_hash"] for s in honest}) == 1, "fair_share": counted / share,
+            })  # fmt: skip
+    if args.json:
+        setting = {"rounds": args.rounds, "peers": peers, "attackers": attackers, "attack": args.attack}
+        print(json.dumps({**setting, "gather": args.gather, "results": rows}, indent=1))
+    else:
+        for row in rows:
+            print(f"{row['algorithm']:>6}: clean {row['clean']:.4f}, {args.attack} {row['attacked']:.4f} "
+                  f"({row['change']:+.1%}), rejected {row['rejected']}, banned {row['banned']}, "
+                  f"fair share {row['fair_share']:.0%}, one model {row['one_model']}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
