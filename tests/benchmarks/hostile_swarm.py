@@ -48,13 +48,14 @@ def main() -> int:
             for summary in honest:
                 for reason, count in summary["rejected"].items():
                     rejected[reason] = rejected.get(reason, 0) + count
-            share = args.rounds * (min(args.gather, peers) / peers if args.gather else 1.0)
+            share = args.rounds * min(args.gather, peers) / peers if args.gather else None
             counted = min(s["rounds"] - s["left_out_rounds"] for s in honest)
             rows.append({
                 "algorithm": name, "clean": final_loss(clean), "attacked": final_loss(honest),
                 "change": final_loss(honest) / final_loss(clean) - 1, "rejected": rejected,
                 "banned": sum(s["banned"] for s in honest),
-                "one_model": len({s["param_hash"] for s in honest}) == 1, "fair_share": counted / share,
+                "one_model": len({s["param_hash"] for s in honest}) == 1,
+                "fair_share": counted / share if share else None,
             })  # fmt: skip
     if args.json:
         setting = {"rounds": args.rounds, "peers": peers, "attackers": attackers, "attack": args.attack}
@@ -63,7 +64,7 @@ def main() -> int:
         for row in rows:
             print(f"{row['algorithm']:>6}: clean {row['clean']:.4f}, {args.attack} {row['attacked']:.4f} "
                   f"({row['change']:+.1%}), rejected {row['rejected']}, banned {row['banned']}, "
-                  f"fair share {row['fair_share']:.0%}, one model {row['one_model']}")  # fmt: skip
+                  f"fair share {row['fair_share'] or 1:.0%}, one model {row['one_model']}")  # fmt: skip
     return 0
 
 
