@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -160,9 +161,10 @@ MAX_VOTES = 64
 """Most votes of one round kept in a sender's record: a round of more contributions than this plus one
 is kept as each one's agreement alone (as without votes)."""
 
-Record = float | dict[bytes, float]
+Record = float | tuple[np.ndarray, np.ndarray]
 """One round of a sender's record: its agreement (judged by the own update alone), or each other
-sender's vote, its cosine with that one, read again when the voters' standing changes."""
+sender's vote, (the voters' ids, its cosines with them), read again when the voters' standing
+changes: at most `MAX_VOTES` of 16 bytes (4,096 senders' windows of rounds of 65 hold 45 MiB)."""
 
 
 class Suspicion:
@@ -180,12 +182,16 @@ class Suspicion:
     def __init__(self, policy: Robustness, max_senders: int = 4096):
         self.policy, self.max_senders = policy, max_senders
         self._recent: dict[bytes, deque[Record]] = {}
-        self._outlying: set[bytes] = set()
+        self._ids: dict[bytes, int] = {}
+        """Each sender with a record, by a number never given twice (a forgotten one's votes in other
+        records then belong to nobody: trusted, as any voter not an outlier)."""
+        self._issued = 0
+        self._outlying: set[int] = set()
 
     def suspected(self, senders: Sequence[bytes]) -> list[bool]:
         """Which senders are outliers by their latest verdict: they do not vote on the others'
         directions this round (`agreements`' `suspects`)."""
-        return [sender in self._outlying for sender in senders]
+        return [self._ids.get(sender, -1) in self._outlying for sender in senders]
 
     def outliers(
         self,
@@ -198,43 +204,53 @@ class Suspicion:
         policy = self.policy
         if not policy.suspects:
             return [False] * len(senders)
-        for index, (sender, cosine) in enumerate(zip(senders, cosines, strict=True)):
-            recent = self._recent.get(sender)
-            if recent is None:
+        for sender in senders:
+            if sender not in self._recent:
                 if len(self._recent) >= self.max_senders:  # bounded: the oldest sender is forgotten
                     forgotten = next(iter(self._recent))
                     del self._recent[forgotten]
-                    self._outlying.discard(forgotten)
-                recent = self._recent[sender] = deque(maxlen=policy.suspect_window)
-            record = votes[index] if votes is not None and votes[index] else cosine
+                    self._outlying.discard(self._ids.pop(forgotten))
+                self._recent[sender] = deque(maxlen=policy.suspect_window)
+                self._ids[sender], self._issued = self._issued, self._issued + 1
+        for index, (sender, cosine) in enumerate(zip(senders, cosines, strict=True)):
+            vote = votes[index] if votes is not None else None
+            record: Record | None = cosine
+            if vote:
+                ids = np.array([self._ids.get(voter, -1) for voter in vote], dtype=np.int64)
+                record = ids, np.array(list(vote.values()), dtype=np.float64)
             if record is not None:
-                recent.append(record)
+                self._recent[sender].append(record)
         # who votes changes the means: the round's senders are found out one at a time, the lowest mean
         # first, and each one found no longer votes on the others (an honest record that two attackers
         # pulled below the bound recovers once they are out, before it is judged itself)
-        self._outlying.difference_update(senders)
+        ids = [self._ids[sender] for sender in senders]
+        self._outlying.difference_update(ids)
         while True:
-            means = [self._mean(self._recent[sender]) for sender in senders]
+            outlying = np.fromiter(self._outlying, dtype=np.int64, count=len(self._outlying))
+            means = [self._mean(self._recent[sender], outlying) for sender in senders]
             verdicts = self._beyond(means)
             candidates = [
                 (mean, index)
-                for index, (mean, outlying) in enumerate(zip(means, verdicts, strict=True))
-                if outlying and mean is not None and senders[index] not in self._outlying
+                for index, (mean, out) in enumerate(zip(means, verdicts, strict=True))
+                if out and mean is not None and ids[index] not in self._outlying
             ]
             if not candidates:
                 return verdicts
-            self._outlying.add(senders[min(candidates)[1]])
+            self._outlying.add(ids[min(candidates)[1]])
 
-    def _agreement(self, record: Record) -> float:
-        if isinstance(record, float):
-            return record
-        trusted = [c for voter, c in record.items() if voter not in self._outlying] or list(record.values())
-        return lower_median(trusted)
+    @staticmethod
+    def _agreement(record: Record, outlying: np.ndarray) -> float:
+        if not isinstance(record, tuple):
+            return float(record)
+        voters, cosines = record
+        trusted = cosines[~np.isin(voters, outlying)]
+        trusted = np.sort(trusted if len(trusted) else cosines)
+        return float(trusted[(len(trusted) - 1) // 2])
 
-    def _mean(self, recent: "deque[Record]") -> float | None:
+    def _mean(self, recent: "deque[Record]", outlying: np.ndarray) -> float | None:
         if len(recent) < self.policy.suspect_after:
             return None
-        return sum(self._agreement(record) for record in recent) / len(recent)
+        return sum(self._agreement(record, outlying) for record in recent) / len(recent)
 
     def _beyond(self, means: Sequence[float | None]) -> list[bool]:
         policy = self.policy
