@@ -237,7 +237,9 @@ def test_a_bounded_fan_in_agrees_rotates_pulls_only_the_chosen_and_outlives_a_ch
     vanished = survivors[0]["participants"].index(1)
     assert 5 <= vanished <= 7, survivors[0]["participants"]
     for report in survivors:
-        assert report["rounds"] == list(range(rounds)) and max(report["lateness"]) < 0.5
+        # no round waited out a round of 2 s for the vanished one: 1.06 s late in the round it vanished
+        # with both cores busy (2026-12-01), 0.1 s at most on a quiet machine
+        assert report["rounds"] == list(range(rounds)) and max(report["lateness"]) < 1.5
         assert report["participants"] == [2] * vanished + [1] + [2] * (rounds - vanished - 1)
         assert report["resyncs"] == 0 and "stale_state" not in report["rejected"]  # one set everywhere
         assert 3 <= report["left_out"] <= rounds - 2  # its turn came, and went
