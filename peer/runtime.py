@@ -197,11 +197,15 @@ class SwarmPeer:
         return adopted is not None
 
     def _past(self, until_round: int) -> bool:
-        """Whether the peer is done with round `until_round` (or, on the clock alone, past it)."""
+        """Whether the peer is done with round `until_round` (or, on the clock alone, past it). A peer
+        with a coordinator it has not tried yet is past nothing on the clock: the coordinator's first
+        round waits for its peers, so a peer slower to start than the run's `--start-time` plus its
+        rounds (a loaded machine) would otherwise leave at once, having trained nothing."""
         exchange = self.exchange
         if exchange.last_round is not None and exchange.last_round >= until_round:
             return True
-        uncoordinated = exchange.coordinator is None or not exchange.coordinator.connected
+        link = exchange.coordinator
+        uncoordinated = link is None or (link.started and not link.connected)
         return uncoordinated and exchange.next_round > until_round
 
     def close(self) -> None:

@@ -47,6 +47,7 @@ from shoal.peer.settings import ALGORITHMS
 STARTUP_S = 8.0  # importing torch and hivemind, starting a DHT, loading the corpus; more per extra peer
 STARTUP_PER_PEER_S = 2.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_GRACE_S = 6.0  # a stopped peer's last checkpoint and its DHT's goodbye, before SIGKILL
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -207,8 +208,7 @@ def _tear_down(processes: list[subprocess.Popen], targets: "TargetsFile", logs: 
     for number in STOP_SIGNALS:  # a second Ctrl-C must not cut the stopping short
         signal.signal(number, signal.SIG_IGN)
     targets.clear()  # the swarm is gone: Prometheus stops scraping it
-    for process in processes:
-        _stop(process)
+    _stop(processes)
     if logs is not None:
         shutil.rmtree(logs, ignore_errors=True)
 
@@ -402,6 +402,8 @@ def _follow(events, processes, rounds, round_seconds, progress, logs, targets: T
     missing = set(range(len(processes))) - summaries.keys()
     if missing:
         raise DemoError(f"peers {sorted(missing)} left no summary")
+    if not by_round:
+        raise DemoError(f"the peers left without training a round:\n{_tail(logs / 'peer0.log')}")
     summaries["losses"] = {n: [e["loss"] for e in peers.values()] for n, peers in by_round.items()}
     return summaries
 
@@ -453,19 +455,22 @@ def _ends_with(parent: int):
     return ends_with_parent
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the peer's process group (its DHT and p2pd too), then SIGKILL if it lingers."""
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
+def _stop(processes: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to every process group (each peer's DHT and p2pd too) at once, then SIGKILL to what is
+    left after `grace_s`: one at a time, a loaded machine's peers took their graces in turn, and a
+    stopped demo left processes running 10 s after its signal."""
+    for process in processes:
+        if process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    with contextlib.suppress(ProcessLookupError):  # children left behind after a clean exit
-        os.killpg(process.pid, signal.SIGKILL)
+                os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):  # what lingers, and children left after a clean exit
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def _tail(log: Path, lines: int = 15) -> str:

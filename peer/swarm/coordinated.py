@@ -68,6 +68,11 @@ class CoordinatedRounds:
         self.stages, self.clock, self.link = stages, clock, link
         self._planned = 0  # the round after the last coordinated plan
 
+    @property
+    def paced(self) -> bool:
+        """Whether the clock keeps a coordinator's pace: it has announced a round to this peer."""
+        return self._planned > 0
+
     async def plan(self, wait: float) -> RoundPlan | None:
         """The next round's plan; None if a reachable coordinator announced none within `wait`."""
         link = self.link

@@ -263,12 +263,18 @@ class SwarmExchange(Exchange):
 
         `last_round`: the run ends after it (`--until-round`). None once the clock, at the coordinator's
         last pace, is a round past it and no plan came: the coordinator announces no more rounds (the
-        others have left), and a peer it keeps out, evicted, would otherwise wait for one forever."""
+        others have left), and a peer it keeps out, evicted, would otherwise wait for one forever. Not
+        before the coordinator has announced a round: until then the clock is only the run's start
+        time, and its first round waits for every peer it expects, however long they take to start."""
         while True:  # in slices, so that a stop (Ctrl-C) is noticed by the caller's signal handler
             plan = self._call(self.rounds.plan(wait=1.0))
             if plan is not None:
                 return plan
-            if last_round is not None and self.schedule.round_at(time.time()) > last_round + 1:
+            if (
+                last_round is not None
+                and self.rounds.paced
+                and self.schedule.round_at(time.time()) > last_round + 1
+            ):
                 return None
 
     def gather(
