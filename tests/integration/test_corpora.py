@@ -1,7 +1,9 @@
 """A researcher's corpus end to end: two `shoal join` processes train a Hugging Face model directory
 on a parquet corpus, tokenized with the model's own tokenizer (a BPE trained here), each preparing it
 into its own cache, report the held-out loss every second round, and end on one model, the last
-round kept in a final checkpoint."""
+round kept in a final checkpoint. Under a coordinator whose first round waits for both: a peer that
+prepares a corpus is slow to start on a loaded machine, and on the clock alone the second came in
+after the rounds the test reads (2026-12-01)."""
 
 import json
 import re
@@ -12,7 +14,7 @@ import torch
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.data.tokenizer import HFTokenizer
 from tests import corpora
-from tests.integration.harness import kill, start, wait_for
+from tests.integration.harness import kill, start, start_coordinator, wait_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,7 +34,9 @@ def test_two_peers_train_a_hugging_face_model_with_its_tokenizer_on_parquet(tmp_
     common = ["--host", "127.0.0.1", "--run", "corpus", "--log-format", "json", "--round-seconds", "4"]
     common += ["--model", str(model), "--data", str(corpus), "--until-round", "5", "--validate-every", "2"]
     outs = [tmp_path / "first.jsonl", tmp_path / "second.jsonl"]
-    peers = []
+    coordinator, address = start_coordinator(tmp_path, 2, 4.0)
+    common += ["--coordinator", address]
+    peers = [coordinator]
     try:
         first = ["--data-cache", str(tmp_path / "cache1")]
         peers.append(start("join", *common, *first, stdout=outs[0].open("w"), stderr=_err(tmp_path, "first")))
@@ -42,7 +46,7 @@ def test_two_peers_train_a_hugging_face_model_with_its_tokenizer_on_parquet(tmp_
         peers.append(
             start("join", *common, *second, stdout=outs[1].open("w"), stderr=_err(tmp_path, "second"))
         )
-        for peer, name in zip(peers, ("first", "second"), strict=True):
+        for peer, name in zip(peers[1:], ("first", "second"), strict=True):
             assert peer.wait(timeout=150) == 0, (tmp_path / f"{name}.err").read_text()[-3000:]
     finally:
         for peer in peers:
@@ -76,21 +80,33 @@ def test_two_peers_train_the_embedded_model_on_a_jsonl_corpus_and_refuse_other_d
     common = ["--host", "127.0.0.1", "--run", "jsonl", "--log-format", "json", "--round-seconds", "3"]
     common += ["--data", str(corpus), "--until-round", "3", "--data-cache", str(tmp_path / "cache")]
     outs = [tmp_path / "first.jsonl", tmp_path / "second.jsonl"]
-    peers = []
+    coordinator, address = start_coordinator(tmp_path, 2, 3.0)
+    peers = [coordinator]
     try:
-        peers.append(start("join", *common, stdout=outs[0].open("w"), stderr=_err(tmp_path, "first")))
+        coordinated = ["--coordinator", address]  # not the refused one's: it never trains
+        peers.append(
+            start("join", *common, *coordinated, stdout=outs[0].open("w"), stderr=_err(tmp_path, "first"))
+        )
         started = wait_for(outs[0], lambda e: e.get("event") == "started", 120)
         joiner = ["--initial-peers", started["initial_peers"][0]]
-        peers.append(
-            start("join", *common, *joiner, stdout=outs[1].open("w"), stderr=_err(tmp_path, "second"))
-        )
+        # the one to refuse first: the run's rounds wait for the second, so the first is still there
         other = corpora.write_jsonl(tmp_path / "other.jsonl", corpora.documents(50))
         refused = start(
             "join", *common, *joiner, "--data", str(other), "--discover-seconds", "30",
             stdout=(tmp_path / "third.jsonl").open("w"), stderr=_err(tmp_path, "third"),
         )  # fmt: skip
+        peers.append(
+            start(
+                "join",
+                *common,
+                *joiner,
+                *coordinated,
+                stdout=outs[1].open("w"),
+                stderr=_err(tmp_path, "second"),
+            )
+        )
         peers.append(refused)
-        for peer, name in zip(peers[:2], ("first", "second"), strict=True):
+        for peer, name in zip(peers[1:3], ("first", "second"), strict=True):
             assert peer.wait(timeout=150) == 0, (tmp_path / f"{name}.err").read_text()[-3000:]
         assert refused.wait(timeout=60) != 0
     finally:

@@ -136,8 +136,9 @@ def test_four_peers_train_demo_a_fifth_joins_and_a_restarted_one_resyncs(tmp_pat
         assert set(report["rejected"]) <= {"stale_state"}  # the newcomers' first rounds, nothing else
         assert report["received"] > 0 and resyncs_explained(report, reports[:3]), report
         # every round ends at its deadline: none waits for the stopped peer (that would be a whole round,
-        # 2 s, late); decoding and applying took up to 0.87 s while another test's swarm shared the cores
-        assert max(report["lateness"]) < 1.0
+        # 2 s, late); decoding and applying took up to 0.87 s while another test's swarm shared the cores,
+        # 1.27 s in a clean-clone CI run (2026-12-01)
+        assert max(report["lateness"]) < 1.5
         assert max(report["participants"]) == 5 and report["participants"][-1] == 5
     assert mean_loss(reports[:3], -1) < mean_loss(reports[:3], 0) - 0.5
     stopped = json.loads((tmp_path / "peer3-stopped.json").read_text())
