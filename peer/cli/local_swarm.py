@@ -19,7 +19,7 @@ Logs: each peer's `peerN.log` holds its JSON lines and then whatever it wrote to
 coordinator's log, the peers' checkpoints and the coordinator's state, they are in a temporary folder
 removed when the demo ends (kept, and named, if it fails), or in `--keep-logs DIR`, kept. Ctrl-C,
 SIGTERM and SIGHUP stop every process the demo started, whatever it was doing; and each of them is
-told by the kernel (Linux: PR_SET_PDEATHSIG) to end if the demo itself dies without stopping them
+killed by the kernel (Linux: PR_SET_PDEATHSIG) if the demo itself dies without stopping them
 (SIGKILL, a crash).
 """
 
@@ -441,16 +441,18 @@ def _spawn(command: list[str], log: IO[str], env: dict[str, str] | None = None) 
 
 
 def _ends_with(parent: int):
-    """A `preexec_fn` that has the kernel send the child SIGTERM when this process dies, however it dies
-    (Linux; elsewhere None: the demo's own signal handlers stop its children). The child's own SIGTERM
-    handling then stops what it started in turn (a peer's DHT and libp2p daemon)."""
+    """A `preexec_fn` that has the kernel kill the child when this process dies, however it dies (Linux;
+    elsewhere None: the demo's own signal handlers stop its children). SIGKILL, not SIGTERM: a peer
+    stops on SIGTERM at its round's end, after its checkpoint, which took over 10 s on a loaded machine
+    with nobody left to escalate; what a peer started ends with it (its DHT process, and p2pd in that
+    process's group, watch their parent: shoal.peer.swarm.lifeline)."""
     if not sys.platform.startswith("linux"):
         return None
 
     def ends_with_parent() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the demo died before the request took effect
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     return ends_with_parent
 

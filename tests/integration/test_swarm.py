@@ -106,7 +106,12 @@ def caught_up(newcomer: dict, incumbent: dict) -> bool:
         return False
     short = [count < incumbent["participants"][number] for number, count in zip(rounds, counted, strict=True)]
     later = [position for position in range(first + 1, len(rounds)) if resynced[position]]
-    return all(short[position - 1] for position in later) and len(later) <= 2
+    # or one within two rounds of the incumbent's own re-sync: the swarm's state itself was split (a
+    # clean-clone CI run, 2026-12-01: the restarted peer and the joiner starting together on two busy
+    # cores, the incumbent re-synced in round 10 and the joiner in rounds 12 and 13)
+    unsettled = {n for n, again in zip(incumbent["rounds"], incumbent["resynced"], strict=True) if again}
+    explained = [short[p - 1] or bool(unsettled & {rounds[p] - 2, rounds[p] - 1, rounds[p]}) for p in later]
+    return all(explained) and len(later) <= 2
 
 
 def resyncs_explained(incumbent: dict, incumbents: list[dict]) -> bool:
