@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.integration.harness import free_port, kill, start, wait_for
+from tests.integration.harness import kill, start, start_coordinator, wait_for
 
 
 @pytest.mark.timeout(120)
@@ -36,12 +36,7 @@ def test_a_coordinated_peer_that_starts_after_its_runs_clock_still_trains_its_ro
     """The run's clock (--start-time) put its rounds 0-2 a minute ago, as a loaded machine's slow start
     does to a `shoal demo` peer; the coordinator's round 0 waits for its peer, so the peer trains rounds
     0-2 with it. It used to leave at once, before contacting the coordinator, with 0 rounds."""
-    address = f"127.0.0.1:{free_port()}"
-    coordinator = start(
-        "coordinator", "--listen", address, "--state", str(tmp_path / "c.db"), "--min-peers", "1",
-        "--min-compute-s", "0.5", "--max-compute-s", "1", "--metrics-port", "0",
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "coordinator.log").open("w"),
-    )  # fmt: skip
+    coordinator, address = start_coordinator(tmp_path, 1, 1.0)
     out = tmp_path / "peer.jsonl"
     flags = ["--host", "127.0.0.1", "--run", "behind", "--log-format", "json", "--round-seconds", "1"]
     flags += ["--start-time", repr(time.time() - 60), "--until-round", "2", "--coordinator", address]
