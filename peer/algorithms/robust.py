@@ -336,6 +336,11 @@ class Reference:
     """The update, as the contributions are (dense tensors, or for DeMo its top-k selections)."""
 
 
+def pair_cosine(gram: Sequence[Sequence[float]], i: int, j: int) -> float:
+    """The cosine of contributions i and j from the round's Gram matrix (both of some length)."""
+    return gram[i][j] / math.sqrt(gram[i][i] * gram[j][j])
+
+
 def agreements(
     gram: Sequence[Sequence[float]], reference: bool = False, suspects: Sequence[bool] = ()
 ) -> list[float | None]:
@@ -367,7 +372,7 @@ def agreements(
         judges = [j for j in trusted if j != i and gram[j][j] > 0]
         if not judges:  # nobody but suspects to judge it: all of them, as without suspects
             judges = [j for j in voters if j != i and gram[j][j] > 0]
-        pairs = sorted(gram[i][j] / math.sqrt(gram[i][i] * gram[j][j]) for j in judges if gram[i][i] > 0)
+        pairs = sorted(pair_cosine(gram, i, j) for j in judges if gram[i][i] > 0)
         cosines.append(pairs[len(pairs) // 2 if reference else (len(pairs) - 1) // 2] if pairs else None)
     return cosines
 
@@ -447,12 +452,7 @@ def pair_votes(gram: Sequence[Sequence[float]], senders: Sequence[bytes]) -> lis
     if count - 1 > MAX_VOTES:
         return [None] * count
     return [
-        {
-            senders[j]: gram[i][j] / math.sqrt(gram[i][i] * gram[j][j])
-            for j in range(count)
-            if j != i and gram[j][j] > 0
-        }
-        or None
+        {senders[j]: pair_cosine(gram, i, j) for j in range(count) if j != i and gram[j][j] > 0} or None
         if gram[i][i] > 0
         else None
         for i in range(count)
