@@ -14,15 +14,19 @@ from shoal.peer.swarm.relay import Reachability
 
 def tell_ledger(progress: Progress, exchange, plan, metrics, told: int) -> int:
     """The token ledger after a round: a `ledger` event for each round it settled after round `told`
-    (whose claims it credited, by sender), the epoch in the metrics, and with --audit-data on, what
-    this peer's lane trained (a `trained` event). Returns the last round settled."""
+    and each it settled again on an adopted ledger (whose claims it credited, by sender, and the
+    digests of the round's class before and after: `Settled`), the epoch in the metrics, and with
+    --audit-data on, what this peer's lane trained (a `trained` event). Returns the last round
+    settled."""
     tokens, lane = exchange.tokens, plan.lane
     if tokens is None:
         return told
     epoch, share, windows = tokens.progress()
     seq_len = tokens.seq_len
     settled_now = tokens.settled_after(told)
-    for settled in settled_now:
+    # a round settled again on an adopted ledger is told once, as a replay, whether or not told before
+    fresh = [settled for settled in settled_now if not settled.replayed]
+    for settled in [*tokens.replays(), *fresh]:
         progress.event(
             "ledger",
             round=settled.round,
@@ -33,6 +37,9 @@ def tell_ledger(progress: Progress, exchange, plan, metrics, told: int) -> int:
             epoch_progress=share,
             windows=tokens.windows,
             tokens_consumed=windows * seq_len,
+            ledger_from=settled.before.hex(),
+            ledger_to=settled.after.hex(),
+            replayed=settled.replayed,
         )
     if metrics is not None:
         metrics.observe_ledger(epoch, share, windows * seq_len)

@@ -45,6 +45,7 @@ VERSION = 1
 DIGEST_BYTES = 16
 HEADER = 4  # int64s before the epochs: version, classes, chunks, settled round + 1
 KEEP_ROUNDS = 8  # settled rounds whose claims are kept, to replay them on an adopted ledger
+KEEP_REPLAYS = 64  # replayed settlements kept until read (`TokenLedger.replays`)
 MAX_SLOTS = 4096  # participants of one round a claim may name
 MAX_CLAIM_WINDOWS = 1 << 40
 
@@ -121,6 +122,14 @@ class Settled:
     """Windows of credited chunks that were already consumed."""
     unledgered: int = 0
     """Windows claimed from another ledger (a peer not yet in sync) or by a malformed claim."""
+    before: bytes = b""
+    """The digest of the round's class before the settlement (`TokenLedger.digest`): the ledger its
+    claims were drawn from."""
+    after: bytes = b""
+    """The same after it: settlements chain from `before` to `after`, so that the history of a ledger
+    the swarm ended on can be read back across re-syncs, whichever peer settled each round."""
+    replayed: bool = False
+    """A round settled again on a ledger this peer adopted (`TokenLedger.load`)."""
 
 
 class TokenLedger:
@@ -163,6 +172,7 @@ class TokenLedger:
         self._rejected: dict[int, set[bytes]] = {}
         self.recent: dict[int, Settled] = {}
         """The last rounds settled."""
+        self._replays: list[Settled] = []
         self._lock = threading.RLock()
         self.totals = Settled(-1)
         """Everything settled so far on this peer (credited: by sender)."""
@@ -301,6 +311,8 @@ class TokenLedger:
                 self._rejected.pop(old, None)
                 self.recent.pop(old, None)
             if not count:
+                result.replayed = True
+                self._replays = [*self._replays[-(KEEP_REPLAYS - 1) :], result]
                 return result
             for sender, windows in result.credited.items():
                 self.totals.credited[sender] = self.totals.credited.get(sender, 0) + windows
@@ -313,9 +325,16 @@ class TokenLedger:
         with self._lock:
             return [self.recent[r] for r in sorted(self.recent) if r > round_number]
 
+    def replays(self) -> list[Settled]:
+        """The rounds settled again on adopted ledgers since the last call (the last `KEEP_REPLAYS`)."""
+        with self._lock:
+            replays, self._replays = self._replays, []
+            return replays
+
     def _credit(self, round_number: int, claims: dict[bytes, Claim]) -> Settled:
         cls = self.class_of(round_number)
-        digest, result = self.digest(cls), Settled(round_number)
+        digest = self.digest(cls)
+        result = Settled(round_number, before=digest)
         available: dict[int, np.ndarray] = {}  # by slots
         for sender in sorted(claims):
             claim = claims[sender]
@@ -339,6 +358,7 @@ class TokenLedger:
             result.credited[sender] = int(lengths[fresh].sum())
             result.duplicates += int(lengths[~fresh].sum())
         self._advance(cls)
+        result.after = self.digest(cls)
         return result
 
     def _advance(self, cls: int) -> None:

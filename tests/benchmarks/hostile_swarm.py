@@ -7,6 +7,7 @@ seed 3).
 
     python -m tests.benchmarks.hostile_swarm [--rounds 12] [--peers 4] [--attackers 1] [--json]
     python -m tests.benchmarks.hostile_swarm --peers 6 --attackers 2             # two colluders
+    python -m tests.benchmarks.hostile_swarm --peers 6 --attackers 2 --algorithms demo
     python -m tests.benchmarks.hostile_swarm --peers 8 --attackers 2 --gather 4 --attack sample_lie
 
 Prints, per algorithm, the honest peers' held-out loss attacked and clean, the change, what the honest
@@ -31,12 +32,16 @@ def main() -> int:
     parser.add_argument("--attackers", type=int, default=1)
     parser.add_argument("--attack", default="alie", help="a fault of tests/integration/faults.py")
     parser.add_argument("--gather", type=int, default=0, help="as join's --gather (0: every payload)")
+    parser.add_argument("--algorithms", default="demo,diloco", help="comma-separated, of demo,diloco")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     peers, attackers, rows = args.peers, args.attackers, []
     gather = ["--gather", str(args.gather)] if args.gather else []
     with tempfile.TemporaryDirectory() as temp:
+        chosen = args.algorithms.split(",")
         for name, algorithm in (("demo", [*DEMO, *gather]), ("diloco", [*DILOCO, *gather])):
+            if name not in chosen:
+                continue
             folder = Path(temp) / name
             folder.mkdir()
             clean = swarm(folder, "clean", algorithm, None, args.rounds, peers=peers, attackers=0)

@@ -146,3 +146,27 @@ def test_a_claim_rides_on_a_payload_and_is_read_back_without_its_tensors():
         view_bytes(view_tensor(ledger.to_bytes()) + 0.5, ledger.size_bytes)
     with pytest.raises(ValueError, match="not a ledger"):
         view_bytes(view_tensor(ledger.to_bytes())[:-1], ledger.size_bytes)
+
+
+def test_settlements_chain_by_digest_and_replays_on_an_adopted_ledger_are_told_once():
+    """Each settlement names its class's digest before and after it, so that the history of the ledger
+    a swarm ends on can be read back across re-syncs; a round settled again on an adopted ledger is
+    handed out once as a replay."""
+    ledger, other = TokenLedger(100, 4, seed=3), TokenLedger(100, 4, seed=3)
+    start = ledger.digest(0)
+    settled = []
+    for number in range(2):
+        lane = ledger.lane(number, 0, 1)
+        lane.take(0, 0, 8)
+        ledger.record(number, {b"a": lane.claim()})
+        settled.append(ledger.settle(number))
+    first, second = settled
+    assert (first.before, first.after, second.before) == (start, second.before, first.after)
+    assert second.after == ledger.digest(0) and second.after != start and not second.replayed
+    empty = other.settle(0)  # nothing recorded: nothing changes
+    assert empty.before == empty.after == start
+    assert ledger.replays() == []
+    ledger.load(TokenLedger(100, 4, seed=3).to_bytes(), 1)  # a view from before round 0: 0 and 1 again
+    replays = ledger.replays()
+    assert [(r.round, r.replayed) for r in replays] == [(0, True), (1, True)] and ledger.replays() == []
+    assert replays[0].before == start and replays[-1].after == ledger.digest(0)
