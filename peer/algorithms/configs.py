@@ -171,21 +171,13 @@ class DiLoCoConfig:
 AlgorithmConfig = DeMoConfig | DiLoCoConfig
 """The algorithm a peer runs, with its hyperparameters."""
 
-SCREENING = "2"
-"""The version of the rules that screen a round's contributions (shoal.peer.algorithms.robust), part of
-every run's configuration: peers that weigh a round differently would hold different models after
-every round, so peers of another version are refused, naming it. 2 (2026-12-02): rule 5, weak
-agreement weighs less; before it, no entry (1)."""
-
 
 def run_config(model: str, algorithm: AlgorithmConfig, *, seed: int = 0, gather: int = 0) -> dict[str, str]:
     """What every peer of a run must share, as text (hashed into its records,
     shoal.peer.swarm.membership): the only place a run configuration is written, so that a test peer,
     a benchmark's peer and a `shoal join` peer with equal settings hold equal ones. Settings at their
-    defaults are left out where they came after the first runs, so that those runs keep their hash;
-    `screening` is not: a change of the screening rules is a change of what every peer computes."""
+    defaults are left out where they came after the first runs, so that those runs keep their hash."""
     config = {"model": model, "algorithm": algorithm.name, "lr": repr(algorithm.lr), "seed": str(seed)}
-    config["screening"] = SCREENING
     if gather:
         config["gather"] = str(gather)
     if isinstance(algorithm, DeMoConfig):

@@ -22,12 +22,6 @@ stay identical):
    do not vote on the others: neither in this round's median nor, read again, in the rounds each
    record keeps (`Suspicion`), so attackers chosen together with honest peers cannot make them look
    opposed.
-5. **Weak agreement weighs less**: in a round judged by the shared median, a contribution whose
-   agreement is below the round's median agreement weighs in proportion, agreement / median (nothing
-   at or below 0). An attacker that hides inside the honest spread ("a little is enough", Baruch et
-   al., 2019: its own update plus its own norm along one fixed direction) agrees less than the honest
-   contributions it hides among (about 0.6x their median in DeMo), is never dropped, and now counts
-   for that much less.
 
 Rule 3 suits DiLoCo's dense pseudo-gradients, which agree strongly. Top-k payloads overlap little:
 DeMo's momenta, and DiLoCo's pseudo-gradients under `--compression sparse` (median cosine 0.10
@@ -87,8 +81,6 @@ class Robustness:
     """Rounds of a sender's cosines that `suspect_below` and `suspect_relative` average."""
     suspect_after: int = 3
     """Fewest rounds of a sender seen before it can be reported."""
-    agreement_weights: bool = True
-    """Rule 5: a contribution whose shared agreement is below the round's median weighs in proportion."""
 
     def __post_init__(self) -> None:
         if self.norm_ratio is not None and not self.norm_ratio >= 1:
@@ -116,7 +108,7 @@ class Robustness:
     @property
     def judges(self) -> bool:
         """Whether contributions' directions are computed at all."""
-        return self.min_agreement is not None or self.suspects or self.agreement_weights
+        return self.min_agreement is not None or self.suspects
 
 
 DILOCO = Robustness()
@@ -126,12 +118,7 @@ DEMO = Robustness(min_agreement=None)
 DILOCO_SPARSE = DEMO
 """DiLoCo's default with a top-k codec: as DeMo's, for the same reason (see the module docstring)."""
 NONE = Robustness(
-    suspect_below=None,
-    suspect_relative=None,
-    norm_ratio=None,
-    sample_ratio=None,
-    min_agreement=None,
-    agreement_weights=False,
+    suspect_below=None, suspect_relative=None, norm_ratio=None, sample_ratio=None, min_agreement=None
 )
 """No screening: the reference semantics (trusted participants: loopback, torch.distributed)."""
 
@@ -159,20 +146,6 @@ def capped_weights(samples: Sequence[float], ratio: float | None = DEFAULT_SAMPL
         return [float(s) for s in samples]
     bound = ratio * lower_median(samples)
     return [float(min(s, bound)) for s in samples]
-
-
-def agreement_gains(agreements: Sequence[float | None]) -> list[float]:
-    """Rule 5: per contribution, what its weight is multiplied by: its agreement over the round's median
-    agreement when below it (0 at or below 0), else 1; all 1 when the median is not positive (nothing
-    agrees: no contribution's direction is a reference for the others)."""
-    known = sorted(a for a in agreements if a is not None)
-    if not known:
-        return [1.0] * len(agreements)
-    half = len(known) // 2
-    median = known[half] if len(known) % 2 else (known[half - 1] + known[half]) / 2
-    if median <= 0:
-        return [1.0] * len(agreements)
-    return [1.0 if a is None or a >= median else max(a, 0.0) / median for a in agreements]
 
 
 def overclaims(samples: Sequence[float], ratio: float = BELIEVABLE_RATIO) -> list[bool]:
@@ -316,7 +289,6 @@ class Screened:
         policy: Robustness,
         outliers: Sequence[bool] | None = None,
         overclaimed: Sequence[bool] = (),
-        gains: Sequence[float] | None = None,
     ) -> "Screened":
         bound = policy.min_agreement
         reasons = [
@@ -335,8 +307,6 @@ class Screened:
             )
         ]
         kept = [reason is None for reason in reasons]
-        if gains is not None:
-            weights = [w * g for w, g in zip(weights, gains, strict=True)]
         return Screened(
             [w * s if k else 0.0 for w, s, k in zip(weights, scales, kept, strict=True)],
             [w if k else 0.0 for w, k in zip(weights, kept, strict=True)],
@@ -471,10 +441,7 @@ def judged(
     voted = agreements(gram, reference=True, suspects=suspects) if judging and by_reference else None
     opposing = voted or shared or [None] * count
     outliers = suspicion.outliers(senders, shared or opposing, votes) if suspicion is not None else None
-    # rule 5 from the shared figures only: every participant weighs the round alike
-    gains = agreement_gains(shared) if shared is not None and policy.agreement_weights else None
-    overclaimed = overclaims(samples) if samples else ()
-    return Screened.of(weights, scales, opposing, policy, outliers, overclaimed, gains)
+    return Screened.of(weights, scales, opposing, policy, outliers, overclaims(samples) if samples else ())
 
 
 def pair_votes(gram: Sequence[Sequence[float]], senders: Sequence[bytes]) -> list[dict[bytes, float] | None]:
