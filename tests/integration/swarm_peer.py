@@ -15,6 +15,7 @@ from that round (tests.integration.faults); SIGTERM stops it at a round end with
 import argparse
 import json
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
@@ -108,8 +109,12 @@ def main() -> None:
         trainer = build(peer, spec, schedule, workload, args.fault, args.strike_limit)
         resumed = trainer.resume() if args.resume else False
         report = train(peer, schedule, args.until_round, stop, resumed=resumed)
-        with open(args.out, "w") as out:
-            json.dump(report, out)
+        # whole or not at all: tests wait for the file to exist, then read it (one read an empty file
+        # that was still being written, a clean-clone CI run, 2026-12-02)
+        out = Path(args.out)
+        partial = out.with_name(out.name + ".partial")
+        partial.write_text(json.dumps(report))
+        partial.replace(out)
 
 
 def build(peer, spec: PeerSpec, schedule, workload: Workload, fault_list=(), strike_limit: int = 3):
