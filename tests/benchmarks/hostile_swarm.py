@@ -8,6 +8,7 @@ seed 3).
     python -m tests.benchmarks.hostile_swarm [--rounds 12] [--peers 4] [--attackers 1] [--json]
     python -m tests.benchmarks.hostile_swarm --peers 6 --attackers 2             # two colluders
     python -m tests.benchmarks.hostile_swarm --peers 6 --attackers 2 --algorithms demo
+    python -m tests.benchmarks.hostile_swarm --peers 6 --attackers 2 --algorithms demo --repeats 4
     python -m tests.benchmarks.hostile_swarm --peers 8 --attackers 2 --gather 4 --attack sample_lie
 
 Prints, per algorithm, the honest peers' held-out loss attacked and clean, the change, what the honest
@@ -33,6 +34,12 @@ def main() -> int:
     parser.add_argument("--attack", default="alie", help="a fault of tests/integration/faults.py")
     parser.add_argument("--gather", type=int, default=0, help="as join's --gather (0: every payload)")
     parser.add_argument("--algorithms", default="demo,diloco", help="comma-separated, of demo,diloco")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="clean and attacked runs each, alternating (a clean run's loss varies too)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     peers, attackers, rows = args.peers, args.attackers, []
@@ -42,13 +49,19 @@ def main() -> int:
         for name, algorithm in (("demo", [*DEMO, *gather]), ("diloco", [*DILOCO, *gather])):
             if name not in chosen:
                 continue
-            folder = Path(temp) / name
-            folder.mkdir()
-            clean = swarm(folder, "clean", algorithm, None, args.rounds, peers=peers, attackers=0)
-            attacked = swarm(
-                folder, "attacked", algorithm, args.attack, args.rounds, peers=peers, attackers=attackers
-            )
-            honest = attacked[: peers - attackers]
+            cleans, attacks = [], []
+            for repeat in range(args.repeats):
+                folder = Path(temp) / f"{name}-{repeat}"
+                folder.mkdir()
+                cleans.append(
+                    final_loss(swarm(folder, "clean", algorithm, None, args.rounds, peers=peers, attackers=0))
+                )
+                attacked = swarm(
+                    folder, "attacked", algorithm, args.attack, args.rounds, peers=peers, attackers=attackers
+                )
+                honest = attacked[: peers - attackers]
+                attacks.append(final_loss(honest))
+            clean_loss, attacked_loss = sum(cleans) / len(cleans), sum(attacks) / len(attacks)
             rejected: dict[str, int] = {}
             for summary in honest:
                 for reason, count in summary["rejected"].items():
@@ -56,8 +69,9 @@ def main() -> int:
             share = args.rounds * min(args.gather, peers) / peers if args.gather else None
             counted = min(s["rounds"] - s["left_out_rounds"] for s in honest)
             rows.append({
-                "algorithm": name, "clean": final_loss(clean), "attacked": final_loss(honest),
-                "change": final_loss(honest) / final_loss(clean) - 1, "rejected": rejected,
+                "algorithm": name, "clean": clean_loss, "attacked": attacked_loss,
+                "change": attacked_loss / clean_loss - 1, "rejected": rejected,
+                "cleans": cleans, "attacks": attacks,
                 "banned": sum(s["banned"] for s in honest),
                 "one_model": len({s["param_hash"] for s in honest}) == 1,
                 "fair_share": counted / share if share else None,
@@ -70,6 +84,9 @@ def main() -> int:
             print(f"{row['algorithm']:>6}: clean {row['clean']:.4f}, {args.attack} {row['attacked']:.4f} "
                   f"({row['change']:+.1%}), rejected {row['rejected']}, banned {row['banned']}, "
                   f"fair share {row['fair_share'] or 1:.0%}, one model {row['one_model']}")  # fmt: skip
+            if args.repeats > 1:
+                cleans, attacks = (", ".join(f"{x:.4f}" for x in row[k]) for k in ("cleans", "attacks"))
+                print(f"        clean runs {cleans}; attacked {attacks} (rejected, banned: the last run)")
     return 0
 
 
