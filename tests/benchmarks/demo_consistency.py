@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from shoal.peer.algorithms.robust import lower_median
 from tests.integration import test_hostile
 
 BUCKETS, WINDOW = 1024, 8
@@ -86,8 +87,9 @@ def observe() -> None:
 
 
 def spread(values: list[float]) -> str:
-    values = sorted(values)
-    return f"{values[0]:.2f} / {values[(len(values) - 1) // 2]:.2f} / {values[-1]:.2f}" if values else "-"
+    if not values:
+        return "-"
+    return f"{min(values):.2f} / {lower_median(values):.2f} / {max(values):.2f}"
 
 
 def figures(path: Path) -> dict[str, dict]:

@@ -42,6 +42,8 @@ def main() -> int:
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     peers, attackers, rows = args.peers, args.attackers, []
     gather = ["--gather", str(args.gather)] if args.gather else []
     with tempfile.TemporaryDirectory() as temp:
