@@ -1,6 +1,7 @@
 """The rules a coordinator and its peers must apply alike, in one torch-free place both import: the
-bounded fan-in's choice (`choose`), how many holders a round's tally names (`TALLY_HOLDERS`), and the
-shape of a libp2p peer id (`is_peer_id`).
+bounded fan-in's choice (`choose`) among the peers on the round's majority state (`majority`,
+`eligible`), how many holders a round's tally names (`TALLY_HOLDERS`), and the shape of a libp2p
+peer id (`is_peer_id`).
 
 ## Bounded fan-in
 
@@ -14,6 +15,8 @@ no history, only the round's candidates:
   L = N / gcd(N, G) rounds, and round r of a cycle takes the r-th G of that order, read round and
   round (slots r G to r G + G - 1, modulo N): in a cycle every candidate counts exactly L G / N times,
   its fair share, spaced about N / G rounds apart;
+- the candidates are the announcers on the round's majority state (`eligible`): a contribution
+  computed on another state cannot count, so it takes no slot;
 - nothing a peer says about itself enters the choice. An earlier rule chose the largest sample claims
   (capped at 4x the median claim), and a peer that claimed 2^40 samples then won a slot every round:
   with `--gather 2` it carried two thirds of every round's weight (+52% loss for DiLoCo, +31% for
@@ -38,7 +41,8 @@ lists only the chosen, with a tally of every participant's state for the vote
 import hashlib
 import math
 import re
-from collections.abc import Collection
+from collections import Counter
+from collections.abc import Collection, Mapping
 
 TALLY_HOLDERS = 4
 """Holders a coordinator names per state in a round's tally (`RoundResultReply.votes`, with
@@ -74,3 +78,38 @@ def choose(seed: bytes, round_number: int, candidates: Collection[bytes], limit:
     order = sorted(keys, key=lambda key: (draw(seed, cycle, key), key))
     start = position * limit
     return frozenset(order[(start + i) % len(keys)] for i in range(limit))
+
+
+def majority(states: dict[bytes, tuple[bytes, bool]]) -> bytes | None:
+    """The state the round's majority holds, from {owner: (state digest, synced)}.
+
+    Only peers that were in sync last round vote, unless none was (a new swarm, or one restarted from
+    checkpoints): fresh joiners cannot outvote the swarm. The most votes win; ties go to the smallest
+    digest, so every peer that sees the same announcements picks the same state. None if no one
+    announced a state.
+    """
+    return tallied(Counter(states.values()))
+
+
+def tallied(votes: Mapping[tuple[bytes, bool], int]) -> bytes | None:
+    """`majority` from votes already counted: {(state digest, synced): how many announced it}."""
+    cast = {key: count for key, count in votes.items() if key[0] and count > 0}
+    if any(synced for _, synced in cast):
+        cast = {key: count for key, count in cast.items() if key[1]}
+    totals: Counter[bytes] = Counter()
+    for (digest, _), count in cast.items():
+        totals[digest] += count
+    if not totals:
+        return None
+    return min(totals, key=lambda digest: (-totals[digest], digest))
+
+
+def eligible(states: Mapping[bytes, tuple[bytes, bool]]) -> list[bytes]:
+    """The keys among {key: (state digest, synced)} that the fan-in chooses among: those on the
+    majority's state (`majority`), all of them when no one announced one. A contribution computed on
+    another state cannot count, so its announcer takes no slot from one that can: two of six peers
+    announcing a random digest under `--gather 2` held a third of the slots, unstruck, for as long
+    as they liked (issue 47; an honest peer out of sync announces another state too, and is not
+    struck for it)."""
+    agreed = majority(dict(states))
+    return sorted(key for key, (state, _) in states.items() if agreed is None or state == agreed)

@@ -34,7 +34,7 @@ from shoal.peer.swarm.pull import Puller
 from shoal.peer.swarm.records import Announcement, RoundSchedule
 from shoal.peer.swarm.server import PayloadServer, round_pullers
 from shoal.peer.swarm.state import StateSnapshot, Tally, decide
-from shoal.protocol.rules import choose
+from shoal.protocol.rules import choose, eligible
 
 Snapshot = tuple[StateSnapshot, list[torch.Tensor]] | None
 """A round's state: its digest and manifest, and the tensors (None: no state compared)."""
@@ -170,9 +170,18 @@ class RoundStages:
 
     def chosen(self, number: int, announced: dict[bytes, Announcement]) -> dict[bytes, Announcement]:
         """The announcements whose payloads count in the round: at most `gather_limit` of them, in the
-        rotation of shoal.protocol.rules, the same on every peer that took the same."""
-        picked = choose(self.run.encode(), number, announced.keys(), self.limits.gather_limit)
+        rotation of shoal.protocol.rules among those on the majority's state, the same on every peer
+        that took the same."""
+        limit = self.limits.gather_limit
+        candidates = self.eligible(announced) if limit else announced.keys()
+        picked = choose(self.run.encode(), number, candidates, limit)
         return {owner: a for owner, a in announced.items() if owner in picked}
+
+    @staticmethod
+    def eligible(announced: Mapping[bytes, Announcement]) -> list[bytes]:
+        """The announcers a bounded fan-in chooses among: those on the majority's state
+        (shoal.protocol.rules.eligible)."""
+        return eligible({owner: (a.state, a.synced) for owner, a in announced.items()})
 
     async def fetch(
         self, number: int, announcement: Announcement, holders: Mapping[bytes, Announcement]
@@ -203,6 +212,10 @@ class RoundStages:
             voters, counted = tally, mine.owner in announced
         else:
             voters = announced if gather_limit else None
+            # computed on another state: no slot (rules.eligible), counted as in `agree`
+            stale = announced.keys() - {*self.eligible(announced), mine.owner} if gather_limit else set()
+            if stale:
+                self.counts.rejected["stale_state"] += len(stale)
             announced = self.chosen(number, announced)
             counted = mine.owner in announced or not gather_limit
         self.counts.left_out += not counted

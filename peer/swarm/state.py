@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shoal.protocol import MalformedPayloadError, parse_message
+from shoal.protocol.rules import majority, tallied
 from shoal.protocol.swarm_pb2 import StateManifest, StateRequest
 
 if TYPE_CHECKING:
@@ -188,30 +189,6 @@ async def download(
     if len(pieces) < count:
         raise StateUnavailable(f"{count - len(pieces)} of {count} state pieces unavailable from every source")
     return manifest, b"".join(pieces[i] for i in range(count))
-
-
-def majority(states: dict[bytes, tuple[bytes, bool]]) -> bytes | None:
-    """The state the round's majority holds, from {owner: (state digest, synced)}.
-
-    Only peers that were in sync last round vote, unless none was (a new swarm, or one restarted from
-    checkpoints): fresh joiners cannot outvote the swarm. The most votes win; ties go to the smallest
-    digest, so every peer that sees the same announcements picks the same state. None if no one
-    announced a state.
-    """
-    return tallied(Counter(states.values()))
-
-
-def tallied(votes: Mapping[tuple[bytes, bool], int]) -> bytes | None:
-    """`majority` from votes already counted: {(state digest, synced): how many announced it}."""
-    cast = {key: count for key, count in votes.items() if key[0] and count > 0}
-    if any(synced for _, synced in cast):
-        cast = {key: count for key, count in cast.items() if key[1]}
-    totals: Counter[bytes] = Counter()
-    for (digest, _), count in cast.items():
-        totals[digest] += count
-    if not totals:
-        return None
-    return min(totals, key=lambda digest: (-totals[digest], digest))
 
 
 @dataclass(frozen=True)

@@ -36,16 +36,17 @@ def decided(number: int, samples: dict[str, int], states: dict[str, bytes] | Non
     )
 
 
-def test_the_result_lists_the_g_of_the_rotation_whatever_they_claim_and_tallies_every_state():
+def test_the_result_lists_the_g_of_the_rotation_on_the_majority_state_and_tallies_every_state():
     samples = {p: 10 for p in PEERS}
     samples[PEERS[3]] = samples[PEERS[7]] = 2**40  # claims buy nothing
-    states = {PEERS[0]: S2, PEERS[1]: S2}
-    reply = result_reply(decided(5, samples, states), 9.0, gather=3)
-    listed = [p.peer_id for p in reply.participants]
-    assert len(listed) == 3 and listed == sorted(listed)
-    assert {p.encode() for p in listed} == choose(
-        (1239).to_bytes(8, "little"), 5, [p.encode() for p in PEERS], 3
-    )
+    states = {PEERS[0]: S2, PEERS[1]: S2}  # another state: their payloads cannot count, nor take a slot
+    for number in range(8):
+        reply = result_reply(decided(number, samples, states), 9.0, gather=3)
+        listed = [p.peer_id for p in reply.participants]
+        assert len(listed) == 3 and listed == sorted(listed) and not {PEERS[0], PEERS[1]} & set(listed)
+        assert {p.encode() for p in listed} == choose(
+            (1234 + number).to_bytes(8, "little"), number, [p.encode() for p in PEERS[2:]], 3
+        )
     assert reply.reported == 10
     assert {(v.state, v.synced): v.count for v in reply.votes} == {(S1, True): 8, (S2, True): 2}
     assert all(len(v.holders) == min(v.count, TALLY_HOLDERS) for v in reply.votes)

@@ -13,7 +13,7 @@ from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Exchange, Gathered, LoopbackExchange, run_loopback
 from shoal.peer.algorithms.robust import NONE
 from shoal.protocol import Payload
-from shoal.protocol.rules import choose
+from shoal.protocol.rules import choose, eligible
 
 KEYS = [bytes([i]) * 4 for i in range(16)]
 
@@ -67,6 +67,18 @@ def test_an_uneven_rotation_gives_everyone_its_share_every_cycle(count, limit):
     times, longest = rotate(keys, limit, 7 * cycle + 1)  # and within a cycle, near it
     assert min(times.values()) >= 0.8 * (7 * cycle + 1) * limit / count
     assert longest <= 2 * -(-count // limit)
+
+
+def test_only_announcers_on_the_majority_state_are_candidates():
+    """A contribution computed on another state cannot count: its announcer takes no slot (a random
+    digest took a third of the slots, unstruck, issue 47). Only peers in sync vote, as in the state
+    vote; with no state announced, everyone is a candidate."""
+    s1, s2, s3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+    states = {KEYS[0]: (s1, True), KEYS[1]: (s1, True), KEYS[2]: (s2, True), KEYS[3]: (s3, True)}
+    assert eligible(states) == [KEYS[0], KEYS[1]]
+    states.update({KEYS[4]: (s2, False), KEYS[5]: (s2, False)})  # joiners do not outvote the swarm
+    assert eligible(states) == [KEYS[0], KEYS[1]]
+    assert eligible({KEYS[0]: (b"", False), KEYS[1]: (b"", False)}) == KEYS[:2]
 
 
 def test_a_claim_buys_nothing():
