@@ -100,11 +100,13 @@ LIED_SAMPLES = 1 << 40
 TOPK_FACTOR = 4
 
 
-def poison(payload: bytes, attack: str, generator: torch.Generator) -> bytes:
+def poison(payload: bytes, attack: str, generator: torch.Generator, scale: float | None = None) -> bytes:
     """An honest payload rewritten by `attack`, in the payload's own codec and settings (read from
-    each message), so that it is as well-formed as the honest one."""
+    each message), so that it is as well-formed as the honest one; `scale` in place of the attack's
+    own (`SCALE`, `COLLUDE_SCALE`)."""
     message = Payload.FromString(payload)
-    scale = COLLUDE_SCALE if attack == "collude" else SCALE
+    if scale is None:
+        scale = COLLUDE_SCALE if attack == "collude" else SCALE
     return Payload(
         tensors=[_poison_tensor(t, attack, generator, scale) for t in message.tensors]
     ).SerializeToString()

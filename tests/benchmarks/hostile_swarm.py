@@ -10,11 +10,14 @@ seed 3).
     python -m tests.benchmarks.hostile_swarm --peers 6 --attackers 2 --algorithms demo
     python -m tests.benchmarks.hostile_swarm --peers 6 --attackers 2 --algorithms demo --repeats 4
     python -m tests.benchmarks.hostile_swarm --peers 8 --attackers 2 --gather 4 --attack sample_lie
+    python -m tests.benchmarks.hostile_swarm --peers 6 --attackers 2 --attack collude --repeats 2
 
 Prints, per algorithm, the honest peers' held-out loss attacked and clean, the change, what the honest
 peers rejected and banned, whether they ended on one model, and (under `--gather G`) the fewest rounds
-an honest peer counted in over its fair share, G / N of the rounds. The issue measured "a little is
-enough" at DeMo +4.9% and DiLoCo +2.0% over 12 rounds of 4 peers, undetected.
+an honest peer counted in, in any attacked run, over its fair share, G / N of the rounds; `collude`:
+the rounds the other colluders sent their leader's update (`colluded_rounds`, one count per run).
+The issue measured "a little is enough" at DeMo +4.9% and DiLoCo +2.0% over 12 rounds of 4 peers,
+undetected, and 2 colluders of 6 flipping one direction at 2.5x at DeMo +3.3%.
 """
 
 import argparse
@@ -51,7 +54,7 @@ def main() -> int:
         for name, algorithm in (("demo", [*DEMO, *gather]), ("diloco", [*DILOCO, *gather])):
             if name not in chosen:
                 continue
-            cleans, attacks = [], []
+            cleans, attacks, counted, colluded = [], [], [], []
             for repeat in range(args.repeats):
                 folder = Path(temp) / f"{name}-{repeat}"
                 folder.mkdir()
@@ -63,20 +66,24 @@ def main() -> int:
                 )
                 honest = attacked[: peers - attackers]
                 attacks.append(final_loss(honest))
+                counted.append(min(s["rounds"] - s["left_out_rounds"] for s in honest))
+                if args.attack == "collude":  # the rounds a member sent its leader's update
+                    shared = (folder / "attacked-collusion").glob("*.[0-9]*")
+                    colluded.append(sum(1 for path in shared if path.suffix != ".payload"))
             clean_loss, attacked_loss = sum(cleans) / len(cleans), sum(attacks) / len(attacks)
             rejected: dict[str, int] = {}
             for summary in honest:
                 for reason, count in summary["rejected"].items():
                     rejected[reason] = rejected.get(reason, 0) + count
             share = args.rounds * min(args.gather, peers) / peers if args.gather else None
-            counted = min(s["rounds"] - s["left_out_rounds"] for s in honest)
             rows.append({
                 "algorithm": name, "clean": clean_loss, "attacked": attacked_loss,
                 "change": attacked_loss / clean_loss - 1, "rejected": rejected,
-                "cleans": cleans, "attacks": attacks,
+                "cleans": cleans, "attacks": attacks, "counted": counted,
                 "banned": sum(s["banned"] for s in honest),
                 "one_model": len({s["param_hash"] for s in honest}) == 1,
-                "fair_share": counted / share if share else None,
+                "fair_share": min(counted) / share if share else None,
+                **({"colluded_rounds": colluded} if colluded else {}),
             })  # fmt: skip
     if args.json:
         setting = {"rounds": args.rounds, "peers": peers, "attackers": attackers, "attack": args.attack}

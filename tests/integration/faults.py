@@ -22,6 +22,11 @@ What it sends, well-formed (shoal.peer.bench.hostile.poison), from round r on:
 - `sample_lie@r`: a sign flip claiming 2^40 samples;
 - `alie@r`: "a little is enough" (Baruch et al., 2019): its own update plus its own norm along one
   fixed direction, every round (inside the honest spread of cosines);
+- `collude@r`: colluders, one adversary's several peers (`SHOAL_COLLUSION=FOLDER:INDEX`): each round
+  the leader (index 0) leaves its honest payload in FOLDER, and every member sends that update
+  negated at `COLLUDE_SCALE` times its norm, member k at (1 + k/256) times that, so that no two are
+  the same bytes (a copy counts once); a member that does not find the leader's within
+  `COLLUDE_WAIT_S` flips its own (one that does leaves `ROUND.INDEX` there);
 - `claim_and_stale_digest@r`: its honest payload claiming 2^40 samples, announced with a random digest
   of the state it was computed on;
 - `unserved_and_replay@r`: one round in two it announces its payload and answers every pull with
@@ -43,8 +48,10 @@ import hashlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import zstandard
@@ -70,6 +77,7 @@ KINDS = (
     "hang",
     "vanish",
     *POISONED,
+    "collude",
     "claim_and_stale_digest",
     "unserved_and_replay",
     "attacks",
@@ -78,6 +86,8 @@ KINDS = (
 )
 ATTACKS = ("wrong_shape", "nan", "oversized", "digest", "replay")
 """`attacks@r`: one a round, in this order, from round r."""
+COLLUDE_WAIT_S = 1.0
+"""How long a colluder waits for its leader's payload (they finish a round's computation together)."""
 OVERSIZED_BYTES = 1 << 20
 """What `oversized` appends: past the 1 MiB payload limit of the test peers."""
 
@@ -127,10 +137,10 @@ class FaultyStages(RoundStages):
 
     peer: "FaultyExchange"
     candidates: frozenset[bytes] = frozenset()
-    """The announcers of the last round the fan-in chose among."""
+    """The announcers of the last round the fan-in chose among (those on the majority's state)."""
 
     def chosen(self, number, announced):
-        self.candidates = frozenset(announced)
+        self.candidates = frozenset(self.eligible(announced) if self.limits.gather_limit else announced)
         return super().chosen(number, announced)
 
     async def announce(self, number, mine, schedule):
@@ -189,6 +199,8 @@ class FaultyExchange(SwarmExchange):
         for kind, attack in POISONED.items():
             if self.active(kind):
                 payload = hostile.poison(payload, attack, self.generator)
+        if self.active("collude"):
+            payload = self._colluded(payload)
         if self.active("sample_lie") or self.active("claim_and_stale_digest"):
             samples = hostile.LIED_SAMPLES
         lane = getattr(plan, "lane", None)
@@ -206,6 +218,25 @@ class FaultyExchange(SwarmExchange):
                 self.tokens.reject(gathered.round, self.owner)
             return gathered.only(c for c in gathered if c.sender != self.owner)
         return gathered
+
+    def _colluded(self, payload: bytes) -> bytes:
+        """`collude`: the leader's update of this round flipped, at this member's scale."""
+        folder, _, index = os.environ["SHOAL_COLLUSION"].rpartition(":")
+        member = int(index)
+        shared = Path(folder) / f"{self.now}.payload"
+        if member == 0:
+            partial = shared.with_suffix(".partial")
+            partial.write_bytes(payload)
+            partial.rename(shared)  # whole or not at all
+        else:
+            deadline = time.monotonic() + COLLUDE_WAIT_S
+            while not shared.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if shared.exists():
+                payload = shared.read_bytes()
+                shared.with_suffix(f".{member}").touch()  # it did: the run can count the rounds
+        scale = hostile.COLLUDE_SCALE * (1 + member / 256)
+        return hostile.poison(payload, "collude", self.generator, scale=scale)
 
     def _unserved_or_replayed(self, payload: bytes, claim: bytes) -> bytes:
         """`claim`: what the exchange appends to the payload, and so to what it announces."""

@@ -53,12 +53,16 @@ def swarm(
         address = f"127.0.0.1:{free_port()}"
         common += ["--coordinator", address]
     logs = [tmp_path / f"{name}-{i}.jsonl" for i in range(peers)]
+    collusion = tmp_path / f"{name}-collusion"
     processes: list[subprocess.Popen] = []
     coordinator: subprocess.Popen | None = None
 
     def start(i: int, extra: list[str]) -> None:
         fault = attacks[i - (peers - attackers)] if i >= peers - attackers else None
         command, env = (ATTACKER, {"SHOAL_FAULTS": f"{fault}@0"}) if fault else (HONEST, None)
+        if fault == "collude":  # the attackers' side channel (tests.integration.faults)
+            collusion.mkdir(exist_ok=True)
+            env["SHOAL_COLLUSION"] = f"{collusion}:{i - (peers - attackers)}"
         with logs[i].open("w") as out, (tmp_path / f"{name}-{i}.err").open("w") as err:
             processes.append(spawn([*command, *common, *extra], env=env, stdout=out, stderr=err))
 
@@ -184,7 +188,9 @@ def test_two_of_six_stale_claimants_under_gather_2_kill_no_peer(tmp_path):
     announce a random state digest. Every peer exited 1 by round 3 (the old fan-in chose the two every
     round, neither's payload could count, and a division by a world size of 0 made the parameters
     infinite). Now every honest peer trains the whole run, on one model; the two's payloads, computed
-    on no state the majority holds, are left out (`stale_state`)."""
+    on no state the majority holds, are left out (`stale_state`), and take no slot of the fan-in's
+    rotation: each honest peer counts in its share of the rounds among the four (G / 4 of them, one
+    missed turn allowed), not among the six."""
     summaries = swarm(
         tmp_path, "stale", [*DILOCO, *GATHER_2], "claim_and_stale_digest", ROUNDS, peers=6, attackers=2
     )
@@ -193,6 +199,7 @@ def test_two_of_six_stale_claimants_under_gather_2_kill_no_peer(tmp_path):
     for summary in honest:
         assert summary["rejected"].get("stale_state", 0) >= 1, summary["rejected"]
         assert summary["validation_loss"] < summary["initial_loss"] - 0.3, summary
+        assert summary["rounds"] - summary["left_out_rounds"] >= ROUNDS * 2 // 4 - 1, summary
 
 
 @pytest.mark.timeout(300)
