@@ -1,9 +1,9 @@
 """A researcher's corpus end to end: two `shoal join` processes train a Hugging Face model directory
-on a parquet corpus, tokenized with the model's own tokenizer (a BPE trained here), each preparing it
-into its own cache, report the held-out loss every second round, and end on one model, the last
-round kept in a final checkpoint. Under a coordinator whose first round waits for both: a peer that
-prepares a corpus is slow to start on a loaded machine, and on the clock alone the second came in
-after the rounds the test reads (2026-12-01)."""
+(a GPT-2 on a parquet corpus, a Llama on a jsonl one), tokenized with the model's own tokenizer (a BPE
+trained here), each preparing it into its own cache, report the held-out loss every second round, and
+end on one model, the last round kept in a final checkpoint. Under a coordinator whose first round
+waits for both: a peer that prepares a corpus is slow to start on a loaded machine, and on the clock
+alone the second came in after the rounds the test reads (2026-12-01)."""
 
 import json
 import re
@@ -20,17 +20,29 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.mark.timeout(240)
-def test_two_peers_train_a_hugging_face_model_with_its_tokenizer_on_parquet(tmp_path):
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_two_peers_train_a_hugging_face_model_with_its_tokenizer(tmp_path, family):
+    """gpt2: weights saved, a parquet corpus; llama: a directory with only its config (the run's seed
+    makes the weights) and a jsonl corpus."""
     texts = corpora.documents(600)
     model = corpora.train_bpe(tmp_path / "model", texts, vocab_size=300)
     vocab = HFTokenizer(model).vocab_size
     eot = HFTokenizer(model).separator[0]
-    config = transformers.GPT2Config(
-        vocab_size=vocab, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=eot, eos_token_id=eot
-    )
-    torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(config).save_pretrained(model)
-    corpus = corpora.write_parquet(tmp_path / "corpus.parquet", texts)
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=vocab, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=eot,
+            eos_token_id=eot,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        transformers.GPT2LMHeadModel(config).save_pretrained(model)
+        corpus = corpora.write_parquet(tmp_path / "corpus.parquet", texts)
+    else:
+        transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, bos_token_id=eot,
+            eos_token_id=eot,
+        ).save_pretrained(model)  # fmt: skip
+        corpus = corpora.write_jsonl(tmp_path / "corpus.jsonl", texts)
     common = ["--host", "127.0.0.1", "--run", "corpus", "--log-format", "json", "--round-seconds", "4"]
     common += ["--model", str(model), "--data", str(corpus), "--until-round", "5", "--validate-every", "2"]
     outs = [tmp_path / "first.jsonl", tmp_path / "second.jsonl"]
