@@ -20,8 +20,9 @@ def announcement(announced: Round, now: float) -> pb.RoundAnnouncement:
 def result_reply(decided: Round, now: float, gather: int = 0) -> pb.RoundResultReply:
     """A decided round's result. With a bounded fan-in (`gather` > 0, fewer participants than that):
     only the `gather` participants chosen by the peers' own rule among those on the majority's state
-    (shoal.protocol.rules, seeded with the round's data seed), and a tally of every participant's
-    state for the state vote, so that the reply grows with G, not with the swarm."""
+    and claiming within belief (shoal.protocol.rules, seeded with the round's data seed), and a tally
+    of every participant's state for the state vote, so that the reply grows with G, not with the
+    swarm."""
     participants = decided.participants
     reply = pb.RoundResultReply(
         round=decided.number,
@@ -32,7 +33,8 @@ def result_reply(decided: Round, now: float, gather: int = 0) -> pb.RoundResultR
     if gather and len(participants) > gather:
         seed = decided.data_seed.to_bytes(8, "little")
         states = {p.encode(): (decided.reports[p].state, decided.reports[p].synced) for p in participants}
-        chosen = choose(seed, decided.number, eligible(states), gather)
+        claims = {p.encode(): decided.reports[p].samples for p in participants}
+        chosen = choose(seed, decided.number, eligible(states, claims), gather)
         votes: dict[tuple[bytes, bool], list[str]] = {}
         for peer_id in participants:
             report = decided.reports[peer_id]

@@ -15,13 +15,17 @@ no history, only the round's candidates:
   L = N / gcd(N, G) rounds, and round r of a cycle takes the r-th G of that order, read round and
   round (slots r G to r G + G - 1, modulo N): in a cycle every candidate counts exactly L G / N times,
   its fair share, spaced about N / G rounds apart;
-- the candidates are the announcers on the round's majority state (`eligible`): a contribution
-  computed on another state cannot count, so it takes no slot;
+- the candidates are the announcers on the round's majority state whose claim is believable
+  (`eligible`): a contribution computed on another state, or claiming beyond belief (`overclaims`),
+  cannot count, so it takes no slot;
 - nothing a peer says about itself enters the choice. An earlier rule chose the largest sample claims
   (capped at 4x the median claim), and a peer that claimed 2^40 samples then won a slot every round:
   with `--gather 2` it carried two thirds of every round's weight (+52% loss for DiLoCo, +31% for
   DeMo, issue 47). Claims now only weigh a contribution in its round's mean, capped there at 2x the
-  median (shoal.peer.algorithms.robust), and a claim beyond belief strikes its sender.
+  median (shoal.peer.algorithms.robust), and a claim beyond belief strikes its sender, every round it
+  is announced: 2 of 8 claiming 2^40 samples at `--gather 2` took slots they could not use until
+  their three strikes came from the rounds they were chosen in, 12 rounds, and again after each ban
+  (DiLoCo +3.5% over 24 rounds).
 
 A peer whose payload did not count keeps its work only as the optimizers keep it: DeMo's unsent
 momentum stays in its momentum; DiLoCo's pseudo-gradient is dropped unless `carry=True` sends it again
@@ -42,8 +46,13 @@ import hashlib
 import math
 import re
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
+BELIEVABLE_RATIO = 64.0
+"""A sample claim above this times the round's lower-median claim is beyond belief: the contribution is
+left out and its sender struck (`overclaim`; three strikes ban it anyway, so keeping it at a capped
+weight meanwhile would only serve a liar). Honest peers differ by their devices' speed; a swarm whose
+peers differ by more needs a coordinator, which bounds claims by measured throughput."""
 TALLY_HOLDERS = 4
 """Holders a coordinator names per state in a round's tally (`RoundResultReply.votes`, with
 `--gather`), and the most a peer takes from one: more is another peer's text to dial."""
@@ -104,12 +113,27 @@ def tallied(votes: Mapping[tuple[bytes, bool], int]) -> bytes | None:
     return min(totals, key=lambda digest: (-totals[digest], digest))
 
 
-def eligible(states: Mapping[bytes, tuple[bytes, bool]]) -> list[bytes]:
+def overclaims(samples: Sequence[float], ratio: float = BELIEVABLE_RATIO) -> list[bool]:
+    """Which sample claims exceed `ratio` times the round's lower-median claim (none with fewer than two
+    claims: nothing to compare with)."""
+    if len(samples) < 2:
+        return [False] * len(samples)
+    bound = ratio * max(sorted(samples)[(len(samples) - 1) // 2], 1.0)
+    return [s > bound for s in samples]
+
+
+def eligible(
+    states: Mapping[bytes, tuple[bytes, bool]], claims: Mapping[bytes, float] | None = None
+) -> list[bytes]:
     """The keys among {key: (state digest, synced)} that the fan-in chooses among: those on the
-    majority's state (`majority`), all of them when no one announced one. A contribution computed on
-    another state cannot count, so its announcer takes no slot from one that can: two of six peers
-    announcing a random digest under `--gather 2` held a third of the slots, unstruck, for as long
-    as they liked (issue 47; an honest peer out of sync announces another state too, and is not
-    struck for it)."""
+    majority's state (`majority`), all of them when no one announced one, less those whose claim in
+    `claims` is beyond belief among them (`overclaims`). Neither contribution could count, so its
+    announcer takes no slot from one that can: two of six peers announcing a random digest under
+    `--gather 2` held a third of the slots, unstruck, for as long as they liked (issue 47; an honest
+    peer out of sync announces another state too, and is not struck for it)."""
     agreed = majority(dict(states))
-    return sorted(key for key, (state, _) in states.items() if agreed is None or state == agreed)
+    keys = sorted(key for key, (state, _) in states.items() if agreed is None or state == agreed)
+    if not claims:
+        return keys
+    beyond = overclaims([claims[key] for key in keys])
+    return [key for key, over in zip(keys, beyond, strict=True) if not over]

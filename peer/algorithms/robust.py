@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from shoal.protocol.rules import overclaims
+
 if TYPE_CHECKING:
     from shoal.peer.algorithms.exchange import Contribution, Exchange
 
@@ -52,11 +54,6 @@ DEFAULT_MIN_AGREEMENT = 0.0
 SHARED_MEDIAN_FROM = 3
 """Fewest contributions whose median of each other's cosines judges a round (with two, each opposes
 the other, or two attackers agree); below, only each participant's own update does (`Reference`)."""
-BELIEVABLE_RATIO = 64.0
-"""A sample claim above this times the round's lower-median claim is beyond belief: the contribution is
-left out and its sender struck (`overclaim`; three strikes ban it anyway, so keeping it at a capped
-weight meanwhile would only serve a liar). Honest peers differ by their devices' speed; a swarm whose
-peers differ by more needs a coordinator, which bounds claims by measured throughput."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -146,15 +143,6 @@ def capped_weights(samples: Sequence[float], ratio: float | None = DEFAULT_SAMPL
         return [float(s) for s in samples]
     bound = ratio * lower_median(samples)
     return [float(min(s, bound)) for s in samples]
-
-
-def overclaims(samples: Sequence[float], ratio: float = BELIEVABLE_RATIO) -> list[bool]:
-    """Which sample claims exceed `ratio` times the round's lower-median claim (none with fewer than two
-    claims: nothing to compare with)."""
-    if len(samples) < 2:
-        return [False] * len(samples)
-    bound = ratio * max(lower_median(samples), 1.0)
-    return [s > bound for s in samples]
 
 
 MAX_VOTES = 64

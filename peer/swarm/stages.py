@@ -178,10 +178,11 @@ class RoundStages:
         return {owner: a for owner, a in announced.items() if owner in picked}
 
     @staticmethod
-    def eligible(announced: Mapping[bytes, Announcement]) -> list[bytes]:
-        """The announcers a bounded fan-in chooses among: those on the majority's state
-        (shoal.protocol.rules.eligible)."""
-        return eligible({owner: (a.state, a.synced) for owner, a in announced.items()})
+    def eligible(announced: Mapping[bytes, Announcement], *, claims: bool = True) -> list[bytes]:
+        """The announcers a bounded fan-in chooses among: those on the majority's state, less those
+        claiming beyond belief (shoal.protocol.rules.eligible; `claims` False: the state alone)."""
+        states = {owner: (a.state, a.synced) for owner, a in announced.items()}
+        return eligible(states, {owner: a.samples for owner, a in announced.items()} if claims else None)
 
     async def fetch(
         self, number: int, announcement: Announcement, holders: Mapping[bytes, Announcement]
@@ -212,10 +213,13 @@ class RoundStages:
             voters, counted = tally, mine.owner in announced
         else:
             voters = announced if gather_limit else None
-            # computed on another state: no slot (rules.eligible), counted as in `agree`
-            stale = announced.keys() - {*self.eligible(announced), mine.owner} if gather_limit else set()
-            if stale:
-                self.counts.rejected["stale_state"] += len(stale)
+            if gather_limit:  # no slot (rules.eligible): another state, counted as in `agree`, or a
+                # claim beyond belief, struck every round it is announced, chosen or not
+                on_state = {*self.eligible(announced, claims=False), mine.owner}
+                if stale := len(announced.keys() - on_state):
+                    self.counts.rejected["stale_state"] += stale
+                for owner in sorted(on_state - {*self.eligible(announced), mine.owner}):
+                    self.ledger.refuse(owner, "overclaim", number)
             announced = self.chosen(number, announced)
             counted = mine.owner in announced or not gather_limit
         self.counts.left_out += not counted

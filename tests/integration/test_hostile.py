@@ -171,15 +171,15 @@ GATHER_2 = ["--gather", "2"]
 def test_under_gather_2_the_largest_claim_buys_no_slot(tmp_path, tmp_path_factory, algorithm, reasons):
     """Issue 47's back door: one attacker of four flips its update and claims 2^40 samples under
     `--gather 2`. The old fan-in chose it every round (+52% loss for DiLoCo, +31% DeMo, 0 strikes);
-    now the rotation gives it its share of slots, and a claim beyond belief is left out and struck
-    (`overclaim`) until the strikes ban it. (The sign flip alone, judged against each peer's own
-    update in a round of two: tests/unit/test_robust.py, and `shoal bench hostile --gather 2`.)"""
+    now a claim beyond belief takes no slot and is struck (`overclaim`) every round it is announced,
+    until the strikes ban it. (The sign flip alone, judged against each peer's own update in a round
+    of two: tests/unit/test_robust.py, and `shoal bench hostile --gather 2`.)"""
     attacked = swarm(tmp_path, "attacked", algorithm, "sample_lie", ROUNDS)
     honest = attacked[:3]
     check(honest, clean(tmp_path_factory, algorithm), *reasons)
-    for summary in honest:  # its fair share: G / N of the rounds, N = 4 until the ban, 3 after
+    for summary in honest:  # the honest share the slots: G / 3 of the rounds, a turn missed allowed
         counted = summary["rounds"] - summary["left_out_rounds"]
-        assert counted >= 0.8 * ROUNDS * 2 / 4, summary
+        assert counted >= ROUNDS * 2 // 3 - 1, summary
 
 
 @pytest.mark.timeout(600)

@@ -81,8 +81,21 @@ def test_only_announcers_on_the_majority_state_are_candidates():
     assert eligible({KEYS[0]: (b"", False), KEYS[1]: (b"", False)}) == KEYS[:2]
 
 
+def test_a_claim_beyond_belief_takes_no_slot_judged_among_the_majority_state():
+    """2^40 samples cannot count (robust.overclaims), so it takes no slot either: before, 2 of 8 held
+    theirs until strikes from the rounds they were chosen in banned them, 12 rounds, and again after
+    every ban. The bound is judged among the candidates on the majority's state only."""
+    s1, s2 = b"\x01" * 32, b"\x02" * 32
+    states = dict.fromkeys(KEYS[:6], (s1, True)) | {KEYS[6]: (s2, True)}
+    claims = dict.fromkeys(KEYS[:7], 10) | {KEYS[4]: 640, KEYS[5]: 641, KEYS[6]: 1}
+    assert eligible(states, claims) == [*KEYS[:5]]  # 64x the lower median, 10, is believable
+    assert eligible(states, claims | {KEYS[0]: 2**40}) == KEYS[1:5]
+    assert eligible(states) == KEYS[:6]
+
+
 def test_a_claim_buys_nothing():
-    """The rule reads no claim: a peer that says it trained 2^40 samples counts as often as any."""
+    """`choose` reads no claim: a peer that says it trained 2^40 samples is chosen as often as any
+    (`eligible` then leaves a claim beyond belief out of the candidates, above)."""
     honest = dict.fromkeys(KEYS[:4], 10)
     lying = {**honest, KEYS[3]: 2**40}
     for number in range(40):

@@ -11,7 +11,6 @@ from shoal.peer.algorithms import demo, demo_receive
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.exchange import Contribution, Exchange, Gathered
 from shoal.peer.algorithms.robust import (
-    BELIEVABLE_RATIO,
     DILOCO,
     NONE,
     Reference,
@@ -25,6 +24,7 @@ from shoal.peer.algorithms.robust import (
 from shoal.peer.bench.hostile import poison
 from shoal.peer.swarm.ledger import content_digest
 from shoal.protocol import Payload
+from shoal.protocol.rules import BELIEVABLE_RATIO
 
 
 def honest_and_attackers(honest: int, attackers: int, seed: int = 0, scale: float = 3.9):
