@@ -100,6 +100,8 @@ def test_two_peers_train_the_embedded_model_on_a_jsonl_corpus_and_refuse_other_d
             start("join", *common, *coordinated, stdout=outs[0].open("w"), stderr=_err(tmp_path, "first"))
         )
         started = wait_for(outs[0], lambda e: e.get("event") == "started", 120)
+        # its record is out once it trains: a joiner that saw only the refused one's would be refused
+        wait_for(outs[0], lambda e: e.get("text", "").startswith("training "), 120)
         joiner = ["--initial-peers", started["initial_peers"][0]]
         # the one to refuse first: the run's rounds wait for the second, so the first is still there
         other = corpora.write_jsonl(tmp_path / "other.jsonl", corpora.documents(50))
