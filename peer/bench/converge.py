@@ -76,6 +76,8 @@ class ConvergeConfig:
     """DeMo's sign-step learning rate."""
     demo_decay: float | None = None
     """DeMo's momentum beta (compression_decay); None: the method's (0.999 reference, 0.99 compact)."""
+    demo_topk: int | None = None
+    """DeMo's coefficients sent per chunk (compression_topk); None: the method's (32 reference, 4 compact)."""
     error_decay: float = SPARSE_ERROR_DECAY
     """DiLoCo's error feedback beta with a lossy codec (SparseLoCo's 0.95 did worse here: BENCHMARKS.md)."""
     eval_batches: int = 8
@@ -170,8 +172,28 @@ def _scheduled(optimizer: torch.optim.Optimizer, config: ConvergeConfig, batches
         yield batch
 
 
-def _train_adamw_dp(model, exchange, batches, config) -> int:
-    optimizer = _adamw(model, config)
+class _Lion(torch.optim.Optimizer):
+    """Lion (Chen et al., arXiv 2302.06675): the sign of an interpolation of momentum and gradient,
+    decoupled weight decay. The sign-descent reference DeMo's update belongs to (`lion_dp`)."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.99), weight_decay: float = 1.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                momentum = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(momentum.lerp(p.grad, 1 - beta1).sign_(), alpha=-group["lr"])
+                momentum.lerp_(p.grad, 1 - beta2)
+
+
+def _train_dp(model, exchange, batches, optimizer: torch.optim.Optimizer, config) -> int:
+    """Data-parallel training: the float32 gradient averaged every step, then `optimizer` steps."""
     batches = _scheduled(optimizer, config, batches)
     params = [p for p in model.parameters() if p.requires_grad]
     sent = 0
@@ -189,10 +211,22 @@ def _train_adamw_dp(model, exchange, batches, config) -> int:
     return sent
 
 
+def _train_adamw_dp(model, exchange, batches, config) -> int:
+    return _train_dp(model, exchange, batches, _adamw(model, config), config)
+
+
+def _train_lion_dp(model, exchange, batches, config) -> int:
+    """Lion at `adamw_lr` (its learning rate; Lion's paper: 3-10x below AdamW's, with 3-10x its weight
+    decay: 1.0 against AdamW's 0.1 here)."""
+    return _train_dp(model, exchange, batches, _Lion(model.parameters(), lr=config.adamw_lr), config)
+
+
 def _train_demo(model, exchange, batches, config, **settings) -> int:
     settings |= {"weight_decay": 0.1, "carry": config.carry}
     if config.demo_decay is not None:
         settings["compression_decay"] = config.demo_decay
+    if config.demo_topk is not None:
+        settings["compression_topk"] = config.demo_topk
     optimizer = DeMo(model.parameters(), lr=config.demo_lr, exchange=exchange, **settings)
     batches = _scheduled(optimizer, config, batches)
     for inputs, targets in batches:
@@ -230,6 +264,7 @@ def _train_diloco(model, exchange, batches, config, mode: str, codec: Codec | No
 
 TRAINERS: dict[str, Callable[..., int]] = {
     "adamw_dp": _train_adamw_dp,
+    "lion_dp": _train_lion_dp,
     "demo_reference": lambda *a: _train_demo(*a),
     "demo_compact": lambda *a: _train_demo(
         *a, compression_topk=4, value_bits=1, compression_decay=0.99, error_feedback=1.0

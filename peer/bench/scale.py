@@ -75,6 +75,7 @@ def _diloco(outer: tuple[float, ...]) -> Sweep:
 
 SWEEPS = {
     "adamw_dp": Sweep("adamw_lr", (5e-4, 1e-3, 2e-3)),
+    "lion_dp": Sweep("adamw_lr", (1e-4, 2e-4, 4e-4)),  # the sign-descent reference for DeMo's gap
     "demo_reference": Sweep("demo_lr", (1e-3, 2e-3, 4e-3), ({"demo_decay": 0.995},)),
     "demo_compact": Sweep("demo_lr", (1e-3, 2e-3, 4e-3), ({"demo_decay": 0.995},)),
     "diloco_standard": _diloco((0.5, 0.7, 1.0)),
@@ -118,9 +119,15 @@ def medium_corpus(cache: Path | None = None) -> TokenStreams:
     return streams
 
 
+LATER_FIELDS = ("demo_topk",)
+"""ConvergeConfig fields added after the record began: left out of a run's key at their default (None),
+so that the runs recorded before them keep their keys."""
+
+
 def run_key(method: str, config: ConvergeConfig, corpus: str) -> str:
     """What a run's result depends on: a record made with other settings or data is not reused."""
-    text = json.dumps([method, asdict(config), corpus, torch.__version__], sort_keys=True)
+    fields = {k: v for k, v in asdict(config).items() if not (k in LATER_FIELDS and v is None)}
+    text = json.dumps([method, fields, corpus, torch.__version__], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

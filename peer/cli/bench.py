@@ -95,7 +95,8 @@ def _converge_arguments(benchmarks: argparse._SubParsersAction) -> None:
         help="comma-separated, of adamw_dp,demo_reference,demo_compact,diloco_standard,diloco_delayed,"
         "diloco_eager (the default: all six) and demo_compact_overlap,demo_compact_lookahead, diloco_int8, "
         "diloco_sparse (top-64 of 4096 at 2 bits), diloco_sparse_eager, diloco_sparse_dct, "
-        "diloco_sparse_k{32,64,128}_{1,2,4}bit",
+        "diloco_sparse_k{32,64,128}_{1,2,4}bit, lion_dp (data-parallel Lion at the AdamW lr: the "
+        "sign-descent reference)",
     )
     converge.add_argument(
         "--inner-steps", type=positive_int, metavar="H", help="DiLoCo's H (default: 25 quick, 50 full)"

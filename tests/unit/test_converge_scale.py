@@ -78,3 +78,23 @@ def test_every_method_warms_up_then_decays_along_a_cosine_to_a_tenth():
     lrs = [optimizer.param_groups[0]["lr"] for _ in _scheduled(optimizer, config, iter(range(6)))]
     assert lrs[:2] == [0.5, 1.0] and lrs[2] == pytest.approx(1.0)
     assert all(a > b for a, b in itertools.pairwise(lrs[2:])) and lrs[-1] > 0.1
+
+
+def test_the_lion_reference_steps_by_the_sign_of_the_interpolated_momentum_and_decays_decoupled():
+    import torch
+
+    from shoal.peer.bench.converge import _Lion
+
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+    optimizer = _Lion([p], lr=0.1, betas=(0.9, 0.99), weight_decay=1.0)
+    momentum = torch.tensor([0.0, 0.0, 0.0])
+    expected = p.detach().clone()
+    for grad in (torch.tensor([0.3, -0.1, 0.0]), torch.tensor([-1.0, -0.5, 0.2])):
+        p.grad = grad.clone()
+        optimizer.step()
+        update = (0.9 * momentum + 0.1 * grad).sign()
+        expected = expected * (1 - 0.1 * 1.0) - 0.1 * update
+        momentum = 0.99 * momentum + 0.01 * grad
+        assert torch.allclose(p.detach(), expected)
+    # the second step's first coordinate: momentum 0.003 against gradient -1.0, the gradient wins
+    assert expected[0] == pytest.approx(((1.0 * 0.9 - 0.1) * 0.9) + 0.1)
