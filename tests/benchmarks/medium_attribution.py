@@ -11,9 +11,9 @@ it) and printed with their curves.
   the coefficients (k = 128, 512 of every 64 x 64 chunk's 4,096); and the sign-descent family DeMo's
   update belongs to, data-parallel Lion, is swept in the medium sweep itself (`lion_dp`);
 - the noise of one seed: the best points of AdamW-DP, DeMo reference, standard and sparse DiLoCo
-  again with another seed (the initialization and the batches);
-- DeMo against AdamW-DP, in length: both at their best learning rates for 4x the steps (1000, 4.1M
-  tokens), the warmup scaled alike (100 steps).
+  again with other seeds (the initialization and the batches);
+- DeMo against AdamW-DP, in length: both at their best learning rates for twice the steps (500, 2.05M
+  tokens), the warmup scaled alike (50 steps).
 """
 
 import argparse
@@ -29,7 +29,7 @@ from shoal.peer.bench import scale
 
 INNER = replace(scale.MEDIUM, adamw_lr=1e-3)
 """DiLoCo's inner AdamW at AdamW-DP's best learning rate, as in the sweep."""
-LONG = replace(scale.MEDIUM, steps=1000, warmup=100, eval_every=100)
+LONG = replace(scale.MEDIUM, steps=500, warmup=50, eval_every=100)
 POINTS = {
     "eager_momentum_0.5": ("diloco_eager", INNER, {"outer_lr": 0.7, "outer_momentum": 0.5}),
     "eager_momentum_0.9": ("diloco_eager", INNER, {"outer_lr": 0.4, "outer_momentum": 0.9}),
@@ -39,10 +39,12 @@ POINTS = {
     "demo_reference_k512": ("demo_reference", scale.MEDIUM, {"demo_lr": 4e-3, "demo_topk": 512}),
     "adamw_seed1": ("adamw_dp", scale.MEDIUM, {"adamw_lr": 1e-3, "seed": 1}),
     "demo_reference_seed1": ("demo_reference", scale.MEDIUM, {"demo_lr": 4e-3, "seed": 1}),
+    "adamw_seed2": ("adamw_dp", scale.MEDIUM, {"adamw_lr": 1e-3, "seed": 2}),
+    "demo_reference_seed2": ("demo_reference", scale.MEDIUM, {"demo_lr": 4e-3, "seed": 2}),
     "standard_seed1": ("diloco_standard", INNER, {"outer_lr": 0.7, "seed": 1}),
     "sparse_seed1": ("diloco_sparse", INNER, {"outer_lr": 2.0, "seed": 1}),
-    "adamw_1000": ("adamw_dp", LONG, {"adamw_lr": 1e-3}),
-    "demo_reference_1000": ("demo_reference", LONG, {"demo_lr": 4e-3}),
+    "adamw_500": ("adamw_dp", LONG, {"adamw_lr": 1e-3}),
+    "demo_reference_500": ("demo_reference", LONG, {"demo_lr": 4e-3}),
 }
 
 
