@@ -12,8 +12,8 @@ it) and printed with their curves.
   update belongs to, data-parallel Lion, is swept in the medium sweep itself (`lion_dp`);
 - the noise of one seed: the best points of AdamW-DP, DeMo reference, standard and sparse DiLoCo
   again with other seeds (the initialization and the batches);
-- DeMo against AdamW-DP, in length: both at their best learning rates for twice the steps (500, 2.05M
-  tokens), the warmup scaled alike (50 steps).
+- DeMo against AdamW-DP, in length: both at their best learning rates for twice and four times the
+  steps (500 and 1,000; 2.05M and 4.1M tokens), the warmup scaled alike (50 and 100 steps).
 """
 
 import argparse
@@ -30,6 +30,7 @@ from shoal.peer.bench import scale
 INNER = replace(scale.MEDIUM, adamw_lr=1e-3)
 """DiLoCo's inner AdamW at AdamW-DP's best learning rate, as in the sweep."""
 LONG = replace(scale.MEDIUM, steps=500, warmup=50, eval_every=100)
+LONGER = replace(scale.MEDIUM, steps=1000, warmup=100, eval_every=100)
 POINTS = {
     "eager_momentum_0.5": ("diloco_eager", INNER, {"outer_lr": 0.7, "outer_momentum": 0.5}),
     "eager_momentum_0.9": ("diloco_eager", INNER, {"outer_lr": 0.4, "outer_momentum": 0.9}),
@@ -45,6 +46,8 @@ POINTS = {
     "sparse_seed1": ("diloco_sparse", INNER, {"outer_lr": 2.0, "seed": 1}),
     "adamw_500": ("adamw_dp", LONG, {"adamw_lr": 1e-3}),
     "demo_reference_500": ("demo_reference", LONG, {"demo_lr": 4e-3}),
+    "adamw_1000": ("adamw_dp", LONGER, {"adamw_lr": 1e-3}),
+    "demo_reference_1000": ("demo_reference", LONGER, {"demo_lr": 4e-3}),
 }
 
 
