@@ -34,7 +34,8 @@ def saved_clock(settings: PeerSpec, progress: Progress) -> RoundSchedule | None:
     except (OSError, ValueError, KeyError, TypeError) as error:
         progress.message(f"ignoring {path} ({error}): starting a new round clock")
         return None
-    if saved.get("run") != settings.run.name or round_seconds != settings.run.round_seconds:
+    asked = settings.run.round_seconds  # None: the rounds this peer would choose, the saved ones
+    if saved.get("run") != settings.run.name or asked not in (None, round_seconds):
         return None  # another swarm, or other rounds on purpose: a new clock
     if not (math.isfinite(start_time) and 0 < start_time <= time.time() + 86400):
         progress.message(f"ignoring {path}: its start time {start_time} is not a time")

@@ -115,6 +115,8 @@ class Trial:
     round_s: float
     """Seconds of computation a round asks: DiLoCo's H inner steps, DeMo's one micro-batch."""
     outer_on_host: bool = False
+    payload_bytes: int = 0
+    """The size of the payload the dry run's round sent (what a round of the swarm sends)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +172,7 @@ class Fit:
             "estimated_bytes": trial.estimate.total,
             "measured_bytes": trial.measured,
             "round_compute_s": round(trial.round_s, 4),
+            "payload_bytes": trial.payload_bytes,
             "window_s": self.window_s,
             "tried": [
                 {
@@ -323,9 +326,10 @@ def measure(
             else:
                 tracker = LiveTensors(device, [*module.parameters(), *module.buffers()])
             with tracker:
+                exchange = LoopbackExchange.group(1)[0]
                 trainer = Trainer(
                     module,
-                    LoopbackExchange.group(1)[0],
+                    exchange,
                     algorithm=dry,
                     batches=batches,
                     codec=codec_for(dry) if isinstance(dry, DiLoCoConfig) else None,
@@ -355,7 +359,7 @@ def measure(
     if guess is None:
         setup = {"checkpointing": checkpointing, "outer_on_host": outer_on_host}
         guess = estimate(loaded, algorithm, batch_size, **setup, precision=dtype_of(autocast))
-    return Trial(guess, peak, round_s, outer_on_host)
+    return Trial(guess, peak, round_s, outer_on_host, exchange.sent_bytes)
 
 
 class LiveTensors(TorchDispatchMode):

@@ -26,6 +26,7 @@ from typing import IO
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
+from shoal.peer import window
 from shoal.peer.assembly import (
     PeerSummary,
     Workload,
@@ -55,6 +56,7 @@ from shoal.peer.swarm.membership import SHOAL_VERSION
 from shoal.peer.swarm.relay import Reachability
 from shoal.peer.swarm.server import ask_runs
 from shoal.peer.trainer import OutOfMemory
+from shoal.peer.window import round_seconds_for
 
 # the run configuration's flags, in the order the join command names them
 RUN_FLAGS = (
@@ -130,9 +132,6 @@ def _join(settings: PeerSpec, progress: Progress) -> dict:
     except BaseException:
         _close(ranks)
         raise
-    # the others may still be pulling this peer's last payload when it leaves: it serves it for up to a
-    # round more
-    peer.drain = timedelta(seconds=min(DRAIN_MAX_S, settings.run.round_seconds))
     with peer:
         dht = peer.dht
         addresses = [str(a) for a in dht.get_visible_maddrs()]
@@ -233,6 +232,21 @@ def _workload(settings: PeerSpec) -> Workload:
         raise SettingsError(str(error)) from None
 
 
+def _chosen_round(settings: PeerSpec, progress: Progress, fitted: Fit | None) -> float:
+    """The round this peer starts a run with when --round-seconds is not given: one its exchange fits
+    (shoal.peer.window.round_seconds_for), from the payload of the fit's dry run."""
+    algorithm = settings.algorithm_config()
+    payload = fitted.chosen.payload_bytes if fitted is not None else None
+    seconds = round_seconds_for(payload, overlapped=algorithm.overlapped, gather=settings.run.gather)
+    sized = f"its {payload:,}-byte payloads" if payload else "its exchange (payload unknown without --fit)"
+    progress.message(
+        f"starting the run with rounds of {seconds:g} s: {sized} fit a swarm of {window.PEERS} over "
+        f"{window.LINK_MBIT:g} Mbit/s links, {'computing through' if algorithm.overlapped else 'idle for'} "
+        "the exchange (--round-seconds chooses another)"
+    )
+    return seconds
+
+
 def _fit(settings: PeerSpec, progress: Progress, workload: Workload) -> Fit | None:
     """--fit auto: what fits this device (shoal.peer.fit), said with its numbers; a device too slow
     for the round's window is warned of (it joins, late); SettingsError when nothing fits in memory."""
@@ -265,8 +279,13 @@ def _train(
 ) -> dict:
     if schedule is None:
         schedule = saved_clock(settings, progress) or RoundSchedule(
-            start_time=settings.run.start_time or time.time() + 0.5, round_seconds=settings.run.round_seconds
+            start_time=settings.run.start_time or time.time() + 0.5,
+            round_seconds=settings.run.round_seconds or _chosen_round(settings, progress, fitted),
         )
+    settings = settings.changed(round_seconds=schedule.round_seconds)  # the swarm's, not this peer's flag
+    # the others may still be pulling this peer's last payload when it leaves: it serves it for up to a
+    # round more
+    peer.drain = timedelta(seconds=min(DRAIN_MAX_S, schedule.round_seconds))
     _save_clock(settings, schedule)
     trainer = build_peer(
         peer,
@@ -354,6 +373,7 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
             tokens=report.tokens,
             phases=report.phases,
             lr=report.lr,
+            round_seconds=exchange.schedule.round_seconds,
         )
         told = tell_ledger(progress, exchange, done.plan, metrics, told)
         tell_validation(settings, progress, workload, peer.trainer.batch_size, report.round, metrics)

@@ -33,7 +33,7 @@ from shoal.peer.algorithms.configs import (
 )
 from shoal.peer.algorithms.schedule import KINDS, Schedule
 from shoal.peer.swarm.names import check_run_name
-from shoal.peer.window import FIRST_FRACTION
+from shoal.peer.window import DEFAULT_ROUND_S, FIRST_FRACTION
 
 ALGORITHMS = {
     "demo": "demo",
@@ -199,8 +199,9 @@ class RunSpec(_Section):
 
     name: str = _setting("run", _run, "shoal")
     """The run's name: peers of one run train one model."""
-    round_seconds: float = _setting("round_seconds", _float(0.5, 86400), 10.0)
-    """Length of a round, when starting a new swarm."""
+    round_seconds: float | None = _setting("round_seconds", _float(0.5, 86400), None)
+    """Length of a round, when starting a new swarm. None: one that the exchange of this peer's payload
+    fits (shoal.peer.window.round_seconds_for); a peer that joins a swarm takes the swarm's."""
     start_time: float = _setting("start_time", _float(0.0, 1e11), 0.0)
     """Unix time of round 0, when starting a new swarm (0: now)."""
     discover_seconds: float = _setting("discover_seconds", _float(0.0, 86400), 60.0)
@@ -223,7 +224,7 @@ class RunSpec(_Section):
     def window_s(self) -> float:
         """The compute window of a round as first planned: --compute-fraction's, else half a round
         (shoal.peer.window adapts it from there)."""
-        return self.round_seconds * (self.compute_fraction or FIRST_FRACTION)
+        return (self.round_seconds or DEFAULT_ROUND_S) * (self.compute_fraction or FIRST_FRACTION)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,14 +11,25 @@ encode time comes on top (the payload is made after the computation).
 
 The reserve is the announcement's time, 1.5 times the pull, the encode and a margin. It grows at once
 to what a round needed, doubles after a round whose payloads did not all arrive by the deadline, and
-shrinks halfway to the need each round, so that one quick round does not cut the next one short; it
-never exceeds half a round (the old default's share) and starts there, before anything was measured.
+shrinks to the larger of the last two rounds' needs, so that one quick round does not cut the next one
+short; it never exceeds half a round (the old default's share), and starts at half of
+`DEFAULT_ROUND_S` at most, before anything was measured (a longer round starts computing the longer).
 
 An overlapped algorithm (DeMo with overlap, DiLoCo's late modes) plans its next round while the last
 one is exchanged: the same rule then gives it nearly the whole round, its exchange running alongside.
 A coordinated round keeps the coordinator's compute budget (shoal.peer.runtime).
+
+The round's length is the swarm's: its first peer chooses it, and the others follow its clock. Without
+--round-seconds the first peer chooses one that its exchange fits (`round_seconds_for`). The exchange
+is taken to cost `EXCHANGE_LATENCY_S` (the announcement's store, a poll's wait and the pulls' round
+trips, as measured) plus the pulls of the others' payloads over the link assumed (`LINK_MBIT`, a home
+link, each way, with `PEERS` peers, or --gather's). A peer that does not overlap its exchange idles
+for it, so it takes at most `IDLE_SHARE` of a round; an overlapped one computes through it, which must
+only end within the round. The payload is the one the fit's dry run made (shoal.peer.fit); without
+one (--fit off), the latency alone.
 """
 
+import math
 from dataclasses import dataclass, field
 
 FIRST_FRACTION = 0.5
@@ -26,6 +37,29 @@ FIRST_FRACTION = 0.5
 MARGIN_S = 0.3
 """Kept on top of the measured need: the DHT's poll interval and the clocks' skew."""
 SLACK = 1.5
+DEFAULT_ROUND_S = 10.0
+"""The shortest round a first peer chooses."""
+ROUND_STEP_S = 5.0
+"""A round chosen longer than the shortest is a multiple of this."""
+LINK_MBIT = 10.0
+"""The link a first peer assumes of the swarm's peers, each way, to choose its round."""
+PEERS = 4
+"""The swarm a first peer assumes: each peer pulls the payloads of the others (at most --gather)."""
+EXCHANGE_LATENCY_S = 1.3
+"""An exchange's cost beyond its transfer: a DeMo peer of `--model small` at 10 Mbit/s idled 1.6-1.8 s
+a round for 0.34 s of pulls (BENCHMARKS.md, the utilization a default swarm gets)."""
+IDLE_SHARE = 0.1
+"""The most of a round an algorithm that idles for its exchange spends on it: it computes for 90%."""
+
+
+def round_seconds_for(payload_bytes: int | None, *, overlapped: bool, gather: int = 0) -> float:
+    """The round a swarm's first peer chooses (module docstring): the shortest multiple of ROUND_STEP_S,
+    at least DEFAULT_ROUND_S, that the exchange of `payload_bytes` (None: unknown) over LINK_MBIT fits,
+    in IDLE_SHARE of it unless the algorithm computes through the exchange."""
+    pulls = max(1, min(gather or PEERS, PEERS) - 1)
+    exchange_s = EXCHANGE_LATENCY_S + pulls * (payload_bytes or 0) * 8 / (LINK_MBIT * 1e6)
+    needed = exchange_s if overlapped else exchange_s / IDLE_SHARE
+    return max(DEFAULT_ROUND_S, ROUND_STEP_S * math.ceil(needed / ROUND_STEP_S))
 
 
 @dataclass
@@ -36,8 +70,11 @@ class AutoWindow:
     reserve_s: float = field(init=False)
     """Seconds kept at the end of a round for the encode and the exchange."""
 
+    _last_need_s: float = field(init=False)
+
     def __post_init__(self) -> None:
-        self.reserve_s = self.most_s
+        self.reserve_s = min(self.most_s, FIRST_FRACTION * DEFAULT_ROUND_S)
+        self._last_need_s = self.reserve_s
 
     @property
     def most_s(self) -> float:
@@ -52,6 +89,6 @@ class AutoWindow:
         pull); None if a payload was still being pulled at the deadline."""
         grown = 2 * self.reserve_s  # a pull missed the deadline
         need = grown if needed is None else needed[0] + SLACK * needed[1] + encode_s + MARGIN_S
-        if need < self.reserve_s:
-            need = 0.5 * (need + self.reserve_s)
-        self.reserve_s = min(max(need, MARGIN_S), self.most_s)
+        kept = need if need >= self.reserve_s else max(need, self._last_need_s)
+        self._last_need_s = need
+        self.reserve_s = min(max(kept, MARGIN_S), self.most_s)

@@ -217,6 +217,8 @@ class LoopbackExchange(Exchange):
         self._rank = rank
         self.gather_limit = gather_limit
         """At most this many contributions count in a `gather` (shoal.protocol.rules); 0: all."""
+        self.sent_bytes = 0
+        """The size of this worker's last payload."""
         self._round = 0
 
     @staticmethod
@@ -248,6 +250,7 @@ class LoopbackExchange(Exchange):
     def gather(
         self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None, plan: object = None
     ) -> Gathered:
+        self.sent_bytes = len(payload)
         everyone = self._hub.all_gather(self._rank, Contribution(self._rank, bytes(payload), samples))
         self._round += 1
         chosen = choose(

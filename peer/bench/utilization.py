@@ -1,15 +1,15 @@
 """`shoal bench utilization`: the tokens/s a default swarm's peers train, against plain torch.
 
-    shoal bench utilization                          # 4 peers, DeMo and DiLoCo, 10 rounds of 10 s each
+    shoal bench utilization                          # 4 peers, DeMo and DiLoCo, 10 rounds each
     shoal bench utilization --algorithms demo --rounds 6 --json
     shoal bench utilization --rate-mbit 10           # and each peer behind a 10 Mbit/s link (root)
 
 For each algorithm, in one run:
 1. plain torch: as many processes as peers, at once (the same share of the CPU each), each training
    the model with AdamW on one batch of `--batch-size` sequences a step, for `--plain-seconds`;
-2. the swarm: real `shoal join` processes on 127.0.0.1 (shoal demo's launcher, without a
-   coordinator), at `shoal join`'s defaults but for the model, the run's length and the logs: rounds of
-   10 s, the compute window of shoal.peer.window, batch 8; with `--rate-mbit`, also each in a network
+2. the swarm: real `shoal join` processes on 127.0.0.1, without a coordinator, at `shoal join`'s
+   defaults but for the model, the run's length, the logs and batch 8: the round its first peer
+   chooses, the compute window of shoal.peer.window; with `--rate-mbit`, also each in a network
    namespace of its own behind a link shaped to that rate each way (shoal.peer.bench.netlab).
 
 Reported per peer: the tokens it trained in the rounds after the first two (the first plans half a
@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 WARMUP_ROUNDS = 2
+LONGEST_CHOSEN_S = 60.0
+"""The longest round the bench waits for when shoal join chooses it."""
 
 
 def plain(model: str, batch_size: int, seconds: float) -> float:
@@ -63,60 +65,58 @@ def plain_processes(peers: int, model: str, batch_size: int, seconds: float) -> 
     return [float(p.communicate(timeout=seconds * 4 + 120)[0]) for p in processes]
 
 
+class Loopback:
+    """`nodes` peers on 127.0.0.1: NetLab's launcher without namespaces (each started process is stopped
+    on exit)."""
+
+    def __init__(self, nodes: int):
+        self.nodes, self._processes = nodes, []
+
+    def address(self, node: int) -> str:
+        return "127.0.0.1"
+
+    def popen(self, node: int, argv: list[str], **kwargs) -> subprocess.Popen:
+        process = subprocess.Popen(argv, start_new_session=True, **kwargs)
+        self._processes.append(process)
+        return process
+
+    def __enter__(self) -> "Loopback":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in self._processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
 def swarm(
-    peers: int, model: str, algorithm: str, rounds: int, round_seconds: float, batch_size: int
-) -> list[dict]:
-    """Each peer's rounds (their `round` events) of a swarm of `shoal join` processes."""
-    from shoal.peer.cli import local_swarm
-    from shoal.peer.progress import Progress
-
-    with tempfile.TemporaryDirectory(prefix="shoal-utilization-") as logs:
-        local_swarm.run(
-            peers=peers,
-            rounds=rounds,
-            algorithm=algorithm,
-            round_seconds=round_seconds,
-            model=model,
-            progress=Progress("human", sys.stderr, title=f"utilization · {algorithm}"),
-            coordinator=False,
-            keep_logs=logs,
-            codec=("--batch-size", str(batch_size)),
-        )
-        return [_rounds(Path(logs) / f"peer{index}.log") for index in range(peers)]
-
-
-def lab_swarm(
     peers: int,
     model: str,
     algorithm: str,
     rounds: int,
-    round_seconds: float,
+    round_seconds: float | None,
     batch_size: int,
-    rate_mbit: float,
+    rate_mbit: float | None = None,
 ) -> list[dict]:
-    """The same swarm, each peer in a network namespace of its own behind a link shaped to `rate_mbit`
-    each way (shoal.peer.bench.netlab; needs root)."""
+    """Each peer's rounds (their `round` events) of a swarm of `shoal join` processes, on 127.0.0.1, or
+    with `rate_mbit` each in a network namespace of its own behind a link shaped to that rate each way
+    (shoal.peer.bench.netlab; needs root). `round_seconds` None: the round the first peer chooses."""
     from shoal.peer.bench.netlab import NetLab
     from shoal.peer.cli import local_swarm
 
     threads = str(max(1, (os.cpu_count() or 1) // peers))
     events: queue.Queue = queue.Queue()
-    with tempfile.TemporaryDirectory(prefix="shoal-utilization-") as logs, NetLab(peers, rate_mbit) as lab:
+    net = Loopback(peers) if rate_mbit is None else NetLab(peers, rate_mbit)
+    with tempfile.TemporaryDirectory(prefix="shoal-utilization-") as logs, net as lab:
         processes = []
 
         def launch(index: int, *flags: str) -> None:
             command = [sys.executable, "-m", "shoal.peer.cli", "join", "--host", lab.address(index)]
-            command += [
-                "--run",
-                "utilization",
-                "--log-format",
-                "json",
-                "--model",
-                model,
-                "--algorithm",
-                algorithm,
-            ]
-            command += ["--round-seconds", str(round_seconds), "--until-round", str(rounds - 1)]
+            command += ["--run", "utilization", "--log-format", "json", "--model", model]
+            command += ["--algorithm", algorithm, "--until-round", str(rounds - 1)]
+            if round_seconds is not None:
+                command += ["--round-seconds", str(round_seconds)]
             command += ["--batch-size", str(batch_size), *flags]
             log = (Path(logs) / f"peer{index}.log").open("a")
             env = {**os.environ, "OMP_NUM_THREADS": threads}
@@ -131,8 +131,9 @@ def lab_swarm(
         address = local_swarm._first_address(events, processes[0], Path(logs) / "peer0.log")
         for index in range(1, peers):
             launch(index, "--initial-peers", address)
+        longest = round_seconds or LONGEST_CHOSEN_S
         for index, process in enumerate(processes):
-            if process.wait(timeout=start - time.time() + rounds * round_seconds * 3 + 120) != 0:
+            if process.wait(timeout=start - time.time() + rounds * longest * 3 + 120) != 0:
                 raise RuntimeError(f"peer {index} exited with {process.returncode}: see its log")
         return [_rounds(Path(logs) / f"peer{index}.log") for index in range(peers)]
 
@@ -147,12 +148,13 @@ def _rounds(log: Path) -> dict:
     return rounds
 
 
-def measure(rounds_of: dict, round_seconds: float, first: int, last: int) -> dict:
+def measure(rounds_of: dict, first: int, last: int) -> dict:
     """A peer's tokens/s and compute share over rounds [first, last]: over the wall time its loop spent
     in them (an overlapped algorithm's round starts while the last one is exchanged, so the clock's
     rounds would not bound its computation), and at least the clock's rounds (a missed round counts)."""
     kept = [rounds_of[n] for n in range(first, last + 1) if n in rounds_of]
-    span = max(sum(e["round_s"] for e in kept), (last - first + 1) * round_seconds)
+    clock_s = (last - first + 1) * kept[0]["round_seconds"]
+    span = max(sum(e["round_s"] for e in kept), clock_s)
     return {
         "tokens_per_s": sum(e["tokens"] for e in kept) / span,
         "compute_share": sum(e["phases"]["compute"] for e in kept) / span,
@@ -166,17 +168,15 @@ def run(
     model: str,
     algorithm: str,
     rounds: int,
-    round_seconds: float,
+    round_seconds: float | None,
     batch_size: int,
     rate_mbit: float | None = None,
 ) -> dict:
-    baseline = plain_processes(peers, model, batch_size, seconds=min(30.0, rounds * round_seconds / 2))
-    if rate_mbit is None:
-        logs = swarm(peers, model, algorithm, rounds, round_seconds, batch_size)
-    else:
-        logs = lab_swarm(peers, model, algorithm, rounds, round_seconds, batch_size, rate_mbit)
+    chosen = round_seconds or LONGEST_CHOSEN_S
+    baseline = plain_processes(peers, model, batch_size, seconds=min(30.0, rounds * chosen / 2))
+    logs = swarm(peers, model, algorithm, rounds, round_seconds, batch_size, rate_mbit)
     last = min(max(r) for r in logs if r)
-    per_peer = [measure(r, round_seconds, WARMUP_ROUNDS, last) for r in logs]
+    per_peer = [measure(r, WARMUP_ROUNDS, last) for r in logs]
     plain_tps = statistics.fmean(baseline)
     swarm_tps = statistics.fmean(p["tokens_per_s"] for p in per_peer)
     return {
@@ -184,7 +184,7 @@ def run(
         "link": "loopback" if rate_mbit is None else f"{rate_mbit:g} Mbit/s",
         "peers": peers,
         "model": model,
-        "round_seconds": round_seconds,
+        "round_seconds": next(iter(logs[0].values()))["round_seconds"],
         "rounds_measured": last - WARMUP_ROUNDS + 1,
         "plain_tokens_per_s": plain_tps,
         "swarm_tokens_per_s": swarm_tps,
@@ -201,7 +201,7 @@ def main(
     model: str,
     algorithms: tuple[str, ...],
     rounds: int,
-    round_seconds: float,
+    round_seconds: float | None,
     batch_size: int,
     rates: tuple[float | None, ...] = (None,),
 ) -> int:
@@ -219,7 +219,8 @@ def main(
         results.append(result)
         if not as_json:
             print(
-                f"{algorithm:<14} {result['link']:<12} {peers} peers, {model}: plain torch "
+                f"{algorithm:<14} {result['link']:<12} {peers} peers, {model}, "
+                f"rounds of {result['round_seconds']:g} s: plain torch "
                 f"{result['plain_tokens_per_s']:7.0f} "
                 f"tokens/s, swarm peer {result['swarm_tokens_per_s']:7.0f} tokens/s: "
                 f"{result['utilization']:6.1%} (compute {result['compute_share']:.1%} of each round)",

@@ -248,7 +248,7 @@ def _utilization_arguments(benchmarks: argparse._SubParsersAction) -> None:
     bench.add_argument("--algorithms", default="demo,diloco", help="comma-separated (default demo,diloco)")
     bench.add_argument("--rounds", type=positive_int, default=10, help="rounds per swarm (default 10)")
     bench.add_argument(
-        "--round-seconds", type=float, default=10.0, help="round length (default 10: shoal join's)"
+        "--round-seconds", type=float, help="round length (default: the one shoal join chooses)"
     )
     bench.add_argument("--batch-size", type=positive_int, default=8, help="sequences a micro-batch (8)")
     bench.add_argument(
@@ -265,7 +265,8 @@ def _utilization(args: argparse.Namespace) -> int:
 
     algorithms = tuple(args.algorithms.split(","))
     unknown = [a for a in algorithms if a not in ALGORITHMS]
-    if unknown or not args.round_seconds > 0 or args.rounds <= utilization.WARMUP_ROUNDS:
+    too_short = args.round_seconds is not None and not args.round_seconds > 0
+    if unknown or too_short or args.rounds <= utilization.WARMUP_ROUNDS:
         print(
             f"shoal bench utilization: error: unknown --algorithms {', '.join(unknown)}, or --round-seconds "
             f"<= 0, or --rounds <= {utilization.WARMUP_ROUNDS}",

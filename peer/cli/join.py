@@ -87,7 +87,7 @@ JOIN_FLAGS = {
     ),
     "metrics_port": ("N", "serve Prometheus metrics on --host:N/metrics (0: any free port, logged)"),
     "address_file": ("PATH", "write the address other peers join through to PATH once listening"),
-    "round_seconds": ("S", "length of a round, when starting a new swarm"),
+    "round_seconds": ("S", "length of a round, when starting a new swarm (default: one its exchange fits)"),
     "start_time": ("T", "unix time of round 0, when starting a new swarm (0: now)"),
     "discover_seconds": (
         "S",

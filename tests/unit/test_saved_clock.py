@@ -60,3 +60,9 @@ def test_a_damaged_clock_file_is_ignored_with_a_message(tmp_path, content):
 def test_no_file_no_folder_no_clock(tmp_path):
     assert read_back(settings(tmp_path))[0] is None
     assert read_back(PeerSpec.of(run="r"))[0] is None
+
+
+def test_a_peer_that_chooses_its_rounds_continues_the_saved_ones(tmp_path):
+    clock = RoundSchedule(start_time=time.time() - 100, round_seconds=20.0)
+    save_clock(settings(tmp_path, round_seconds=20.0), clock)
+    assert read_back(settings(tmp_path, round_seconds=None))[0] == clock  # not the rounds it would choose
