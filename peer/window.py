@@ -48,8 +48,10 @@ PEERS = 4
 EXCHANGE_LATENCY_S = 1.3
 """An exchange's cost beyond its transfer: a DeMo peer of `--model small` at 10 Mbit/s idled 1.6-1.8 s
 a round for 0.34 s of pulls (BENCHMARKS.md, the utilization a default swarm gets)."""
-IDLE_SHARE = 0.1
-"""The most of a round an algorithm that idles for its exchange spends on it: it computes for 90%."""
+IDLE_SHARE = 0.05
+"""The share of a round an algorithm that idles for its exchange is planned to spend on it. Half the 10%
+that 90% of plain torch's tokens/s leaves: a DeMo peer of `--model small` idled 2.4-3.0 s of a 20-second
+round, not the 1.6 s estimated, as its window also keeps the pulls' slack and a margin (BENCHMARKS.md)."""
 
 
 def round_seconds_for(payload_bytes: int | None, *, overlapped: bool, gather: int = 0) -> float:
