@@ -78,6 +78,9 @@ class ConvergeConfig:
     """DeMo's momentum beta (compression_decay); None: the method's (0.999 reference, 0.99 compact)."""
     demo_topk: int | None = None
     """DeMo's coefficients sent per chunk (compression_topk); None: the method's (32 reference, 4 compact)."""
+    demo_error_feedback: float | None = None
+    """DeMo's error feedback alpha, the share of the sent part taken out of the momentum; None: the
+    method's (1.0)."""
     error_decay: float = SPARSE_ERROR_DECAY
     """DiLoCo's error feedback beta with a lossy codec (SparseLoCo's 0.95 did worse here: BENCHMARKS.md)."""
     eval_batches: int = 8
@@ -227,6 +230,8 @@ def _train_demo(model, exchange, batches, config, **settings) -> int:
         settings["compression_decay"] = config.demo_decay
     if config.demo_topk is not None:
         settings["compression_topk"] = config.demo_topk
+    if config.demo_error_feedback is not None:
+        settings["error_feedback"] = config.demo_error_feedback
     optimizer = DeMo(model.parameters(), lr=config.demo_lr, exchange=exchange, **settings)
     batches = _scheduled(optimizer, config, batches)
     for inputs, targets in batches:

@@ -119,7 +119,7 @@ def medium_corpus(cache: Path | None = None) -> TokenStreams:
     return streams
 
 
-LATER_FIELDS = ("demo_topk",)
+LATER_FIELDS = ("demo_topk", "demo_error_feedback")
 """ConvergeConfig fields added after the record began: left out of a run's key at their default (None),
 so that the runs recorded before them keep their keys."""
 

@@ -127,6 +127,12 @@ def _converge_arguments(benchmarks: argparse._SubParsersAction) -> None:
         metavar="BETA",
         help="DiLoCo's error feedback beta with a lossy codec (1)",
     )
+    converge.add_argument(
+        "--demo-error-feedback",
+        type=float,
+        metavar="ALPHA",
+        help="DeMo's error feedback: the share of the sent part taken out of its momentum, in [0, 1] (1)",
+    )
 
 
 def _wan_arguments(benchmarks: argparse._SubParsersAction) -> None:
@@ -326,6 +332,7 @@ def _converge(args: argparse.Namespace) -> int:
         print("shoal bench converge: error: --gather must be >= 0", file=sys.stderr)
         return 2
     names = ("inner_steps", "outer_lr", "outer_momentum", "error_decay", "workers", "gather", "carry")
+    names += ("demo_error_feedback",)
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return converge.main(as_json=args.json, quick=args.quick, methods=methods, **overrides)
 
