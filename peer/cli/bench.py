@@ -331,6 +331,9 @@ def _converge(args: argparse.Namespace) -> int:
     if args.gather is not None and args.gather < 0:
         print("shoal bench converge: error: --gather must be >= 0", file=sys.stderr)
         return 2
+    if args.demo_error_feedback is not None and not 0 <= args.demo_error_feedback <= 1:
+        print("shoal bench converge: error: --demo-error-feedback must be in [0, 1]", file=sys.stderr)
+        return 2
     names = ("inner_steps", "outer_lr", "outer_momentum", "error_decay", "workers", "gather", "carry")
     names += ("demo_error_feedback",)
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}

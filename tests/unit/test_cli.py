@@ -118,3 +118,19 @@ def test_bench_converge_runs_the_methods_asked_for_and_refuses_unknown_ones(monk
     assert rows[0]["bytes_sent_per_worker"] == rows[1]["bytes_sent_per_worker"]  # same payloads, later
     assert cli.main(["bench", "converge", "--methods", "demo_fast"]) == 2
     assert "unknown demo_fast" in capsys.readouterr().err
+
+
+def test_bench_converge_passes_demo_error_feedback_and_refuses_one_outside_0_1(monkeypatch, capsys):
+    from shoal.peer.bench import converge
+
+    tiny = converge.ConvergeConfig(model="tiny", steps=4, batch_size=2, inner_steps=2, eval_batches=1)
+    monkeypatch.setattr(converge, "QUICK", tiny)
+    asked = ["bench", "converge", "--json", "--quick", "--methods", "demo_reference"]
+    losses = []
+    for alpha in ("1", "0.2"):
+        assert cli.main([*asked, "--demo-error-feedback", alpha]) == 0
+        losses.append(json.loads(capsys.readouterr().out)["results"][0]["final_val_loss"])
+    assert losses[0] != losses[1]  # the momentum keeps 80% of what it sent: other coefficients next
+    for bad in ("1.5", "-0.1", "nan"):
+        assert cli.main([*asked, "--demo-error-feedback", bad]) == 2
+        assert "--demo-error-feedback must be in [0, 1]" in capsys.readouterr().err
