@@ -319,9 +319,8 @@ class ModelSpec(_Section):
     """auto, cpu, cuda, cuda:N or mps."""
     batch_size: int = _setting("batch_size", _int(1, 65536), 8)
     """Samples per micro-batch to start with (halved if the device runs out of memory)."""
-    max_micro_batches: int = _setting("max_micro_batches", _int(1, 65536), 4096)
-    """Most micro-batches accumulated per step: enough that a fast device fills a round's window (64,
-    the old default, left a 0.6M-parameter model computing 12 s of a 30-second round on this CPU)."""
+    max_micro_batches: int = _setting("max_micro_batches", _int(1, 4096), 64)
+    """Most micro-batches accumulated per step."""
     precision: str = _setting("precision", _choice(("auto", "fp32", "bf16", "fp16")), "auto")
     """auto (bf16 autocast on GPUs that have it, fp32 elsewhere), fp32, bf16 autocast anywhere, or fp16
     autocast with dynamic loss scaling (shoal.peer.hardware.LossScale)."""

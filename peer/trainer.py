@@ -145,7 +145,7 @@ class Trainer:
         loss_fn: LossFn = model_loss,
         batch_size: int = 8,
         compute_window: float | None = None,
-        max_micro_batches: int = 4096,
+        max_micro_batches: int = 64,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         schedule: Schedule | None = None,
         grad_clip: float = 0.0,
@@ -366,12 +366,8 @@ class Trainer:
         """Sets the micro-batches per step so that a round's computation fills the compute window."""
         if self.compute_window is None or micro_seconds <= 0:
             return
-        # a faster pace is taken at once: the first round's includes the warm-up (allocations, kernel
-        # choice: 1.2 s against 0.21 s a micro-batch after it), and halving the gap a round took rounds
-        # to fill the window. A slower one is averaged in: a step that overruns is cut short anyway
         average = self._micro_seconds
-        slower = average is not None and micro_seconds > average
-        self._micro_seconds = 0.5 * (average + micro_seconds) if slower else micro_seconds
+        self._micro_seconds = micro_seconds if average is None else 0.5 * (average + micro_seconds)
         self._refit()
 
     def _refit(self) -> None:

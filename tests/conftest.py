@@ -15,11 +15,6 @@ from hypothesis import settings
 
 from tests.integration import launcher
 
-# The peers a test starts share CI's two cores with the others: each computes at most 64 micro-batches
-# a step (the default is 4096, so that a fast device fills its round), the load the tests were sized
-# for. A test that passes --max-micro-batches still sets its own.
-os.environ.setdefault("SHOAL_MAX_MICRO_BATCHES", "64")
-
 settings.register_profile("shoal", deadline=None, max_examples=60)
 settings.load_profile("shoal")
 

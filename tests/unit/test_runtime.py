@@ -110,22 +110,6 @@ def test_micro_batches_fill_the_compute_window():
     assert reports[-1].compute_s == reports[-1].phases["compute"]
 
 
-def test_a_slow_first_micro_batch_does_not_hold_the_next_rounds_back():
-    """The first micro-batch pays the warm-up (0.2 s here, 20 times the others' 0.01 s): the second
-    round, paced by the first one's, computes one micro-batch; the third fills the window at once,
-    where averaging the paces took rounds more (a 0.6M-parameter peer: 21, 40, 59 of 64)."""
-    delays = iter([0.2])
-
-    def slow_loss(model, inputs, targets):
-        time.sleep(next(delays, 0.01))
-        return model(inputs, targets)
-
-    peer = trainer(loss_fn=slow_loss, compute_window=0.2, max_micro_batches=100)
-    reports = [peer.round() for _ in range(3)]
-    assert [r.micro_batches for r in reports[:2]] == [1, 1]
-    assert reports[2].micro_batches >= 10  # 0.2 s / 0.01 s, less per-batch overhead
-
-
 def test_a_diloco_round_fills_its_window_with_more_micro_batches_than_it_has_steps():
     """H = 4 steps in a window of about 7 micro-batches: the remainder goes to some of the steps
     instead of being lost to one micro-batch a step (4 of 7)."""
