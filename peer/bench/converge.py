@@ -353,8 +353,8 @@ def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> Me
 
 
 def main(*, as_json: bool, quick: bool, methods: tuple[str, ...] = METHODS, **overrides: float) -> int:
-    """`overrides`: ConvergeConfig fields (inner_steps, outer_lr, outer_momentum, error_decay, workers,
-    gather, carry)."""
+    """`overrides`: ConvergeConfig fields (inner_steps, outer_lr, outer_momentum, error_decay,
+    demo_error_feedback, workers, gather, carry)."""
     config = dataclasses.replace(QUICK if quick else FULL, **overrides)
     streams = stdlib_corpus()
     results = []
