@@ -15,6 +15,12 @@ from hypothesis import settings
 
 from tests.integration import launcher
 
+# The `shoal join` processes the tests start share CI's two cores with each other and with the other
+# worker's tests: each computes at most 64 micro-batches a step, the load the tests were sized for
+# (`shoal join`'s default, 4096, lets a fast device fill its round). Set before any peer starts, so
+# that every child inherits it; a test that passes --max-micro-batches still sets its own.
+os.environ.setdefault("SHOAL_MAX_MICRO_BATCHES", "64")
+
 settings.register_profile("shoal", deadline=None, max_examples=60)
 settings.load_profile("shoal")
 

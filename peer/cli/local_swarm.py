@@ -200,6 +200,8 @@ def _join_flags(
     """The `shoal join` flags every peer of the demo shares."""
     flags = ["--host", "127.0.0.1", "--run", "demo", "--log-format", "json", "--model", model]
     flags += ["--algorithm", algorithm, "--averaging", averaging, "--round-seconds", str(round_seconds)]
+    # its peers share this machine's cores: 64 micro-batches a step at most leaves them time to exchange
+    flags += ["--max-micro-batches", "64"]
     return [*flags, "--until-round", str(rounds - 1), "--metrics-port", "0", *codec]
 
 

@@ -10,7 +10,7 @@ import time
 
 from shoal.peer.data.ledger import TokenLedger
 
-SLOTS, STRIDE, MICRO = 16, 8, 64
+SLOTS, STRIDE, MICRO = 16, 8, 4096
 
 
 def _ms(function, repeat: int = 5) -> float:

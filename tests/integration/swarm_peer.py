@@ -30,7 +30,14 @@ from tests.integration import faults
 from tests.integration.faults import Fault
 
 MAX_PAYLOAD_BYTES = 1 << 20
-SETTINGS = {"run": "test", "lr": 2e-3, "inner_steps": 5, "checkpoint_every": 0, "device": "cpu"}
+SETTINGS = {
+    "run": "test",
+    "lr": 2e-3,
+    "inner_steps": 5,
+    "checkpoint_every": 0,
+    "device": "cpu",
+    "max_micro_batches": 64,  # the tests' load (tests/conftest.py); it also bounds the ledger's claims
+}
 """What every test peer shares, by `shoal join` flag name (also the in-process peers')."""
 
 
