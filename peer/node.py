@@ -298,6 +298,7 @@ def _train(
     )
     if fitted is not None:
         trainer.batch_size = fitted.batch_size
+        trainer.expect_pace(fitted.chosen.round_s / trainer.inner_steps)
     if settings.network.initial_peers:
         _check_compatible(peer.exchange)
     numel = workload.model.parameters

@@ -110,6 +110,22 @@ def test_micro_batches_fill_the_compute_window():
     assert reports[-1].compute_s == reports[-1].phases["compute"]
 
 
+def test_a_pace_measured_before_training_fills_the_first_round():
+    """A pace given before training (`shoal join`'s fit dry run) fills the first window, where a
+    trainer that learns it computes one micro-batch; a pace the rounds measured is not replaced."""
+
+    def slow_loss(model, inputs, targets):
+        time.sleep(0.01)
+        return model(inputs, targets)
+
+    peer = trainer(loss_fn=slow_loss, compute_window=0.1, max_micro_batches=50)
+    peer.expect_pace(0.01)
+    assert 4 <= peer.round().micro_batches <= 10  # ~0.1 s / 0.01 s, less per-batch overhead
+    learned = peer.micro_batches
+    peer.expect_pace(1.0)
+    assert peer.micro_batches == learned
+
+
 def test_a_diloco_round_fills_its_window_with_more_micro_batches_than_it_has_steps():
     """H = 4 steps in a window of about 7 micro-batches: the remainder goes to some of the steps
     instead of being lost to one micro-batch a step (4 of 7)."""
