@@ -35,7 +35,7 @@ from shoal.peer.hardware import LossScale, autocast_for, choose_device
 from shoal.peer.models import LoadedModel, load_model, recompute, recomputing
 from shoal.peer.ranks import LocalRanks, RanksError, check_ranks, start_ranks, torchrun_ranks
 from shoal.peer.runtime import SwarmPeer
-from shoal.peer.spec import PeerSpec
+from shoal.peer.spec import MOST_MICRO_BATCHES, PeerSpec
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
 from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.records import RoundPlan, RoundSchedule
@@ -235,7 +235,7 @@ def token_ledger(spec: PeerSpec, workload: Workload) -> TokenLedger | None:
         stride,
         seed=spec.run.seed,
         lag=1 if late else 0,  # an overlapped optimizer applies a round a round later
-        most_places=stride * spec.model.max_micro_batches * algorithm.inner_steps,
+        most_places=stride * MOST_MICRO_BATCHES * algorithm.inner_steps,  # whatever this peer's cap
         seq_len=workload.model.seq_len,
     )
 

@@ -309,6 +309,13 @@ class AlgorithmSpec(_Section):
             raise ValueError(f"--{name.replace('_', '-')}: {error}") from None
 
 
+MOST_MICRO_BATCHES = 4096
+"""The most micro-batches a step any peer of a run accumulates (`--max-micro-batches` is at most this):
+the token ledger's bound on a peer's claim derives from it, the same for every peer of a run, so that a
+peer may lower its own (`shoal demo` and the compose stack do, their peers sharing one machine) and
+still join the others."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec(_Section):
     """The model, the device it trains on, and its micro-batches."""
@@ -319,11 +326,10 @@ class ModelSpec(_Section):
     """auto, cpu, cuda, cuda:N or mps."""
     batch_size: int = _setting("batch_size", _int(1, 65536), 8)
     """Samples per micro-batch to start with (halved if the device runs out of memory)."""
-    max_micro_batches: int = _setting("max_micro_batches", _int(1, 65536), 4096)
-    """Most micro-batches accumulated per step: enough that a fast device fills its compute window (at
-    64, the default until 2026-12-06, DeMo on the tiny GPT computed 1.3 s of a 30 s round on a 2-core
-    CPU, and any preset on a GPU less). Part of the run's configuration through the token ledger's
-    bound on a peer's claim (`TokenLedger.most_places`)."""
+    max_micro_batches: int = _setting("max_micro_batches", _int(1, MOST_MICRO_BATCHES), MOST_MICRO_BATCHES)
+    """Most micro-batches this peer accumulates per step: by default enough that a fast device fills
+    its compute window (at 64, the default until 2026-12-06, DeMo on the tiny GPT computed 1.3 s of a
+    30 s round on a 2-core CPU). This peer's own: not part of the run's configuration."""
     precision: str = _setting("precision", _choice(("auto", "fp32", "bf16", "fp16")), "auto")
     """auto (bf16 autocast on GPUs that have it, fp32 elsewhere), fp32, bf16 autocast anywhere, or fp16
     autocast with dynamic loss scaling (shoal.peer.hardware.LossScale)."""

@@ -36,7 +36,7 @@ SETTINGS = {
     "inner_steps": 5,
     "checkpoint_every": 0,
     "device": "cpu",
-    "max_micro_batches": 64,  # the tests' load (tests/conftest.py); it also bounds the ledger's claims
+    "max_micro_batches": 64,  # the load the tests were sized for (tests/conftest.py)
 }
 """What every test peer shares, by `shoal join` flag name (also the in-process peers')."""
 

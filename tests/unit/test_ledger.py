@@ -170,3 +170,28 @@ def test_settlements_chain_by_digest_and_replays_on_an_adopted_ledger_are_told_o
     replays = ledger.replays()
     assert [(r.round, r.replayed) for r in replays] == [(0, True), (1, True)] and ledger.replays() == []
     assert replays[0].before == start and replays[-1].after == ledger.digest(0)
+
+
+def test_a_peer_s_own_micro_batch_cap_is_not_part_of_the_run_s_ledger():
+    """`--max-micro-batches` is each peer's (shoal demo's peers lower it to 64): the ledger every peer
+    pins in the run configuration, and its bound on a claim, are the same whatever it is, so a peer
+    that lowers it joins the others, and a peer at the default has its whole claim credited by one
+    that lowered it."""
+    from types import SimpleNamespace
+
+    from shoal.peer.assembly import token_ledger
+    from shoal.peer.spec import MOST_MICRO_BATCHES, PeerSpec
+
+    workload = SimpleNamespace(
+        streams=SimpleNamespace(train=SimpleNamespace(windows=lambda window: 1 << 20)),
+        model=SimpleNamespace(seq_len=64),
+    )
+    spec = PeerSpec.of(algorithm="diloco", inner_steps=3, batch_size=8)
+    lowered = token_ledger(spec.changed(max_micro_batches=64), workload)
+    default = token_ledger(spec, workload)
+    assert spec.model.max_micro_batches == MOST_MICRO_BATCHES
+    assert lowered.describe() == default.describe()
+    lane = default.lane(0, 0, 1)
+    lane.windows = 8 * MOST_MICRO_BATCHES * 3  # every step at the default cap
+    lowered.record(0, {b"fast": lane.claim()})
+    assert lowered.settle(0).credited == {b"fast": lane.windows}
