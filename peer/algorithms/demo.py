@@ -288,8 +288,7 @@ class DeMo(torch.optim.Optimizer):
                 1, selection.indices, selection.values.float()
             )
             signs = dct.inverse_dense(momentum, plan, self.codec.workspace, out=momentum).sign_()
-            for member in piece.members:
-                member.matrix(member.param).add_(member.tiles(signs), alpha=-settings[member.param][0])
+            piece.add_to_params(signs, [-settings[m.param][0] for m in piece.members])
         return self._origin
 
     @torch.no_grad()
@@ -367,8 +366,7 @@ class DeMo(torch.optim.Optimizer):
             direction = combine(received_piece, piece, self.codec.workspace)
             # finite but huge values from a hostile peer can sum to inf and inf - inf to NaN: never apply NaN
             signs = direction.sign_().nan_to_num_(nan=0.0)
-            for member in piece.members:
-                member.matrix(member.param).add_(member.tiles(signs), alpha=-settings[member.param][0])
+            piece.add_to_params(signs, [-settings[m.param][0] for m in piece.members])
         self.stats.phase_seconds["decode"] += decoded - started
         self.stats.phase_seconds["apply"] += time.perf_counter() - decoded
 
@@ -414,14 +412,9 @@ class DeMo(torch.optim.Optimizer):
         gradients = self.codec.workspace.get(GRADIENT_SLOT, plan.numel, first.device, torch.float32).view(
             plan.shape
         )
-        for member in piece.members:
-            lr, weight_decay = settings[member.param]
-            if weight_decay:
-                member.param.mul_(1 - lr * weight_decay)
-            if member.param.grad is None:  # an unused parameter still sends: same payload everywhere
-                member.tiles(gradients).zero_()
-            else:
-                torch.mul(member.matrix(member.param.grad.contiguous()), lr, out=member.tiles(gradients))
+        lrs = [settings[m.param][0] for m in piece.members]
+        piece.scale_params([1 - lr * settings[m.param][1] for m, lr in zip(piece.members, lrs, strict=True)])
+        piece.gather(gradients, [m.param.grad for m in piece.members], lrs)
         coefficients = dct.forward(gradients, plan, self.codec.workspace)
         delta.mul_(self.decay).add_(coefficients.reshape(delta.shape).to(delta.dtype))
         selection = self.codec.select_coefficients(delta, plan)

@@ -6,8 +6,13 @@ the buffer is rows `[t r, (t + 1) r)` (`ChunkPlan.bands`). Gradients are added i
 signs applied back, through permuted views of the parameter (no copies). A slice is a run of whole
 parameters holding at most `max_slice_numel` elements (a larger parameter is a slice of its own),
 so the codec transforms a slice at once and its scratch memory stays bounded.
+
+What a step does to every member of a slice goes through one multi-tensor (`torch._foreach_*`) call
+per distinct scale, not one call per parameter: on a GPU each call is a kernel launch and a few
+microseconds of Python, and per-parameter calls made the DeMo step host-bound (BENCHMARKS.md).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +48,44 @@ class Slice:
     members: list[Member]
     plan: ChunkPlan
     """`ChunkPlan.bands` of all the members' tiles."""
+
+    def gather(
+        self, bands: torch.Tensor, tensors: Sequence[torch.Tensor | None], scales: Sequence[float]
+    ) -> None:
+        """Writes `scales[i] * tensors[i]` into member i's tiles of `bands` (a None tensor: zeros)."""
+        present = [(m, t) for m, t in zip(self.members, tensors, strict=True) if t is not None]
+        for member, tensor in zip(self.members, tensors, strict=True):
+            if tensor is None:  # an unused parameter still sends: the same payload everywhere
+                member.tiles(bands).zero_()
+        if present:
+            torch._foreach_copy_([m.tiles(bands) for m, _ in present], [m.matrix(t) for m, t in present])
+        groups = _by_scale(self.members, scales)
+        if len(groups) == 1:  # the members' tiles make up the whole buffer
+            bands.mul_(next(iter(groups)))
+            return
+        for scale, members in groups.items():
+            torch._foreach_mul_([m.tiles(bands) for m in members], scale)
+
+    def add_to_params(self, bands: torch.Tensor, alphas: Sequence[float]) -> None:
+        """Adds `alphas[i] *` member i's tiles of `bands` to its parameter (the DeMo step's apply)."""
+        for alpha, members in _by_scale(self.members, alphas).items():
+            torch._foreach_add_(
+                [m.matrix(m.param) for m in members], [m.tiles(bands) for m in members], alpha=alpha
+            )
+
+    def scale_params(self, factors: Sequence[float]) -> None:
+        """Multiplies member i's parameter by `factors[i]` (1: untouched; decoupled weight decay)."""
+        for factor, members in _by_scale(self.members, factors).items():
+            if factor != 1:
+                torch._foreach_mul_([m.param for m in members], factor)
+
+
+def _by_scale(members: list[Member], scales: Sequence[float]) -> dict[float, list[Member]]:
+    """The members grouped by their scale, in member order within a group."""
+    groups: dict[float, list[Member]] = {}
+    for member, scale in zip(members, scales, strict=True):
+        groups.setdefault(scale, []).append(member)
+    return groups
 
 
 def slice_parameters(params: list[torch.Tensor], chunk: int, max_slice_numel: int) -> list[Slice]:

@@ -11,6 +11,9 @@ import torch
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Exchange, Gathered, LoopbackExchange, run_loopback
+from shoal.peer.algorithms.robust import finite
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 class _NothingCounts(Exchange):
@@ -116,3 +119,26 @@ def test_demo_refuses_a_non_finite_gradient_and_stays_in_step(overlap):
     (p0, refused0, finite0), (p1, refused1, finite1) = run_loopback(2, work)
     assert refused1 == {"own_non_finite": 1} and not refused0
     assert finite0 and finite1 and torch.isfinite(p0).all() and torch.equal(p0, p1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("bad", "expected"),
+    [(None, True), (math.nan, False), (math.inf, False), (-math.inf, False), (3e38, True)],
+    ids=["clean", "nan", "inf", "-inf", "huge-finite"],
+)
+def test_finite_finds_any_non_finite_value_in_any_tensor_of_any_float_dtype(device, bad, expected):
+    """One check over all the gradients (each device's own way: robust.finite): a single bad value in
+    the last of several tensors of mixed dtypes is found; values that would overflow a sum are not bad;
+    empty and integer tensors are skipped."""
+    tensors = [
+        torch.zeros(0, device=device),
+        torch.arange(4, device=device),
+        torch.randn(3, 5, device=device).bfloat16(),
+        torch.randn(7, 9, device=device).t(),  # not contiguous
+        torch.full((4097,), 3e38, device=device),  # sums to inf, yet finite
+    ]
+    if bad is not None:
+        tensors[3][4, 2] = bad
+    assert finite(tensors) is expected
+    assert finite([]) is True
