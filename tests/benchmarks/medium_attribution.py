@@ -13,7 +13,9 @@ it) and printed with their curves.
 - the noise of one seed: the best points of AdamW-DP, DeMo reference, standard and sparse DiLoCo
   again with other seeds (the initialization and the batches);
 - DeMo against AdamW-DP, in length: both at their best learning rates for twice and four times the
-  steps (500 and 1,000; 2.05M and 4.1M tokens), the warmup scaled alike (50 and 100 steps).
+  steps (500 and 1,000; 2.05M and 4.1M tokens), the warmup scaled alike (50 and 100 steps);
+- eager against standard DiLoCo, in length: both at their best settings for twice the steps (50
+  outer steps instead of 25: whether a round's lateness weighs less over more rounds).
 """
 
 import argparse
@@ -31,6 +33,7 @@ INNER = replace(scale.MEDIUM, adamw_lr=1e-3)
 """DiLoCo's inner AdamW at AdamW-DP's best learning rate, as in the sweep."""
 LONG = replace(scale.MEDIUM, steps=500, warmup=50, eval_every=100)
 LONGER = replace(scale.MEDIUM, steps=1000, warmup=100, eval_every=100)
+INNER_LONG = replace(LONG, adamw_lr=1e-3)
 POINTS = {
     "eager_momentum_0.5": ("diloco_eager", INNER, {"outer_lr": 0.7, "outer_momentum": 0.5}),
     "eager_momentum_0.9": ("diloco_eager", INNER, {"outer_lr": 0.4, "outer_momentum": 0.9}),
@@ -46,6 +49,8 @@ POINTS = {
     "sparse_seed1": ("diloco_sparse", INNER, {"outer_lr": 2.0, "seed": 1}),
     "adamw_500": ("adamw_dp", LONG, {"adamw_lr": 1e-3}),
     "demo_reference_500": ("demo_reference", LONG, {"demo_lr": 4e-3}),
+    "standard_500": ("diloco_standard", INNER_LONG, {"outer_lr": 0.7}),
+    "eager_500": ("diloco_eager", INNER_LONG, {"outer_lr": 0.4, "outer_momentum": 0.5}),
     "adamw_1000": ("adamw_dp", LONGER, {"adamw_lr": 1e-3}),
     "demo_reference_1000": ("demo_reference", LONGER, {"demo_lr": 4e-3}),
 }
