@@ -12,7 +12,8 @@
 #   step      the DeMo step against forward+backward: base at batch 64, small at 16 (4% target)
 #   fit       estimated against measured memory, bf16, activation checkpointing as the fit chooses
 #   outer     the cost of --outer-state cpu per DiLoCo round
-#   export    one `shoal join` peer on the GPU for 3 rounds, `shoal export`, transformers generates
+#   export    one `shoal join` peer on the GPU (bf16 where it has it, activation checkpointing on, one
+#             rank) for 3 rounds, then `shoal export`, and transformers generates from the export
 #   converge  the GPU scale of the convergence benchmark (a 27M GPT, bf16)
 # DEVICE=cpu runs the same steps on a CPU (a dry run of this script; outer and converge need CUDA).
 set -uo pipefail
@@ -59,7 +60,8 @@ for step in "${steps[@]}"; do
     export)
         rm -rf /tmp/gpu-ckpt /tmp/gpu-export
         run join 120 python3 -m shoal.peer.cli join --device "$device" --model small --run gpu-check \
-            --round-seconds 5 --max-rounds 3 --checkpoint-dir /tmp/gpu-ckpt --log-format json
+            --round-seconds 5 --max-rounds 3 --checkpoint-dir /tmp/gpu-ckpt --log-format json \
+            --activation-checkpointing on --nproc-per-node 1
         run export 60 python3 -m shoal.peer.cli export --checkpoint-dir /tmp/gpu-ckpt /tmp/gpu-export
         run generate 60 python3 -c "
 import torch, transformers
