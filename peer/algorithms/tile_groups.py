@@ -53,18 +53,24 @@ class Slice:
         self, bands: torch.Tensor, tensors: Sequence[torch.Tensor | None], scales: Sequence[float]
     ) -> None:
         """Writes `scales[i] * tensors[i]` into member i's tiles of `bands` (a None tensor: zeros)."""
-        present = [(m, t) for m, t in zip(self.members, tensors, strict=True) if t is not None]
+        targets, sources = [], []
         for member, tensor in zip(self.members, tensors, strict=True):
             if tensor is None:  # an unused parameter still sends: the same payload everywhere
                 member.tiles(bands).zero_()
-        if present:
-            torch._foreach_copy_([m.tiles(bands) for m, _ in present], [m.matrix(t) for m, t in present])
+            else:
+                targets.append(member.tiles(bands))
+                sources.append(member.matrix(tensor))
+        if targets:
+            torch._foreach_copy_(targets, sources)
         groups = _by_scale(self.members, scales)
         if len(groups) == 1:  # the members' tiles make up the whole buffer
-            bands.mul_(next(iter(groups)))
+            scale = next(iter(groups))
+            if scale != 1:
+                bands.mul_(scale)
             return
         for scale, members in groups.items():
-            torch._foreach_mul_([m.tiles(bands) for m in members], scale)
+            if scale != 1:
+                torch._foreach_mul_([m.tiles(bands) for m in members], scale)
 
     def add_to_params(self, bands: torch.Tensor, alphas: Sequence[float]) -> None:
         """Adds `alphas[i] *` member i's tiles of `bands` to its parameter (the DeMo step's apply)."""

@@ -114,11 +114,7 @@ def test_a_pace_measured_before_training_fills_the_first_round():
     """A pace given before training (`shoal join`'s fit dry run) fills the first window, where a
     trainer that learns it computes one micro-batch; a pace the rounds measured is not replaced."""
 
-    def slow_loss(model, inputs, targets):
-        time.sleep(0.01)
-        return model(inputs, targets)
-
-    peer = trainer(loss_fn=slow_loss, compute_window=0.1, max_micro_batches=50)
+    peer = trainer(compute_window=0.1, max_micro_batches=50)
     peer.expect_pace(0.01)
     assert 4 <= peer.round().micro_batches <= 10  # ~0.1 s / 0.01 s, less per-batch overhead
     learned = peer.micro_batches
