@@ -338,7 +338,7 @@ class PeerSummary:
             final_resync=final_resync,
             stopped=peer.stopped,
             checkpoint=str(store.directory)
-            if peer.stopped and store and not store.last_write_failed
+            if peer.stopped and not peer.abandoned and store and not store.last_write_failed
             else None,
         )
 
@@ -374,7 +374,8 @@ class PeerSummary:
             return f"{ending}: no round finished"
         validation = "" if self.validation_loss is None else f", validation loss {self.validation_loss:.4f}"
         losses = f"loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}"
-        return f"{ending}: {self.rounds} rounds, {losses}{validation}"
+        # the hash two volunteers compare to know they hold one model
+        return f"{ending}: {self.rounds} rounds, {losses}{validation}, parameters {self.param_hash}"
 
 
 def _counted(exchange: SwarmExchange, trainer: Trainer) -> dict[str, Any]:

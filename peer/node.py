@@ -17,6 +17,7 @@ The peer is put together by shoal.peer.assembly (`build_peer`), as every other p
 """
 
 import dataclasses
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -47,10 +48,10 @@ from shoal.peer.ranks import LocalRanks, RanksError, serve
 from shoal.peer.round_reports import tell_alone, tell_isolation, tell_late, tell_ledger, tell_validation
 from shoal.peer.runtime import SwarmPeer
 from shoal.peer.settings import PARSERS, PeerSpec, SettingsError
-from shoal.peer.stopping import stop_on_signals
+from shoal.peer.stopping import StopRequest, Watchdog, stop_on_signals
 from shoal.peer.swarm.bootstrap import BootstrapError, best_address, check_multiaddrs, private_only
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
-from shoal.peer.swarm.exchange import RoundSchedule, SwarmExchange
+from shoal.peer.swarm.exchange import Abandoned, RoundSchedule, SwarmExchange
 from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
 from shoal.peer.swarm.membership import SHOAL_VERSION
 from shoal.peer.swarm.relay import Reachability
@@ -76,6 +77,14 @@ RUN_FLAGS = (
     "seed",
 )
 DRAIN_MAX_S = 30.0  # the longest a leaving peer serves its last payload to peers that have not pulled it
+STOP_ROUND_MARGIN_S = 5.0  # past a round's length, what a stop gives the round in flight to be exchanged
+
+
+def stop_budget(round_seconds: float) -> float:
+    """A stop's budget from its signal (shoal.peer.stopping): the round in flight ends and is
+    checkpointed, then the peer serves its last payload, DRAIN_MAX_S in all, or the round's length and
+    a margin where rounds are longer."""
+    return max(DRAIN_MAX_S, round_seconds + STOP_ROUND_MARGIN_S)
 
 
 class JoinError(RuntimeError):
@@ -112,15 +121,33 @@ def _join(settings: PeerSpec, progress: Progress) -> dict:
         check_multiaddrs("--announce-maddrs", settings.network.announce_maddrs, dialable=False)
     except ValueError as error:
         raise SettingsError(str(error)) from None
+    # from here a signal stops the peer at a safe point (the default action would leave no checkpoint
+    # and, mid-round, a DHT process behind); a stop that outlasts its budget is ended by the watchdog,
+    # which first kills the DHT's processes
+    stop = stop_on_signals(grace_s=DRAIN_MAX_S)
+    helpers: list = []
+    watchdog = Watchdog(stop, before_exit=lambda: [kill() for kill in helpers])
+    try:
+        return _join_until(settings, progress, stop, helpers)
+    finally:
+        watchdog.cancel()
+
+
+def _join_until(settings: PeerSpec, progress: Progress, stop: StopRequest, helpers: list) -> dict:
     workload = _workload(settings)
-    fitted = _fit(settings, progress, workload)
+    fitted = None if stop.is_set() else _fit(settings, progress, workload)
     if fitted is not None and fitted.outer_on_host:
         settings = settings.changed(outer_state="cpu")
     ranks = _ranks(settings, workload)
     if ranks is not None and ranks.rank != 0:  # a rank of torchrun's other than 0: it computes for rank 0
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # ended by its launcher, or with rank 0
         autocast = autocast_for(ranks.device, settings.model.precision)
         serve(ranks, workload.model.module.to(ranks.device), workload.model.loss_fn, autocast)
         ranks.close()
+        return {}
+    if stop.is_set():
+        _close(ranks)
+        progress.message("stopped before joining: nothing trained, nothing to save")
         return {}
     try:
         credentials = _check_coordinator(settings)
@@ -132,6 +159,9 @@ def _join(settings: PeerSpec, progress: Progress) -> dict:
     except BaseException:
         _close(ranks)
         raise
+    kill_group = getattr(peer.dht, "kill_group", None)
+    if kill_group is not None:
+        helpers.append(kill_group)
     with peer:
         dht = peer.dht
         addresses = [str(a) for a in dht.get_visible_maddrs()]
@@ -140,7 +170,7 @@ def _join(settings: PeerSpec, progress: Progress) -> dict:
             _write_address(settings.network.address_file, address)
         _announce_address(settings, progress, address, addresses, dht.peer_id.to_base58(), peer.reachability)
         schedule = _discover(settings, progress, dht) if settings.network.initial_peers else None
-        return _train(settings, progress, peer, schedule, workload, credentials, fitted, ranks)
+        return _train(settings, progress, peer, schedule, workload, credentials, fitted, ranks, stop)
 
 
 def _discover(settings: PeerSpec, progress: Progress, dht) -> RoundSchedule | None:
@@ -275,7 +305,7 @@ def _close(ranks: LocalRanks | None) -> None:
 
 
 def _train(
-    settings, progress, peer: SwarmPeer, schedule, workload: Workload, credentials, fitted, ranks
+    settings, progress, peer: SwarmPeer, schedule, workload: Workload, credentials, fitted, ranks, stop
 ) -> dict:
     if schedule is None:
         schedule = saved_clock(settings, progress) or RoundSchedule(
@@ -286,6 +316,7 @@ def _train(
     # the others may still be pulling this peer's last payload when it leaves: it serves it for up to a
     # round more
     peer.drain = timedelta(seconds=min(DRAIN_MAX_S, schedule.round_seconds))
+    stop.grace_s = stop_budget(schedule.round_seconds)
     _save_clock(settings, schedule)
     trainer = build_peer(
         peer,
@@ -312,7 +343,10 @@ def _train(
             f"{workload.device}, data {data.name} ({len(data.train):,} training tokens, tokenizer "
             f"{data.tokenizer}); rounds of {schedule.round_seconds:g} s"
         )
-        return _loop(settings, progress, peer, workload, metrics)
+        return _loop(settings, progress, peer, workload, metrics, stop)
+    except Abandoned as error:  # not stopping: the DHT's process died under the peer
+        code = getattr(peer.dht, "exitcode", None)
+        raise JoinError(f"{error} (exit code {code}): the peer cannot go on without it") from None
     except OutOfMemory as error:
         raise JoinError(str(error)) from None
     except CoordinatorError as error:  # it refused the token it accepted at the start, or never answered
@@ -329,14 +363,15 @@ def _save_clock(settings: PeerSpec, schedule: RoundSchedule) -> None:
         raise JoinError(str(error)) from None
 
 
-def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: PeerMetrics | None) -> dict:
+def _loop(
+    settings, progress, peer: SwarmPeer, workload: Workload, metrics: PeerMetrics | None, stop: StopRequest
+) -> dict:
     exchange, reports = peer.exchange, []
     adopted = 0  # round clocks taken from peers that started the run at once
     isolated = alone = False
     crowd = 1  # the most participants of a round so far
     told = -1  # the last round the token ledger settled, as logged
     late = (0, 0)  # (rounds missed so far, of them in a row)
-    stop = stop_on_signals()
     for done in peer.rounds(
         until_round=settings.run.until_round, max_rounds=settings.run.max_rounds, stop=stop
     ):
@@ -388,7 +423,9 @@ def _loop(settings, progress, peer: SwarmPeer, workload: Workload, metrics: Peer
         peer.trainer.save()
     loaded, batch_size = workload.model, peer.trainer.batch_size
     held_out = (loaded.module, loaded.loss_fn, workload.streams.validation, loaded.seq_len)
-    validation = validation_loss(*held_out, batch_size=batch_size) if reports else None
+    # a stop past its budget (or a second signal) leaves at once: no validation pass
+    measure = reports and not (peer.abandoned or stop.spent())
+    validation = validation_loss(*held_out, batch_size=batch_size) if measure else None
     return _summary(settings, progress, peer, reports, final_resync, validation)
 
 

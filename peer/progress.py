@@ -7,6 +7,7 @@ JSON object per line: `{"event": "round", ...}`, and whatever `event()` is given
 
 import json
 import sys
+import time
 from typing import IO, Any
 
 from rich.console import Console
@@ -68,7 +69,8 @@ class Progress:
     def event(self, name: str, **fields: Any) -> None:
         """A JSON line in json mode; nothing for humans."""
         if self.log_format == "json":
-            self.stream.write(json.dumps({"event": name, **fields}) + "\n")
+            # when it happened, on the Unix clock (seconds, to the millisecond), as log collectors read it
+            self.stream.write(json.dumps({"event": name, "time": round(time.time(), 3), **fields}) + "\n")
             self.stream.flush()
 
     def round(self, row: dict[str, Any], **extra: Any) -> None:

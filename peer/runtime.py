@@ -15,7 +15,7 @@ from torch import nn
 from shoal.peer.algorithms.configs import AlgorithmConfig
 from shoal.peer.stopping import StopRequest
 from shoal.peer.swarm.bootstrap import start_dht
-from shoal.peer.swarm.exchange import SwarmExchange
+from shoal.peer.swarm.exchange import Abandoned, SwarmExchange
 from shoal.peer.swarm.membership import record_validators
 from shoal.peer.swarm.records import RoundPlan, RoundSchedule
 from shoal.peer.swarm.relay import UNCHECKED, check_reachability
@@ -62,6 +62,9 @@ class SwarmPeer:
         self.trainer: Trainer | None = None
         self.stopped = False
         """Whether the loop ended on a stop (a signal): the peer leaves alone, after a checkpoint."""
+        self.abandoned = False
+        """Whether the stop gave up a round in flight (its time spent, or a second signal): no new
+        checkpoint, the last complete one stands."""
         self.drain = timedelta(0)
         self.reachability = UNCHECKED
         """Whether this peer can be dialed, and its relays (shoal.peer.swarm.relay)."""
@@ -134,16 +137,26 @@ class SwarmPeer:
         with a checkpoint; `stopped` is then set). `planned(plan)` is called before each round's
         computation starts."""
         exchange, trainer = self.exchange, self.trainer
+        exchange.stop = trainer.stop = stop  # its waits end with the stop's budget
         count = samples = 0
         while not (max_rounds and count >= max_rounds):
             if until_round is not None and self._past(until_round):
+                return
+            if stop is not None and stop.is_set() and count == 0:  # stopped before its first round
+                self.stopped = True
                 return
             sent, received, started = (
                 exchange.counts.bytes_sent,
                 exchange.counts.bytes_received,
                 time.perf_counter(),
             )
-            plan = exchange.plan_round(until_round)
+            try:
+                plan = exchange.plan_round(until_round)
+            except Abandoned:
+                if stop is None or not stop.is_set():
+                    raise
+                self.stopped = True  # stopped between rounds: the last round's checkpoint stands
+                return
             if plan is None or (until_round is not None and plan.round > until_round):
                 return
             plan_s = time.perf_counter() - started
@@ -159,7 +172,15 @@ class SwarmPeer:
                 deadline = exchange.schedule.deadline(plan.round)
                 trainer.set_compute_window(self.window.seconds(deadline, time.time()))
             # the round it computed for: an overlapped optimizer's gather may not have started yet
-            report = trainer.round(plan.round, plan=plan)
+            try:
+                report = trainer.round(plan.round, plan=plan)
+            except Abandoned:
+                if stop is None or not stop.is_set():
+                    raise
+                # the round's exchange outlasted the stop (or a second signal came): its state is
+                # half-stepped, so the last complete checkpoint stands
+                self.stopped = self.abandoned = True
+                return
             stopping = stop is not None and stop.is_set()  # read once: a stop after the checkpoint
             trainer.end_round(stopping)  # waits for the next round's end, which then saves it
             self._encode_s = report.phases["encode"]

@@ -174,6 +174,8 @@ class Trainer:
         """Times the micro-batch was halved after the device ran out of memory."""
         self.cut_short = 0
         """Steps whose accumulation stopped early, past their share of the compute window."""
+        self.stop: StopRequest | None = None
+        """The peer's stop, if any: an urgent one (a second signal) ends a step's accumulation."""
         self._micro_seconds: float | None = None  # moving average of one micro-batch's compute time
         self.steps = 0
         """Optimizer steps taken; every round takes `inner_steps` of them."""
@@ -305,7 +307,8 @@ class Trainer:
                     samples += inputs.shape[0]
                     tokens += targets.numel()
                     done = micro + 1
-                    if budget is not None and done < micro_batches and time.perf_counter() - started > budget:
+                    late = budget is not None and time.perf_counter() - started > budget
+                    if done < micro_batches and (late or (self.stop is not None and self.stop.urgent)):
                         for p in self.model.parameters():
                             if p.grad is not None:
                                 p.grad.mul_(micro_batches / done)

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+STOP_BUDGET_S = 10.0  # a bootstrap node's stop: its relay and DHT closed
+
+
 def run(args: argparse.Namespace) -> int:
     """Exit 2 for a flag to fix (checked before anything starts), 1 if the node cannot start."""
     try:
@@ -61,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"shoal bootstrap: error: {error}", file=sys.stderr)
         return 2
-    from shoal.peer.stopping import stop_on_signals
+    from shoal.peer.stopping import Watchdog, stop_on_signals
     from shoal.peer.swarm.bootstrap import BootstrapError, BootstrapNode  # imports hivemind: only now
 
     try:
@@ -77,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
     except BootstrapError as error:
         print(f"shoal bootstrap: error: {error}", file=sys.stderr)
         return 1
-    stop = stop_on_signals()  # from here on a stop ends the loop below, which closes the node
+    # from here on a stop ends the loop below, which closes the node; one that takes longer than
+    # STOP_BUDGET_S is ended by the watchdog, with the DHT's processes
+    stop = stop_on_signals(grace_s=STOP_BUDGET_S)
+    Watchdog(stop, before_exit=getattr(node.dht, "kill_group", None))
     with node:
         address = node.address
         if args.address_file:

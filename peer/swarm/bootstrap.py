@@ -14,6 +14,8 @@ import contextlib
 import gc
 import ipaddress
 import multiprocessing
+import os
+import signal
 import socket
 import threading
 from collections.abc import Sequence
@@ -60,6 +62,28 @@ class TetheredDHT(hivemind.DHT):
         _trim_found_answers()
         super().run()
 
+    def shutdown(self) -> None:
+        """hivemind's shutdown, which never hangs and leaves nothing behind: a DHT process that died (a
+        kill -9, the OOM killer) is reaped; one that does not end within `shutdown_timeout` is killed,
+        and with it the process group it leads (its p2pd, orphaned if the process died first)."""
+        if self.pid is None or self._parent_pid != os.getpid():
+            return
+        if self.is_alive():
+            with contextlib.suppress(OSError):  # a pipe closed by a process that just died
+                self._outer_pipe.send(("_shutdown", [], {}))
+            self.join(self.shutdown_timeout)
+        if self.exitcode != 0:
+            # the group outlives its leader while p2pd is in it, so its id is no other process's
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self.join(1.0)
+
+    def kill_group(self) -> None:
+        """Ends the DHT's process and its p2pd at once (a stop past its time: shoal.peer.stopping)."""
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+
     async def _shutdown(self) -> None:
         # in the DHT's process. hivemind's node removes its handlers before it ends its own daemon, and
         # each removal makes the daemon push its new protocol list to every connected peer (libp2p's
@@ -95,6 +119,27 @@ def _trim_found_answers() -> None:
         DHTProtocol.rpc_find = found_answers_trimmed(DHTProtocol.rpc_find)
 
 
+def start_shared_memory_manager() -> None:
+    """Starts torch's shared-memory manager (torch_shm_manager) of this process, if it has none yet,
+    deaf to SIGTERM and SIGINT. hivemind hands every DHT call's result back through torch's shared
+    memory in its "file_system" strategy, served by that helper process; one killed by a signal sent
+    to every process of the peer (systemd's control group, pkill) made each later call fail, and
+    C++ threads abort the peer ("terminate called after throwing an instance of 'std::system_error'
+    what(): Broken pipe", exit 134). It inherits the ignored signals and ends by itself once its
+    clients (this process and the DHT's) are gone. A no-op where torch already started it."""
+    import torch
+
+    if threading.current_thread() is not threading.main_thread():
+        torch.empty(1, dtype=torch.uint8).share_memory_()  # signals can be set on the main thread only
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        torch.empty(1, dtype=torch.uint8).share_memory_()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def start_dht(
     initial_peers: Sequence[str],
     *,
@@ -106,6 +151,7 @@ def start_dht(
     threads: hivemind forks a process for it."""
     addresses = [_parse(peer) for peer in initial_peers]
     dht_kwargs = {"num_replicas": REPLICAS, **CACHING, **dht_kwargs}
+    start_shared_memory_manager()
     gc.collect()  # no garbage for the forked child to inherit (TetheredDHT.run)
     try:
         return TetheredDHT(

@@ -49,12 +49,14 @@ runs one event loop on a thread of its own for the handlers and downloads; `clos
 """
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from typing import Protocol
 
 import hivemind
 import torch
@@ -81,6 +83,25 @@ from shoal.peer.swarm.state import StateSnapshot, majority
 
 logger = get_logger(__name__)
 
+
+class Abandoned(Exception):
+    """A wait on the swarm given up because the peer's stop has spent its budget, or its DHT process
+    is gone: the round in flight is not finished."""
+
+
+class Stop(Protocol):
+    """What the exchange reads of a peer's stop (shoal.peer.stopping.StopRequest)."""
+
+    @property
+    def urgent(self) -> bool: ...
+
+    def spent(self) -> bool: ...
+
+    def remaining(self) -> float | None: ...
+
+
+CALL_POLL_S = 0.25  # how often a wait on the loop thread looks at the peer's stop and its DHT process
+STOP_TIMEOUT_S = 5.0  # the longest closing the exchange (its server, its P2P replica) may take
 FINAL_WAIT_ROUNDS = 2  # at a run's end, peers wait this many round lengths for the others' final states
 
 
@@ -152,6 +173,9 @@ class SwarmExchange(Exchange):
         """Size of this peer's payload in its last round."""
         self.last_round: int | None = None
         """The round of the last `gather`."""
+        self.stop: Stop | None = None
+        """The peer's stop, if it has one (shoal.peer.stopping.StopRequest): a wait on the swarm is
+        abandoned once its budget is spent."""
         self._participants = [self.owner]  # whose contributions counted in the last round (the ranks)
         self._me = self.owner  # this peer's key among the participants (its peer id under a coordinator)
         # touched only on the loop thread (`record` too, by `set_progress`):
@@ -437,9 +461,20 @@ class SwarmExchange(Exchange):
         parameters would differ). Returns whether all of them had it (True without drain)."""
         if not self._thread.is_alive():
             return True
-        until = time.monotonic() + drain.total_seconds()
-        drained = drain <= timedelta(0) or self._call(self.server.drain(until))
-        self._call(self._stop(unregister))
+        seconds = drain.total_seconds()
+        left = None if self.stop is None else self.stop.remaining()
+        if left is not None:  # a stop's drain ends with its budget
+            seconds = min(seconds, left)
+        drained = seconds <= 0
+        try:
+            if not drained:
+                drained = self._call(self.server.drain(time.monotonic() + seconds))
+        except Abandoned:
+            drained = False
+        try:  # closing the replica and the server: bounded even once a stop's budget is spent
+            self._call(self._stop(unregister), timeout=STOP_TIMEOUT_S, abandon=False)
+        except (Abandoned, TimeoutError) as error:
+            logger.warning(f"the exchange did not close cleanly: {error}")
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         return drained
@@ -452,8 +487,35 @@ class SwarmExchange(Exchange):
 
     # --- on the loop thread ---
 
-    def _call(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+    def _call(self, coroutine, *, timeout: float | None = None, abandon: bool = True):
+        """Runs `coroutine` on the loop thread and waits for its result, in slices: the wait is given up
+        (the coroutine cancelled, `Abandoned` raised) once the peer's stop has spent its budget, or its
+        DHT process has ended (nothing it waits on would ever come); TimeoutError past `timeout`.
+        `abandon` False: only `timeout` and the DHT's end bound the wait (closing, after a stop)."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        limit = None if timeout is None else time.monotonic() + timeout
+        while True:
+            done, _ = concurrent.futures.wait([future], timeout=CALL_POLL_S)
+            if done:
+                return future.result()
+            reason = None
+            if abandon and self.stop is not None and self.stop.spent():
+                reason = "the stop's time is spent" if not self.stop.urgent else "stopped at once"
+            elif not self._dht_alive():
+                reason = "the peer's DHT process has ended"
+            elif limit is not None and time.monotonic() > limit:
+                future.cancel()
+                raise TimeoutError(f"no answer within {timeout:g} s")
+            if reason is not None:
+                future.cancel()
+                raise Abandoned(reason)
+
+    def _dht_alive(self) -> bool:
+        alive = getattr(self.dht, "is_alive", None)  # a hivemind.DHT is a process of this one's
+        try:
+            return alive is None or alive()
+        except AssertionError:  # not this process's child (a forked test): cannot tell, so alive
+            return True
 
     async def _start(
         self,

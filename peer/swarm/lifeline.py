@@ -7,9 +7,11 @@ child and everything it starts afterwards to the parent:
 
 - the child leads a new session, so its children (p2pd) share its process group and the terminal's
   Ctrl-C reaches only the peer, which then leaves at its round's end with its DHT still working;
+- the child ignores SIGTERM and SIGINT: a signal sent to every process of the peer (systemd's
+  control group, `pkill -f "shoal join"`) must not take the DHT away from a peer that is still
+  finishing its round and checkpointing. The peer ends it (`TetheredDHT.shutdown`);
 - a daemon thread polls the parent's pid; once the parent is gone (the child was re-parented), it
-  sends SIGTERM to the whole group: the child dies of it (default action, restored here) and p2pd
-  closes its sockets on it.
+  sends SIGTERM to the whole group, which p2pd closes its sockets on, and the child exits.
 
 A thread that polls, rather than Linux's PR_SET_PDEATHSIG, because the signal would reach only the
 child: p2pd is started by hivemind through asyncio without a hook to set the signal in it, and a child
@@ -32,7 +34,9 @@ def die_with_parent(parent_pid: int, poll: timedelta = PARENT_POLL) -> None:
     Call it in the child, before it starts children of its own. If the parent is already gone, the
     group is ended at once."""
     os.setsid()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a handler inherited through fork would keep it alive
+    # a handler inherited through fork would run the parent's stop here; the parent ends this process
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(
         target=_end_group_when_orphaned, args=(parent_pid, poll), name="die-with-parent", daemon=True
     ).start()
@@ -41,4 +45,5 @@ def die_with_parent(parent_pid: int, poll: timedelta = PARENT_POLL) -> None:
 def _end_group_when_orphaned(parent_pid: int, poll: timedelta) -> None:
     while os.getppid() == parent_pid:
         time.sleep(poll.total_seconds())
-    os.killpg(os.getpgid(0), signal.SIGTERM)
+    os.killpg(os.getpgid(0), signal.SIGTERM)  # p2pd; this process ignores it
+    os._exit(0)
