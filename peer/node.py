@@ -17,9 +17,11 @@ The peer is put together by shoal.peer.assembly (`build_peer`), as every other p
 """
 
 import dataclasses
+import re
 import signal
 import sys
 import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import IO
@@ -552,11 +554,40 @@ def _check_compatible(exchange: SwarmExchange) -> None:
             "pass --coordinator HOST:PORT"
         )
     if len(compatible) == 1 and exchange.refused:
-        reasons = "\n".join(f"  {peer}: {reason}" for peer, reason in exchange.refused.items())
-        raise JoinError(
-            "every peer of this run has another configuration; use their settings (see the join command "
-            f"their first peer printed):\n{reasons}"
+        said = Counter(in_flags(reason) for reason in exchange.refused.values())
+        reasons = "\n".join(f"  {text} ({count} peer{'s' * (count > 1)})" for text, count in said.items())
+        raise SettingsError(
+            "every peer of this run has another configuration; set what differs as they do (or use the join "
+            f"command their first peer printed):\n{reasons}"
         )
+
+
+# the run configuration's keys (shoal.peer.spec run_config) that are not spelled as their flag
+CONFIG_FLAGS = {"compression_topk": "--topk", "total_rounds": "--until-round"}
+
+
+def in_flags(reason: str) -> str:
+    """A peer's refusal (shoal.peer.swarm.membership.incompatibility: "topk is 4 there, 32 here; ...")
+    in the flags a volunteer sets: "--topk 4 in the run, 32 here"; a corpus by its digests' first
+    digits, said as a corpus."""
+    parts = []
+    for part in reason.split("; "):
+        found = re.fullmatch(r"(\w+) is (.+) there, (.+) here", part)
+        if found is None:
+            parts.append(part)
+            continue
+        key, theirs, mine = found.groups()
+        theirs, mine = (v.replace("the default", "its default") for v in (theirs, mine))
+        if key == "data":
+            parts.append(
+                f"--data: the run trains on another corpus (digest {theirs[:12]} there, {mine[:12]} here)"
+            )
+        elif key == "tokenizer":
+            parts.append(f"--tokenizer: the run's corpus was tokenized by {theirs}, yours by {mine}")
+        else:
+            flag = CONFIG_FLAGS.get(key, "--" + key.replace("_", "-"))
+            parts.append(f"{flag} {theirs} in the run, {mine} here")
+    return "; ".join(parts)
 
 
 assert set(RUN_FLAGS) <= PARSERS.keys()

@@ -55,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
         initial_peers, run_name = swarm_settings(args, required=False)
         given = {name: getattr(args, name) for name in FIT_FLAGS}
         spec = settings_module.resolve(given, {}) if args.model is not None else None
+        if spec is not None:
+            from shoal.peer import preflight
+
+            preflight.check_inputs(spec)  # the model's files as shoal join reads them, before torch
     except settings_module.SettingsError as error:
         print(f"shoal check: error: {error}", file=sys.stderr)
         return 2

@@ -18,9 +18,11 @@ import fcntl
 import hashlib
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -202,17 +204,46 @@ def _batches(documents: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def progress_bar() -> Callable[[int, int], None] | None:
-    """A progress bar on stderr (tqdm's, from the hf extra), when stderr is a terminal."""
-    if not sys.stderr.isatty():
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    bar = tqdm(unit=" documents", desc="tokenizing", file=sys.stderr)
+LOG_EVERY_S = 10.0  # how often the progress of a tokenization is told where stderr is not a terminal
 
-    def report(documents: int, _tokens: int) -> None:
-        bar.update(documents)
 
-    return report
+class ProgressLine:
+    """What a tokenization tells as it goes (`prepare`'s `report`), on stderr: a line redrawn in place
+    on a terminal; a line every `every_s` seconds elsewhere (a service's journal, a container's log),
+    so that a corpus of gigabytes, minutes of work, is never silent. Documents, tokens and tokens/s."""
+
+    def __init__(self, spec: str = "", stream: TextIO | None = None, every_s: float = LOG_EVERY_S):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.every_s = 0.25 if self.tty else every_s
+        self.started = self.told = time.monotonic()
+        self.documents = self.tokens = 0
+        self.name = f" {spec}" if spec else ""
+        self.shown = False
+
+    def __call__(self, documents: int, tokens: int) -> None:
+        self.documents += documents
+        self.tokens += tokens
+        if time.monotonic() - self.told >= self.every_s:
+            self._tell()
+
+    def close(self) -> None:
+        """The totals, once, if anything was tokenized."""
+        if self.documents:
+            self._tell(final=True)
+
+    def _tell(self, final: bool = False) -> None:
+        now = self.told = time.monotonic()
+        rate = self.tokens / max(now - self.started, 1e-9)
+        verb = "tokenized" if final else "tokenizing"
+        line = (
+            f"{verb}{self.name}: {self.documents:,} documents, {self.tokens:,} tokens "
+            f"({rate:,.0f} tokens/s, {now - self.started:.0f} s)"
+        )
+        self.stream.write(f"\r{line}\x1b[K" + ("\n" if final else "") if self.tty else line + "\n")
+        self.stream.flush()
+
+
+def progress_bar(spec: str = "") -> ProgressLine:
+    """The progress of tokenizing `spec` on stderr (ProgressLine)."""
+    return ProgressLine(spec)

@@ -65,16 +65,25 @@ def load_data(
         tokenizer = tokenizer or ByteTokenizer()
         key = hashlib.sha256(f"{source.fingerprint()}|{tokenizer.digest}".encode()).hexdigest()[:24]
         folder = (cache or default_cache()) / key
-        prepare(source, folder, tokenizer, report=progress_bar())
+        _prepare_telling(source, folder, tokenizer, spec)
         try:
             streams = open_prepared(folder)
         except DataError:  # the cache's copy was damaged (a disk fault, a hand): made again
             shutil.rmtree(folder)
-            prepare(source, folder, tokenizer, report=progress_bar())
+            _prepare_telling(source, folder, tokenizer, spec)
             streams = open_prepared(folder)
         return dataclasses.replace(streams, name=f"{spec} (tokenized into {folder})")
     except OSError as error:  # a file that cannot be read: the setting's to fix, like a missing one
         raise DataError(f"--data {spec}: cannot read {error.filename or spec}: {error.strerror}") from None
+
+
+def _prepare_telling(source, folder: Path, tokenizer: Tokenizer, spec: str) -> None:
+    """`prepare`, telling its progress on stderr (a corpus is tokenized once, then read from `folder`)."""
+    report = progress_bar(f"--data {spec}")
+    try:
+        prepare(source, folder, tokenizer, report=report)
+    finally:
+        report.close()
 
 
 def _same_tokenizer(streams: TokenStreams, tokenizer: Tokenizer | None, spec: str) -> TokenStreams:

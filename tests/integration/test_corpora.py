@@ -132,5 +132,5 @@ def test_two_peers_train_the_embedded_model_on_a_jsonl_corpus_and_refuse_other_d
     assert any(e.get("event") == "round" and e["participants"] == 2 for e in events)
     said = (tmp_path / "third.err").read_text()  # both corpora's digests named: theirs and its own
     assert "every peer of this run has another configuration" in said, said[-2000:]
-    named = set(re.findall(r"data is ([0-9a-f]{64}) there, ([0-9a-f]{64}) here", said))
+    named = set(re.findall(r"another corpus \(digest ([0-9a-f]{12}) there, ([0-9a-f]{12}) here\)", said))
     assert len(named) == 1 and len(set(next(iter(named)))) == 2, said[-2000:]

@@ -1,6 +1,7 @@
-"""A stop's budget and its watchdog (shoal.peer.stopping), and the deployments' stop timeouts that
-rest on it: systemd, compose and Kubernetes must let a peer's stop run to its end (issue 74)."""
+"""A peer operators run as a service (issue 74): a stop's budget and its watchdog (shoal.peer.stopping), the
+deployments' stop timeouts that rest on it, the lock on a checkpoint folder, a refusal in flags."""
 
+import json
 import re
 import subprocess
 import sys
@@ -114,3 +115,100 @@ def test_a_checkpoint_folder_held_by_a_live_peer_is_refused_and_freed_when_it_di
         assert (tmp_path / "shoal.lock").read_text().strip() == str(__import__("os").getpid())
     finally:
         unlock_folder(tmp_path)
+
+
+def test_a_refusal_is_said_in_the_flags_a_volunteer_sets():
+    from shoal.peer.node import in_flags
+
+    reason = "compression_topk is 4 there, 32 here; lr is 1e-3 there, the default here; "
+    reason += "grad_clip is 1.0 there, the default here"
+    assert in_flags(reason) == (
+        "--topk 4 in the run, 32 here; --lr 1e-3 in the run, its default here; "
+        "--grad-clip 1.0 in the run, its default here"
+    )
+    data = f"data is {'a' * 64} there, {'b' * 64} here"
+    assert (
+        in_flags(data)
+        == f"--data: the run trains on another corpus (digest {'a' * 12} there, {'b' * 12} here)"
+    )
+    assert in_flags("shoal 9.0.0 there, 0.1.0 here (major.minor must match)").startswith("shoal 9.0.0")
+
+
+def _hf_folder(folder: Path, *, vocab: int, positions: int, tokens: int) -> Path:
+    """A Hugging Face model folder as far as the early checks read it: config.json and tokenizer.json."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"vocab_size": vocab, "n_positions": positions}))
+    pieces = {f"t{i}": i for i in range(tokens - 1)}
+    added = [{"id": tokens - 1, "content": "<|end|>", "special": True}]
+    (folder / "tokenizer.json").write_text(
+        json.dumps({"model": {"type": "BPE", "vocab": pieces}, "added_tokens": added})
+    )
+    return folder
+
+
+def test_bad_inputs_are_refused_before_the_model_loads(tmp_path):
+    """`shoal join` refuses a missing --data, --model or --tokenizer, a --seq-len beyond the model's
+    positions, and a tokenizer beyond the model's vocabulary, exit 2 naming the flag, in under 2 s
+    (the checks import no torch); `shoal check --model` refuses the same tokenizer."""
+    good = _hf_folder(tmp_path / "good", vocab=64, positions=32, tokens=64)
+    wide = _hf_folder(tmp_path / "wide", vocab=64, positions=32, tokens=80)
+    cases = {
+        ("--data", str(tmp_path / "missing.jsonl")): "--data",
+        ("--data", str(tmp_path / "*.parquet")): "the pattern matches no file",
+        ("--model", str(tmp_path / "nope")): "--model",
+        ("--model", str(good), "--seq-len", "33"): "--seq-len 33: --model",
+        ("--seq-len", "70000"): "--seq-len 70000",
+        ("--tokenizer", str(tmp_path / "none.json")): "--tokenizer",
+        ("--model", str(wide)): "tokenizer.json holds token ids up to 79, but --model",
+        ("--model", str(good), "--tokenizer", str(wide)): f"--tokenizer {wide} holds token ids up to 79",
+    }
+    for args, said in cases.items():
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "shoal.peer.cli", "join", "--port", "0", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 2 and said in result.stderr, (args, result.stderr[-2000:])
+        assert time.monotonic() - started < 2.0, args
+    checked = subprocess.run(
+        [sys.executable, "-m", "shoal.peer.cli", "check", "--model", str(wide)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 2 and "holds token ids up to 79" in checked.stderr, checked.stderr[-2000:]
+
+
+def test_the_early_checks_know_the_models_names():
+    from shoal.peer import models, preflight
+
+    assert preflight.EMBEDDED == models.PRESETS
+    assert preflight.EMBEDDED_MAX_SEQ_LEN == models.EMBEDDED_MAX_SEQ_LEN
+    assert preflight.FACTORY.pattern == models.FACTORY.pattern
+
+
+def test_tokenizing_a_corpus_tells_its_progress_once(tmp_path, capsys):
+    """A corpus tokenized on join says how far it got (every LOG_EVERY_S where stderr is a log, and
+    its totals at the end); the next start reads the cache and says nothing."""
+    import io
+
+    from shoal.peer.data.prepare import ProgressLine
+    from shoal.peer.data.sources import load_data
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 50}) + "\n" for i in range(300)))
+    load_data(str(corpus), cache=tmp_path / "cache")
+    said = capsys.readouterr().err
+    assert f"tokenized --data {corpus}: 300 documents" in said, said
+    load_data(str(corpus), cache=tmp_path / "cache")
+    assert "tokeniz" not in capsys.readouterr().err
+    log = io.StringIO()
+    line = ProgressLine("x", stream=log, every_s=0.0)
+    line(2, 10)
+    line(3, 20)
+    line.close()
+    told = log.getvalue().splitlines()
+    assert told[0].startswith("tokenizing x: 2 documents, 10 tokens") and len(told) == 3
+    assert told[-1].startswith("tokenized x: 5 documents, 30 tokens")
