@@ -382,7 +382,7 @@ def _loop(
         crowd = max(crowd, report.participants)
         if (crowd > 1 and report.participants <= 1) != alone:
             alone = not alone
-            tell_alone(progress, alone, report)
+            tell_alone(progress, alone, report, exchange.counts.peers_seen)
         late = tell_late(progress, exchange.counts.late, late, report, settings.run.round_seconds)
         if exchange.isolation.isolated != isolated:
             isolated = exchange.isolation.isolated
@@ -401,6 +401,7 @@ def _loop(
                 "loss": report.loss,
                 "tokens_per_s": report.tokens / max(done.wall_s, 1e-9),
                 "participants": report.participants,
+                "shared": exchange.shared,
                 "micro_batches": f"{report.micro_batches}x{report.batch_size}",
                 "bytes_up": done.bytes_up,
                 "bytes_down": done.bytes_down,

@@ -150,13 +150,17 @@ def _model_config(model: str) -> dict | None:
     path = folder / "config.json"
     if not path.is_file():
         raise SettingsError(f"--model {model}: a directory without config.json is not a Hugging Face model")
+    return _json_object(path, f"--model {model}")
+
+
+def _json_object(path: Path, named_by: str) -> dict:
     try:
-        config = json.loads(path.read_text())
+        found = json.loads(path.read_text())
     except (OSError, ValueError) as error:
-        raise SettingsError(f"--model {model}: cannot read {path}: {error}") from None
-    if not isinstance(config, dict):
-        raise SettingsError(f"--model {model}: {path} holds no JSON object")
-    return config
+        raise SettingsError(f"{named_by}: cannot read {path}: {error}") from None
+    if not isinstance(found, dict):
+        raise SettingsError(f"{named_by}: {path} holds no JSON object")
+    return found
 
 
 def _positions(config: dict | None) -> int | None:
@@ -194,12 +198,7 @@ def _tokenizer_file(spec: str | None, model: str) -> tuple[Path | None, str]:
 
 def _top_token_id(path: Path, named_by: str) -> int | None:
     """The largest id a tokenizer.json can produce: its model's vocabulary and its added tokens."""
-    try:
-        tokenizer = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise SettingsError(f"{named_by}: cannot read {path}: {error}") from None
-    if not isinstance(tokenizer, dict):
-        raise SettingsError(f"{named_by}: {path} holds no JSON object")
+    tokenizer = _json_object(path, named_by)
     ids = []
     vocab = (tokenizer.get("model") or {}).get("vocab") if isinstance(tokenizer.get("model"), dict) else None
     if isinstance(vocab, dict):

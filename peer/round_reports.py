@@ -104,11 +104,19 @@ def tell_late(progress: Progress, missed: int, late: tuple[int, int], report, ro
     return missed, streak
 
 
-def tell_alone(progress: Progress, alone: bool, report) -> None:
-    """A peer that trained with others and finds itself alone (they left, or the node it joined through
-    is gone) is told so, and when it has company again."""
-    progress.event("alone", alone=alone, round=report.round)
-    if alone:
+def tell_alone(progress: Progress, alone: bool, report, peers_seen: int = 1) -> None:
+    """A peer that trained with others and finds its round counted alone is told so, and when it has
+    company again: alone when it sees no other peer (they left, or the node it joined through is gone);
+    when it saw `peers_seen` - 1 others whose payloads did not count (late, of another state, not
+    pulled in time), it says that instead, since they are there."""
+    progress.event("alone", alone=alone, round=report.round, peers_seen=peers_seen)
+    if alone and peers_seen > 1:
+        progress.message(
+            f"Round {report.round}: no other peer's payload counted, though this peer sees "
+            f"{peers_seen - 1} other(s) of the run (their payloads came late, were of another state, "
+            "or could not be pulled in time)"
+        )
+    elif alone:
         progress.message(
             f"Round {report.round}: this peer sees no other peer of the run (they left, or the node it "
             f"joined through is gone): it trains alone and dials its initial peers every {REJOIN_EVERY_S:g} s"

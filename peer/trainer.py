@@ -174,6 +174,7 @@ class Trainer:
         """Times the micro-batch was halved after the device ran out of memory."""
         self.cut_short = 0
         """Steps whose accumulation stopped early, past their share of the compute window."""
+        self._credited_before: set[str] = set()  # the credited peers of the checkpoint resumed from
         self.stop: StopRequest | None = None
         """The peer's stop, if any: an urgent one (a second signal) ends a step's accumulation."""
         self._micro_seconds: float | None = None  # moving average of one micro-batch's compute time
@@ -425,7 +426,8 @@ class Trainer:
         if tokens is not None:
             state["token_ledger"] = torch.frombuffer(bytearray(tokens.to_bytes()), dtype=torch.uint8)
             state["tokens_consumed"] = tokens.progress()[2] * tokens.seq_len  # provenance (shoal export)
-            state["credited_peers"] = sorted(sender.hex() for sender in tokens.totals.credited)
+            # by the peer ids peers print; those credited before a restart, from its checkpoint
+            state["credited_peers"] = sorted(set(tokens.credited_peers()) | self._credited_before)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -435,6 +437,7 @@ class Trainer:
             )
         self.model.load_state_dict(state["model"])
         self.sync.load_state_dict(state)
+        self._credited_before = {str(peer) for peer in state.get("credited_peers", [])}
         self.steps = int(state["steps"])
         tokens = getattr(self.exchange, "tokens", None)
         if tokens is not None and "token_ledger" in state:

@@ -14,7 +14,9 @@ For each algorithm, in one run:
 
 Reported per peer: the tokens it trained in the rounds after the first two (the first plans half a
 round before anything is measured, and the peers start their DHTs), over those rounds' length, and
-that against plain torch's tokens/s: the share of the device the swarm keeps busy with training.
+that against plain torch's tokens/s: the share of the device the swarm keeps busy with training; and
+the same counting only the rounds whose payload counted together with another peer's (`shared`), the
+work that reached the swarm: a payload missed, late or of another state is work lost.
 """
 
 import json
@@ -157,8 +159,11 @@ def measure(rounds_of: dict, first: int, last: int) -> dict:
     span = max(sum(e["round_s"] for e in kept), clock_s)
     return {
         "tokens_per_s": sum(e["tokens"] for e in kept) / span,
+        # the work that reached the swarm: rounds whose payload counted with another peer's
+        "shared_tokens_per_s": sum(e["tokens"] for e in kept if e.get("shared")) / span,
         "compute_share": sum(e["phases"]["compute"] for e in kept) / span,
         "rounds": len(kept),
+        "shared_rounds": sum(bool(e.get("shared")) for e in kept),
     }
 
 
@@ -189,6 +194,9 @@ def run(
         "plain_tokens_per_s": plain_tps,
         "swarm_tokens_per_s": swarm_tps,
         "utilization": swarm_tps / plain_tps,
+        "shared_utilization": statistics.fmean(p["shared_tokens_per_s"] for p in per_peer) / plain_tps,
+        "shared_rounds": sum(p["shared_rounds"] for p in per_peer),
+        "peer_rounds": sum(p["rounds"] for p in per_peer),
         "compute_share": statistics.fmean(p["compute_share"] for p in per_peer),
         "per_peer": per_peer,
     }
@@ -223,7 +231,9 @@ def main(
                 f"rounds of {result['round_seconds']:g} s: plain torch "
                 f"{result['plain_tokens_per_s']:7.0f} "
                 f"tokens/s, swarm peer {result['swarm_tokens_per_s']:7.0f} tokens/s: "
-                f"{result['utilization']:6.1%} (compute {result['compute_share']:.1%} of each round)",
+                f"{result['utilization']:6.1%} (compute {result['compute_share']:.1%} of each round); "
+                f"counted with another peer: {result['shared_utilization']:6.1%} "
+                f"({result['shared_rounds']} of {result['peer_rounds']} peer-rounds)",
                 flush=True,
             )
     if as_json:

@@ -175,6 +175,8 @@ class TokenLedger:
         self._replays: list[Settled] = []
         self._lock = threading.RLock()
         self.totals = Settled(-1)
+        self.names: dict[bytes, str] = {}
+        """The peer id each sender seen printed (its record's), for people: `credited_peers`."""
         """Everything settled so far on this peer (credited: by sender)."""
 
     # -- drawing ---------------------------------------------------------------------------------
@@ -272,6 +274,16 @@ class TokenLedger:
         with self._lock:
             if round_number > self.settled:
                 self._claims[round_number] = dict(claims)
+
+    def name(self, peer_ids: dict[bytes, str]) -> None:
+        """Learns the peer ids of senders (from the run's records); kept after they leave."""
+        with self._lock:
+            self.names.update(peer_ids)
+
+    def credited_peers(self) -> list[str]:
+        """Every sender credited so far on this peer, by the peer id it printed where one is known."""
+        with self._lock:
+            return sorted(self.names.get(sender, sender.hex()) for sender in self.totals.credited)
 
     def record_payloads(self, round_number: int, payloads: dict[bytes, bytes]) -> None:
         """`record` for the payloads that counted, by sender: the claims they carry (`claim_of`)."""

@@ -120,6 +120,11 @@ class RunDirectory:
         self._unconfirmed: dict[str, tuple[dict, float, frozenset[bytes]]] = {}
 
     @property
+    def peer_ids(self) -> dict[bytes, str]:
+        """The peer id each compatible peer's last record read names (a copy: it is replaced by reads)."""
+        return dict(self._peer_ids)
+
+    @property
     def coordinated(self) -> bool:
         """Whether this peer follows a coordinator (its record names it): the record is then only kept
         alive."""

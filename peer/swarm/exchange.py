@@ -273,6 +273,12 @@ class SwarmExchange(Exchange):
         return len(self._participants)
 
     @property
+    def shared(self) -> bool:
+        """Whether this peer's payload of the last round counted together with another peer's: its work
+        reached the swarm (not missed, late, of another state, or left out)."""
+        return self._me in self._participants and len(self._participants) > 1
+
+    @property
     def next_round(self) -> int:
         """The round the next plan, or a `gather` without one, would take if called now."""
         return self.clock.next_round
@@ -357,6 +363,7 @@ class SwarmExchange(Exchange):
         """The round's claims, recorded in the token ledger; an adopted state's ledger taken, the rest
         returned for the optimizer."""
         self.tokens.record_payloads(round_number, {c.sender: c.payload for c in outcome.result})
+        self.tokens.name(self.directory.peer_ids)
         if outcome.adopted is None:
             return None
         *adopted, view = outcome.adopted

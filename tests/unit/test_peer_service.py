@@ -212,3 +212,15 @@ def test_tokenizing_a_corpus_tells_its_progress_once(tmp_path, capsys):
     told = log.getvalue().splitlines()
     assert told[0].startswith("tokenizing x: 2 documents, 10 tokens") and len(told) == 3
     assert told[-1].startswith("tokenized x: 5 documents, 30 tokens")
+
+
+def test_credited_peers_are_named_by_the_peer_ids_peers_print():
+    """provenance.json's `credited_peers` (a checkpoint's): by the peer id each printed, kept after
+    it left; a sender no record named keeps its key."""
+    from shoal.peer.data.ledger import TokenLedger
+
+    ledger = TokenLedger(100, 4, seed=3, lag=1)
+    ledger.totals.credited.update({b"\x01": 3, b"\x02": 1})
+    ledger.name({b"\x01": "12D3KooWFirst"})
+    ledger.name({})  # it left: the run's records no longer name it
+    assert ledger.credited_peers() == ["02", "12D3KooWFirst"]
