@@ -304,7 +304,9 @@ class Trainer:
                     with self.autocast():
                         loss = self.loss_fn(self.model, inputs, targets)
                     (loss * (self._scale / micro_batches)).backward()
-                    total = loss.detach() if total is None else total + loss.detach()
+                    # summed in fp32 whatever the autocast's dtype: thousands of bf16 additions lose the sum
+                    step_loss = loss.detach().float()
+                    total = step_loss if total is None else total + step_loss
                     samples += inputs.shape[0]
                     tokens += targets.numel()
                     done = micro + 1
@@ -338,7 +340,8 @@ class Trainer:
             with self.autocast():
                 loss = self.loss_fn(self.model, inputs, targets)
             (loss * (self._scale / micro_batches)).backward()
-            total = loss.detach() if total is None else total + loss.detach()
+            step_loss = loss.detach().float()
+            total = step_loss if total is None else total + step_loss
             samples += sum(x.shape[0] for x, _ in drawn)
             tokens += sum(y.numel() for _, y in drawn)
         ranks.reduce_gradients(self.model)

@@ -128,6 +128,11 @@ def test_each_way_of_stopping_a_peer_ends_it_cleanly_with_its_checkpoint(tmp_pat
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=DRAIN_MAX_S + 5) == 0
         assert not _gone(first_tree, 10)
+        # three joins and three stops cost the first peer no round: none skipped, none doubled
+        rounds = [e for e in events(first_out) if e.get("event") == "round"]
+        numbers = [e["round"] for e in rounds]
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), numbers
+        assert max(e["round_s"] for e in rounds[1:]) < 1.5 * 4, [e["round_s"] for e in rounds]
     finally:
         for process in processes:
             kill(process)

@@ -185,9 +185,12 @@ def test_a_step_whose_micro_batches_slow_down_stops_at_its_window_with_the_mean_
     done = report.samples // 4
     model = Linear()
     model.load_state_dict(peer.model.state_dict())
-    (sum(model(*batches(peer.steps - 1, micro, 4)) for micro in range(done)) / done).backward()
+    mean = sum(model(*batches(peer.steps - 1, micro, 4)) for micro in range(done)) / done
+    mean.backward()
     for got, expected in zip(grads[0], [p.grad for p in model.parameters()], strict=True):
         torch.testing.assert_close(got, expected)
+    # the loss it reports is the mean over the micro-batches it did, not over those it planned
+    assert report.loss == pytest.approx(mean.item(), rel=1e-5)
     assert peer.micro_batches < planned  # and the next rounds plan fewer
 
 
