@@ -24,9 +24,9 @@ The round's length is the swarm's: its first peer chooses it, and the others fol
 is taken to cost `EXCHANGE_LATENCY_S` (the announcement's store, a poll's wait and the pulls' round
 trips, as measured) plus the pulls of the others' payloads over the link assumed (`LINK_MBIT`, a home
 link, each way, with `PEERS` peers, or --gather's). A peer that does not overlap its exchange idles
-for it, so it takes at most `IDLE_SHARE` of a round; an overlapped one computes through it, which must
-only end within the round. The payload is the one the fit's dry run made (shoal.peer.fit); without
-one (--fit off), the latency alone.
+for it, so it takes at most `IDLE_SHARE` of a round; an overlapped one computes through it, which is
+planned to take at most `OVERLAP_SHARE` of the round, so that a slow pull still ends within it. The
+payload is the one the fit's dry run made (shoal.peer.fit); without one (--fit off), the latency alone.
 """
 
 import math
@@ -48,6 +48,11 @@ PEERS = 4
 EXCHANGE_LATENCY_S = 1.3
 """An exchange's cost beyond its transfer: a DeMo peer of `--model small` at 10 Mbit/s idled 1.6-1.8 s
 a round for 0.34 s of pulls (BENCHMARKS.md, the utilization a default swarm gets)."""
+OVERLAP_SHARE = 0.5
+"""The share of a round an algorithm that computes through its exchange is planned to spend on it. A
+whole round (as before) left no slack: eager DiLoCo of `--model small` at 10 Mbit/s chose 10 s rounds
+for 9.5 s of pulls, and 26 of 28 peer-rounds did not count (payloads late, then full-state re-syncs:
+BENCHMARKS.md)."""
 IDLE_SHARE = 0.05
 """The share of a round an algorithm that idles for its exchange is planned to spend on it. Half the 10%
 that 90% of plain torch's tokens/s leaves: a DeMo peer of `--model small` idled 2.4-3.0 s of a 20-second
@@ -57,10 +62,10 @@ round, not the 1.6 s estimated, as its window also keeps the pulls' slack and a 
 def round_seconds_for(payload_bytes: int | None, *, overlapped: bool, gather: int = 0) -> float:
     """The round a swarm's first peer chooses (module docstring): the shortest multiple of ROUND_STEP_S,
     at least DEFAULT_ROUND_S, that the exchange of `payload_bytes` (None: unknown) over LINK_MBIT fits,
-    in IDLE_SHARE of it unless the algorithm computes through the exchange."""
+    in IDLE_SHARE of it, or in OVERLAP_SHARE where the algorithm computes through the exchange."""
     pulls = max(1, min(gather or PEERS, PEERS) - 1)
     exchange_s = EXCHANGE_LATENCY_S + pulls * (payload_bytes or 0) * 8 / (LINK_MBIT * 1e6)
-    needed = exchange_s if overlapped else exchange_s / IDLE_SHARE
+    needed = exchange_s / OVERLAP_SHARE if overlapped else exchange_s / IDLE_SHARE
     return max(DEFAULT_ROUND_S, ROUND_STEP_S * math.ceil(needed / ROUND_STEP_S))
 
 

@@ -51,6 +51,6 @@ def test_the_round_a_first_peer_chooses_fits_its_exchange():
     assert round_seconds_for(None, overlapped=False) == 30.0  # unknown: the latency alone
     assert round_seconds_for(141_693, overlapped=False, gather=2) == 30.0  # one pull, not three
     # computing through it (eager DiLoCo, DeMo with overlap): the exchange ends within the round
-    assert round_seconds_for(3_413_295, overlapped=True) == 10.0  # 1.3 s + 8.2 s
+    assert round_seconds_for(3_413_295, overlapped=True) == 20.0  # (1.3 s + 8.2 s) in half a round
     assert round_seconds_for(141_693, overlapped=True) == 10.0
-    assert round_seconds_for(40_000_000, overlapped=True) == 100.0  # 97.3 s
+    assert round_seconds_for(40_000_000, overlapped=True) == 195.0  # 97.3 s in half a round
