@@ -320,7 +320,11 @@ def test_the_bootstrap_killed_and_restarted_mid_run_leaves_no_split(tmp_path):
         assert sum(e["participants"] == 2 for e in later) >= 0.9 * len(later), later
         told = [e["alone"] for e in events(outs[0]) if e.get("event") == "alone"]
         assert told[:2] == [True, False], told  # told it lost the swarm, and that it is back
-        assert "it trains alone and dials its initial peers" in outs[0].read_text()
+        # said as alone (it sees nobody: it dials its initial peers), or as seeing peers whose payloads
+        # no longer count (their records outlive the relay that reached them)
+        said = outs[0].read_text()
+        dials, sees = "it trains alone and dials its initial peers", "no other peer's payload counted"
+        assert dials in said or sees in said, said[-3000:]
 
 
 @pytest.mark.timeout(180)
