@@ -42,14 +42,14 @@ def test_the_watchdog_ends_a_stop_that_outlasts_its_budget(tmp_path):
     its cleanup and exits 0 shortly past the budget; without a stop it does nothing."""
     marker = tmp_path / "cleaned"
     code = textwrap.dedent(f"""
-        import time
+        import threading, time
         from shoal.peer.stopping import StopRequest, Watchdog
         stop = StopRequest(grace_s=0.3)
         Watchdog(stop, before_exit=lambda: open({str(marker)!r}, "w").close(), margin_s=0.4)
-        time.sleep(1.0)
+        time.sleep(0.8)  # past the budget and margin: nothing happens without a stop
         print("not stopped: still running", flush=True)
         stop.set()
-        time.sleep(60)
+        threading.Event().wait()  # a main thread that never returns
     """)
     started = time.monotonic()
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -90,12 +90,12 @@ def test_a_checkpoint_folder_held_by_a_live_peer_is_refused_and_freed_when_it_di
     from shoal.peer.settings import SettingsError
 
     code = textwrap.dedent(f"""
-        import sys, time
+        import sys, threading
         from pathlib import Path
         from shoal.peer.preflight import lock_folder
         lock_folder(Path({str(tmp_path)!r}), "--checkpoint-dir")
         print("held", flush=True)
-        time.sleep(60)
+        threading.Event().wait()  # until killed
     """)
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
