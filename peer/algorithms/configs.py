@@ -1,6 +1,6 @@
 """The algorithms as typed configs: `DeMoConfig` and `DiLoCoConfig`, one frozen record per algorithm
 with the hyperparameters a run chooses for it. A run's `--algorithm` string is parsed into one of them
-once (shoal.peer.spec: `PeerSpec.algorithm_config`); the code that depends on the algorithm
+once (shoal.peer.config.spec: `PeerSpec.algorithm_config`); the code that depends on the algorithm
 reads the record (`isinstance(config, DeMoConfig)`, `config.overlapped`) instead of the string.
 
     DEFAULTS["diloco-eager"]                    # DiLoCoConfig(mode="eager", ...), at its defaults
@@ -205,7 +205,8 @@ DEFAULTS: dict[str, AlgorithmConfig] = {
     for config in (DeMoConfig(), DeMoConfig(overlapped=True), *(DiLoCoConfig(mode=mode) for mode in MODES))
 }
 """Each algorithm at its default hyperparameters, by its name (`config.name`): demo, demo-overlap,
-diloco-standard, diloco-delayed, diloco-eager. The alias `--algorithm diloco` is shoal.peer.settings'."""
+diloco-standard, diloco-delayed, diloco-eager. The alias `--algorithm diloco` is
+shoal.peer.config.settings'."""
 
 
 def outer_settings(mode: str, lr: float, momentum: float | None, nesterov: bool) -> dict:

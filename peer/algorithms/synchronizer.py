@@ -1,4 +1,4 @@
-"""One interface over DeMo and DiLoCo for the loop that drives them (shoal.peer.trainer): a
+"""One interface over DeMo and DiLoCo for the loop that drives them (shoal.peer.train.trainer): a
 `Synchronizer` takes an optimizer step on the gradients the loop accumulated, exchanging with the
 other participants when its algorithm does, and keeps what every participant must hold alike.
 

@@ -39,7 +39,7 @@ from shoal.peer.algorithms.exchange import Delegating, Exchange, run_loopback
 from shoal.peer.algorithms.schedule import Schedule
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
 from shoal.peer.data import validation_loss as held_out_loss
-from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
 
 METHODS = ("adamw_dp", "demo_reference", "demo_compact", "diloco_standard", "diloco_delayed", "diloco_eager")
 EXTRA_METHODS = ("demo_compact_overlap", "demo_compact_lookahead")

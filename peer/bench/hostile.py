@@ -68,7 +68,7 @@ from shoal.peer.algorithms.exchange import (
 from shoal.peer.algorithms.feedback import codec_for
 from shoal.peer.bench import converge
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
-from shoal.peer.model import TinyGPT
+from shoal.peer.models.gpt import TinyGPT
 from shoal.protocol import CodecId, IndexCoding, Payload, ValueEncoding
 
 ATTACKS = ("none", "sign_flip", "sample_lie", "random", "alie", "collude")

@@ -258,7 +258,7 @@ def report(runs: dict[str, list[Run]], config: ConvergeConfig, streams: TokenStr
 
 
 def _model(config: ConvergeConfig) -> torch.nn.Module:
-    from shoal.peer.model import TinyGPT
+    from shoal.peer.models.gpt import TinyGPT
 
     with torch.device("meta"):
         return TinyGPT(config.gpt)

@@ -49,13 +49,12 @@ def loopback_tx_bytes() -> int:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from shoal.peer.assembly import PeerSummary, Workload, build_peer, start_peer
+    from shoal.peer.config.spec import PeerSpec
     from shoal.peer.data import stdlib_corpus
-    from shoal.peer.model import GPTConfig, TinyGPT
-    from shoal.peer.models import LoadedModel
-    from shoal.peer.spec import PeerSpec
+    from shoal.peer.job.assembly import PeerSummary, Workload, build_peer, start_peer
+    from shoal.peer.models.gpt import GPTConfig, TinyGPT
+    from shoal.peer.models.loading import LoadedModel, model_loss
     from shoal.peer.swarm.records import RoundSchedule
-    from shoal.peer.trainer import model_loss
 
     torch.set_num_threads(1)
     spec = PeerSpec.of(

@@ -9,7 +9,7 @@ For each algorithm, in one run:
    the model with AdamW on one batch of `--batch-size` sequences a step, for `--plain-seconds`;
 2. the swarm: real `shoal join` processes on 127.0.0.1, without a coordinator, at `shoal join`'s
    defaults but for the model, the run's length, the logs and batch 8: the round its first peer
-   chooses, the compute window of shoal.peer.window; with `--rate-mbit`, also each in a network
+   chooses, the compute window of shoal.peer.job.window; with `--rate-mbit`, also each in a network
    namespace of its own behind a link shaped to that rate each way (shoal.peer.bench.netlab).
 
 Reported per peer: the tokens it trained in the rounds after the first two (the first plans half a
@@ -39,7 +39,7 @@ def plain(model: str, batch_size: int, seconds: float) -> float:
     """Tokens/s of plain torch training `model` (AdamW, one batch a step) for `seconds`."""
     import torch
 
-    from shoal.peer.model import GPTConfig, TinyGPT
+    from shoal.peer.models.gpt import GPTConfig, TinyGPT
 
     config = GPTConfig.preset(model)
     torch.manual_seed(0)

@@ -31,11 +31,11 @@ import torch
 
 from shoal.peer.algorithms.configs import AlgorithmConfig, DiLoCoConfig
 from shoal.peer.algorithms.synchronizer import DiLoCoSynchronizer
+from shoal.peer.config.spec import PeerSpec
 from shoal.peer.data import BatchPlan, stdlib_corpus, validation_loss
 from shoal.peer.files import replace_text
-from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.spec import PeerSpec
-from shoal.peer.trainer import model_loss
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
+from shoal.peer.models.loading import model_loss
 
 MODELS = {
     "tiny": GPTConfig.preset("tiny"),
@@ -175,8 +175,8 @@ def _swarm_spec(args: argparse.Namespace, initial: tuple[str, ...]) -> PeerSpec:
 def _swarm(args, model, batch, streams) -> dict:
     import torch
 
-    from shoal.peer.assembly import Workload, build_peer, start_peer
-    from shoal.peer.models import LoadedModel
+    from shoal.peer.job.assembly import Workload, build_peer, start_peer
+    from shoal.peer.models.loading import LoadedModel
     from shoal.peer.swarm.coordinator_link import CoordinatorLink
     from shoal.peer.swarm.records import RoundSchedule
 

@@ -267,7 +267,7 @@ def _utilization_arguments(benchmarks: argparse._SubParsersAction) -> None:
 
 def _utilization(args: argparse.Namespace) -> int:
     from shoal.peer.bench import utilization
-    from shoal.peer.settings import ALGORITHMS
+    from shoal.peer.config.settings import ALGORITHMS
 
     algorithms = tuple(args.algorithms.split(","))
     unknown = [a for a in algorithms if a not in ALGORITHMS]

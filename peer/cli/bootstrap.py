@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"shoal bootstrap: error: {error}", file=sys.stderr)
         return 2
-    from shoal.peer.stopping import Watchdog, stop_on_signals
     from shoal.peer.swarm.bootstrap import BootstrapError, BootstrapNode  # imports hivemind: only now
+    from shoal.peer.train.stopping import Watchdog, stop_on_signals
 
     try:
         node = BootstrapNode.start(
@@ -104,8 +104,8 @@ def _check(args: argparse.Namespace) -> None:
     """ValueError (a SettingsError) naming the first flag this machine cannot use."""
     from pathlib import Path
 
-    from shoal.peer import preflight
-    from shoal.peer.settings import PARSERS
+    from shoal.peer.config import preflight
+    from shoal.peer.config.settings import PARSERS
     from shoal.peer.swarm.bootstrap import check_multiaddrs
     from shoal.peer.swarm.names import check_run_name
 

@@ -4,9 +4,9 @@
 import argparse
 import sys
 
-from shoal.peer import settings as settings_module
 from shoal.peer.cli.flags import add_swarm_flags, swarm_settings
 from shoal.peer.cli.join import JOIN_FLAGS
+from shoal.peer.config import settings as settings_module
 
 HELP = "pre-flight: device, versions, reachability, bandwidth to the swarm, whether a model fits"
 DESCRIPTION = (
@@ -32,7 +32,7 @@ FIT_FLAGS = (
     "round_seconds",
     "compute_fraction",
 )
-"""`shoal join`'s flags that say whether a model fits (shoal.peer.fit); with --model, check tells."""
+"""`shoal join`'s flags that say whether a model fits (shoal.peer.train.fit); with --model, check tells."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         given = {name: getattr(args, name) for name in FIT_FLAGS}
         spec = settings_module.resolve(given, {}) if args.model is not None else None
         if spec is not None:
-            from shoal.peer import preflight
+            from shoal.peer.config import preflight
 
             preflight.check_inputs(spec)  # the model's files as shoal join reads them, before torch
     except settings_module.SettingsError as error:

@@ -9,7 +9,8 @@
 - with `--initial-peers`: whether the bootstrap peer answers, the DHT round-trip time, and the
   bandwidth from up to three shoal peers of the run, each measured by pulling 4 MiB from its probe
   handler (shoal.peer.swarm.exchange; a stock hivemind-dht node has none, so only the round trip is shown);
-- with `--model`: whether it fits this device with `--algorithm` (shoal.peer.fit), as `shoal join` checks.
+- with `--model`: whether it fits this device with `--algorithm` (shoal.peer.train.fit), as
+  `shoal join` checks.
 """
 
 import asyncio
@@ -22,12 +23,12 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 
-from shoal.peer.hardware import choose_device, describe
 from shoal.peer.swarm.bootstrap import BootstrapError, private_only, start_dht
 from shoal.peer.swarm.membership import record_validators
 from shoal.peer.swarm.names import handler, peers_key
 from shoal.peer.swarm.records import peer_records
 from shoal.peer.swarm.relay import UNCHECKED, Reachability, check_reachability
+from shoal.peer.train.hardware import choose_device, describe
 from shoal.protocol.swarm_pb2 import PayloadChunk, ProbeRequest
 
 PROBE_BYTES = 4 << 20
@@ -125,10 +126,10 @@ def network_report(initial_peers: list[str], run: str, port: int) -> dict:
 
 
 def fit_report(spec) -> tuple[dict, str]:
-    """Whether `spec`'s model fits this device (shoal.peer.fit), as `shoal join` would check it: (its
+    """Whether `spec`'s model fits this device (shoal.peer.train.fit), as `shoal join` would check it: (its
     numbers, the line that says so); {"error": ...} when it cannot fit or cannot be loaded."""
-    from shoal.peer.assembly import Workload, fit_workload
-    from shoal.peer.models import load_model
+    from shoal.peer.job.assembly import Workload, fit_workload
+    from shoal.peer.models.loading import load_model
 
     try:
         device = choose_device(spec.model.device)

@@ -5,8 +5,8 @@ import argparse
 import os
 import sys
 
-from shoal.peer import settings as settings_module
 from shoal.peer.cli.flags import positive_int
+from shoal.peer.config import settings as settings_module
 
 HELP = "a local swarm of peer processes training the embedded model, no download"
 DESCRIPTION = (

@@ -1,4 +1,5 @@
-"""`shoal export --checkpoint-dir DIR OUT`: a run's model as a Hugging Face directory (peer/export.py)."""
+"""`shoal export --checkpoint-dir DIR OUT`: a run's model as a Hugging Face directory
+(peer/models/export.py)."""
 
 import argparse
 import sys
@@ -22,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from shoal.peer.export import ExportError, export
+        from shoal.peer.models.export import ExportError, export
     except ImportError as error:
         print(f"shoal export: error: {error}: pip install 'shoal[hf]'", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@
 import argparse
 import os
 
-from shoal.peer import settings as settings_module
+from shoal.peer.config import settings as settings_module
 
 
 def positive_int(text: str) -> int:

@@ -1,12 +1,12 @@
 """`shoal join`: join a swarm (or start one) and train. Every setting is checked, the ports first and
-before torch loads, so that a setting to fix exits 2 at once (peer/preflight.py); then peer/node.py
+before torch loads, so that a setting to fix exits 2 at once (peer/config/preflight.py); then peer/job/node.py
 assembles the peer and runs its rounds."""
 
 import argparse
 import os
 import sys
 
-from shoal.peer import settings as settings_module
+from shoal.peer.config import settings as settings_module
 
 HELP = "join a swarm (or start one) and train"
 DESCRIPTION = (
@@ -176,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Exit 2 for a setting to fix (checked before anything starts), 1 for another failure."""
-    from shoal.peer import preflight
+    from shoal.peer.config import preflight
 
     try:
         chosen = settings_module.resolve(vars(args), os.environ, args.config)
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     except settings_module.SettingsError as error:
         print(f"shoal join: error: {error}", file=sys.stderr)
         return 2
-    from shoal.peer.node import JoinError, join  # imports torch and hivemind: only now
+    from shoal.peer.job.node import JoinError, join  # imports torch and hivemind: only now
 
     try:
         join(chosen)

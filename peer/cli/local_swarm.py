@@ -40,9 +40,9 @@ from statistics import fmean
 from typing import IO
 
 from shoal.peer.algorithms.configs import DEFAULTS
+from shoal.peer.config.settings import ALGORITHMS
 from shoal.peer.files import replace_text
-from shoal.peer.progress import Progress
-from shoal.peer.settings import ALGORITHMS
+from shoal.peer.job.progress import Progress
 
 STARTUP_S = 8.0  # importing torch and hivemind, starting a DHT, loading the corpus; more per extra peer
 STARTUP_PER_PEER_S = 2.0

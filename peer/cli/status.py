@@ -4,8 +4,8 @@
 import argparse
 import sys
 
-from shoal.peer import settings as settings_module
 from shoal.peer.cli.flags import add_swarm_flags, swarm_settings
+from shoal.peer.config import settings as settings_module
 
 HELP = "the swarm's peers, from the DHT"
 DESCRIPTION = (

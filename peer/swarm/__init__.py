@@ -9,6 +9,6 @@
   `identity` (the key file), `coordinator_link` (the coordinator's gRPC client).
 
 Imports run one way: this package uses `shoal.peer.algorithms`, `shoal.compression` and
-`shoal.protocol`, never the peer job (`shoal.peer.node`, `settings`, ...) above it. Importing the
+`shoal.protocol`, never the peer job (`shoal.peer.job.node`, `settings`, ...) above it. Importing the
 package itself loads nothing: take what you need from its modules.
 """

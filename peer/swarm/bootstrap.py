@@ -79,7 +79,7 @@ class TetheredDHT(hivemind.DHT):
             self.join(1.0)
 
     def kill_group(self) -> None:
-        """Ends the DHT's process and its p2pd at once (a stop past its time: shoal.peer.stopping)."""
+        """Ends the DHT's process and its p2pd at once (a stop past its time: shoal.peer.train.stopping)."""
         if self.pid is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)

@@ -230,7 +230,7 @@ class Reads:
 def _needed(
     stages: "RoundStages", reads: "Reads", fetches: dict[bytes, asyncio.Task], since: float, poll_s: float
 ) -> tuple[float, float] | None:
-    """What this round's exchange needed, whenever the others announced (shoal.peer.window): storing
+    """What this round's exchange needed, whenever the others announced (shoal.peer.job.window): storing
     this peer's announcement and `poll_s` for the others to read it (they poll at the shortest interval
     while announcements come, and all come together); and the longest pull, from its announcement read
     to its payload held. None if a payload was still being pulled at the deadline."""

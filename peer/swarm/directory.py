@@ -223,7 +223,7 @@ class RunDirectory:
         # the first read asks the nearest replica only (at 16 peers, most of a first round's bytes): a
         # record it lacks shows up when its peer announces, as an unknown announcer (`fully`); what a
         # hiding node could sway is decided on a read from every replica (a clock, below; joining:
-        # shoal.peer.node._check_compatible)
+        # shoal.peer.job.node._check_compatible)
         first = self._records_read_at == -math.inf and not fully
         found = await self.get(
             peers_key(self.run), every_rounds=RECORDS_FULLY_EVERY_ROUNDS, fully=fully, nearest=first

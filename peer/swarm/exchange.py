@@ -90,7 +90,7 @@ class Abandoned(Exception):
 
 
 class Stop(Protocol):
-    """What the exchange reads of a peer's stop (shoal.peer.stopping.StopRequest)."""
+    """What the exchange reads of a peer's stop (shoal.peer.train.stopping.StopRequest)."""
 
     @property
     def urgent(self) -> bool: ...
@@ -174,7 +174,7 @@ class SwarmExchange(Exchange):
         self.last_round: int | None = None
         """The round of the last `gather`."""
         self.stop: Stop | None = None
-        """The peer's stop, if it has one (shoal.peer.stopping.StopRequest): a wait on the swarm is
+        """The peer's stop, if it has one (shoal.peer.train.stopping.StopRequest): a wait on the swarm is
         abandoned once its budget is spent."""
         self._participants = [self.owner]  # whose contributions counted in the last round (the ranks)
         self._me = self.owner  # this peer's key among the participants (its peer id under a coordinator)

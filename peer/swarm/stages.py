@@ -64,7 +64,7 @@ class Standing:
     announce_s: float = 0.0
     """How long holding and announcing this peer's payload took, last round."""
     needed: tuple[float, float] | None = None
-    """What the last round's exchange needed, `collect`'s, for the compute window (shoal.peer.window):
+    """What the last round's exchange needed, `collect`'s, for the compute window (shoal.peer.job.window):
     seconds to announce and be read, and of the longest pull; None: a pull was still on at the
     deadline."""
 

@@ -14,8 +14,8 @@ import time
 
 WORKER = """
 import json, sys, time, torch
-from shoal.peer.assembly import checkpoint_activations
-from shoal.peer.models import load_model
+from shoal.peer.job.assembly import checkpoint_activations
+from shoal.peer.models.loading import load_model
 batch, steps, on = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "on"
 torch.manual_seed(0)
 model = load_model("base").module

@@ -14,7 +14,7 @@ import torch
 
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.exchange import LoopbackExchange
-from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
 from tests.benchmarks import time_loopback_mode
 
 MODES = {"sync": {}, "overlap": {"overlap": True}, "lookahead": {"overlap": True, "lookahead": True}}

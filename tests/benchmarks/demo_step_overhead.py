@@ -17,7 +17,7 @@ import torch
 
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.exchange import LoopbackExchange
-from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
 from tests.demo_reference import ReferenceDeMo
 
 

@@ -13,7 +13,7 @@ import torch
 
 from shoal.peer.algorithms.diloco import MODES, DiLoCo
 from shoal.peer.algorithms.exchange import LoopbackExchange
-from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
 from tests.benchmarks import time_loopback_mode
 
 

@@ -1,4 +1,4 @@
-"""Estimated against measured memory of one round (shoal.peer.fit): the embedded presets and three
+"""Estimated against measured memory of one round (shoal.peer.train.fit): the embedded presets and three
 Hugging Face configurations built here (GPT-2, Llama, Qwen2; about 5M parameters, vocabulary 4,096,
 256 tokens a sample), under DeMo and DiLoCo, at micro-batches of 1 and 8, with and without activation
 checkpointing. The measured peak is a dry run's (two rounds and one timed over a loopback exchange:
@@ -14,10 +14,10 @@ import tempfile
 
 import torch
 
-from shoal.peer import fit
 from shoal.peer.algorithms.configs import DEFAULTS
-from shoal.peer.hardware import autocast_for
-from shoal.peer.models import load_model
+from shoal.peer.models.loading import load_model
+from shoal.peer.train import fit
+from shoal.peer.train.hardware import autocast_for
 
 MIB = 1 << 20
 

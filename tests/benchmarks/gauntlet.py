@@ -25,7 +25,7 @@ import torch
 from shoal.peer.algorithms import diloco, robust
 from shoal.peer.bench import converge, hostile
 from shoal.peer.data import BatchPlan, stdlib_corpus
-from shoal.peer.model import TinyGPT
+from shoal.peer.models.gpt import TinyGPT
 
 _worker = threading.local()  # the DiLoCo whose round is being aggregated on this thread
 

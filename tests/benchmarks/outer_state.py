@@ -16,9 +16,9 @@ import torch
 from shoal.peer.algorithms.configs import DEFAULTS
 from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.algorithms.feedback import codec_for
-from shoal.peer.hardware import autocast_for
-from shoal.peer.models import load_model
-from shoal.peer.trainer import Trainer
+from shoal.peer.models.loading import load_model
+from shoal.peer.train.hardware import autocast_for
+from shoal.peer.train.trainer import Trainer
 
 
 def rounds(model_name: str, inner_steps: int, count: int, outer_device: str | None) -> dict:

@@ -19,7 +19,7 @@ import torch
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.exchange import Contribution, Exchange, Gathered
 from shoal.peer.algorithms.robust import DILOCO, NONE, Robustness, screen
-from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
 from tests.benchmarks.demo_step_overhead import median_ms
 
 JUDGED = Robustness(min_agreement=-1.0, suspect_below=None, suspect_relative=None)

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shoal.peer.node import stop_budget
+from shoal.peer.job.node import stop_budget
 from tests.integration.test_stops import _descendants, _gone, _running
 
 WAYS = ("main", "group", "every", "twice")

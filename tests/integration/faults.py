@@ -289,8 +289,9 @@ def gone(faults: Sequence[Fault]) -> bool:
 
 
 if __name__ == "__main__":
-    from shoal.peer import assembly, cli
+    from shoal.peer import cli
+    from shoal.peer.job import assembly
 
-    # every peer `shoal join` assembles (shoal.peer.assembly.build_peer) gets the faults
+    # every peer `shoal join` assembles (shoal.peer.job.assembly.build_peer) gets the faults
     assembly.SwarmExchange = exchange_type(Fault.parse_all(os.environ.get("SHOAL_FAULTS", "")))
     sys.exit(cli.main(sys.argv[1:]))

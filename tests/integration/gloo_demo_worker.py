@@ -20,7 +20,7 @@ from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import TorchDistributedExchange
 from shoal.peer.algorithms.robust import NONE
-from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
 from tests.unit.test_demo import SHAPES, make_grads
 
 SETTINGS = {

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from shoal.peer.assembly import Workload, start_peer
+from shoal.peer.config.spec import PeerSpec
 from shoal.peer.data import stdlib_corpus
-from shoal.peer.models import load_model
-from shoal.peer.spec import PeerSpec
+from shoal.peer.job.assembly import Workload, start_peer
+from shoal.peer.models.loading import load_model
 from shoal.peer.swarm.records import RoundSchedule
 from tests.integration import faults as faults_module
 from tests.integration import swarm_peer

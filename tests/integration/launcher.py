@@ -36,7 +36,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # torch._dynamo: each peer's fit propagates shapes in torch's FakeTensorMode, whose first use imports it
 # (2.2 s of every peer's start on a quiet machine; it starts no thread)
-PRELOADED = ("torch", "hivemind", "torch._dynamo", "shoal.peer.cli", "shoal.peer.node", "shoal.peer.runtime")
+PRELOADED = (
+    "torch",
+    "hivemind",
+    "torch._dynamo",
+    "shoal.peer.cli",
+    "shoal.peer.job.node",
+    "shoal.peer.job.runtime",
+)
 MAX_REQUEST_BYTES = 1 << 20
 FIELD = 12  # a pid, then an exit status, each as this many ASCII bytes
 

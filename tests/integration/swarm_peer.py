@@ -4,7 +4,7 @@
         --until-round R --out FILE [--algorithm demo|diloco-eager|...]
 
 Joins the DHT and trains the tiny GPT as a swarm peer, built as `shoal join` builds one
-(shoal.peer.assembly), on its windows of the standard-library corpus in each round until round R, then
+(shoal.peer.job.assembly), on its windows of the standard-library corpus in each round until round R, then
 writes a JSON report: a hash of the final parameters, per-round losses, participants and lateness
 (seconds past the deadline), rejections, re-syncs. Without `--start` it joins a running swarm: the
 round clock comes from the DHT. `--fault KIND@ROUND` (repeatable) makes it exit, hang, lie or attack
@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 from shoal.peer.algorithms.configs import DEFAULTS
-from shoal.peer.assembly import PeerSummary, Workload, build_peer, start_peer
+from shoal.peer.config.spec import PeerSpec
 from shoal.peer.data import stdlib_corpus
-from shoal.peer.models import load_model
-from shoal.peer.spec import PeerSpec
-from shoal.peer.stopping import stop_on_signals
+from shoal.peer.job.assembly import PeerSummary, Workload, build_peer, start_peer
+from shoal.peer.models.loading import load_model
 from shoal.peer.swarm.exchange import RoundSchedule
+from shoal.peer.train.stopping import stop_on_signals
 from tests.integration import faults
 from tests.integration.faults import Fault
 
@@ -62,7 +62,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def report_of(peer, schedule, reports, *, resumed: bool) -> dict:
-    """What the test reads of this peer: its run's summary (shoal.peer.assembly.PeerSummary), each
+    """What the test reads of this peer: its run's summary (shoal.peer.job.assembly.PeerSummary), each
     round's lateness (seconds past its deadline), its refusals."""
     summary = PeerSummary.of(peer, reports)
     counts = summary.counts

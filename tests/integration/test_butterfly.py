@@ -16,7 +16,7 @@ import torch
 from shoal.compression import DenseCodec
 from shoal.peer.algorithms.butterfly import Pieces
 from shoal.peer.algorithms.robust import NONE
-from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
 from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.server import MAX_PIECES, PARTS_QUIET_S
 from shoal.protocol import Payload

@@ -1,5 +1,5 @@
-"""Several ranks as one peer (shoal.peer.ranks), on the CPU over gloo: a trainer whose micro-batches two
-ranks compute (the second a real `python -m shoal.peer.ranks` process) takes the steps one process
+"""Several ranks as one peer (shoal.peer.train.ranks), on the CPU over gloo: a trainer whose micro-batches two
+ranks compute (the second a real `python -m shoal.peer.train.ranks` process) takes the steps one process
 takes on the same micro-batches; and in a swarm, a `shoal join --nproc-per-node 2` peer and a
 single-process peer end on one model, the two-rank peer claiming the samples of both its ranks."""
 
@@ -10,9 +10,9 @@ import torch
 
 from shoal.peer.algorithms.configs import DEFAULTS
 from shoal.peer.algorithms.exchange import LoopbackExchange
-from shoal.peer.models import load_model
-from shoal.peer.ranks import start_ranks
-from shoal.peer.trainer import Trainer
+from shoal.peer.models.loading import load_model
+from shoal.peer.train.ranks import start_ranks
+from shoal.peer.train.trainer import Trainer
 from tests.integration.harness import kill, start, wait_for
 
 

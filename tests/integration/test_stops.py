@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shoal.peer.checkpoint import CheckpointStore
-from shoal.peer.node import DRAIN_MAX_S
+from shoal.peer.job.node import DRAIN_MAX_S
 from tests.integration.harness import events, kill, start, wait_for
 
 COMMON = ["--model", "tiny", "--run", "stops", "--host", "127.0.0.1", "--log-format", "json"]

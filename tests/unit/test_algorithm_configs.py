@@ -15,7 +15,7 @@ from shoal.peer.algorithms.configs import (
     DiLoCoConfig,
     run_config,
 )
-from shoal.peer.settings import ALGORITHMS, PeerSpec, SettingsError, resolve
+from shoal.peer.config.settings import ALGORITHMS, PeerSpec, SettingsError, resolve
 from shoal.peer.swarm.membership import run_hash
 
 

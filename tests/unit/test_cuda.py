@@ -23,7 +23,7 @@ from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import LoopbackExchange, TorchDistributedExchange
 from shoal.peer.algorithms.exchange import run_loopback as run_workers
 from shoal.peer.algorithms.robust import DEMO, NONE
-from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
 from tests import demo_reference
 from tests.unit.test_demo import SHAPES, make_grads, train_workers
 

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from shoal.peer.config.spec import PeerSpec
 from shoal.peer.data import DataError, Tokens, load_data
 from shoal.peer.data.prepare import Progress, prepare
 from shoal.peer.data.shards import LLMC_HEADER_INTS, LLMC_MAGIC, MANIFEST, open_prepared, open_token_files
 from shoal.peer.data.text import text_source
 from shoal.peer.data.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
 from shoal.peer.data.tokens import FileArray
-from shoal.peer.spec import PeerSpec
 from tests import corpora
 
 
@@ -168,7 +168,7 @@ def test_the_model_directory_s_own_tokenizer_is_the_default(tmp_path, texts):
 
 
 def test_token_ids_outside_the_model_s_vocabulary_name_the_tokenizer_and_the_model(tmp_path, texts, bpe):
-    from shoal.peer.assembly import load_workload
+    from shoal.peer.job.assembly import load_workload
 
     corpus = corpora.write_jsonl(tmp_path / "c.jsonl", texts)
     tokenizer = bpe.name
@@ -318,7 +318,7 @@ def test_one_text_file_is_a_corpus_whichever_split_its_hash_names(tmp_path):
 
 
 def test_a_model_directory_without_a_tokenizer_does_not_train_on_bytes_unasked(tmp_path, texts):
-    from shoal.peer.assembly import load_workload
+    from shoal.peer.job.assembly import load_workload
 
     transformers = pytest.importorskip("transformers")
     model = tmp_path / "model"  # config and weights, no tokenizer.json (a sentencepiece-only model)

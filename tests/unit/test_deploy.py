@@ -25,9 +25,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.coordinator.metrics import CoordinatorMetrics
-from shoal.peer import settings
 from shoal.peer.cli import build_parser
-from shoal.peer.metrics import REJECTION_REASONS, PeerMetrics
+from shoal.peer.config import settings
+from shoal.peer.job.metrics import REJECTION_REASONS, PeerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

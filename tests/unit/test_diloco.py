@@ -12,7 +12,7 @@ from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.algorithms.exchange import run_loopback as run_workers
 from shoal.peer.algorithms.feedback import codec_for
 from shoal.peer.algorithms.robust import DILOCO, DILOCO_SPARSE, NONE, Robustness
-from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
 
 CONFIG = GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shoal.peer.checkpoint import CheckpointStore
-from shoal.peer.models import load_model
+from shoal.peer.models.loading import load_model
 
 if os.environ.get("CI"):
     import transformers
@@ -17,7 +17,7 @@ else:
     transformers = pytest.importorskip("transformers")
 
 from shoal.peer.cli import main
-from shoal.peer.export import ExportError, byte_tokenizer, export, gpt2
+from shoal.peer.models.export import ExportError, byte_tokenizer, export, gpt2
 
 
 def _checkpoint(folder, model: str, module: torch.nn.Module, seq_len: int) -> None:

@@ -1,4 +1,4 @@
-"""Whether a model fits the device (shoal.peer.fit): the estimate against a dry run's measured peak,
+"""Whether a model fits the device (shoal.peer.train.fit): the estimate against a dry run's measured peak,
 within 15%, for the embedded GPT and Hugging Face configurations under DeMo and DiLoCo, with and without
 activation checkpointing; the fit's choice under a tight budget; a refusal with the numbers; the dry
 run leaving the model and the random generators as they were; the live-tensor tracker itself."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from shoal.peer import fit
 from shoal.peer.algorithms.configs import DEFAULTS
-from shoal.peer.models import load_model, recomputing
+from shoal.peer.models.loading import load_model, recomputing
+from shoal.peer.train import fit
 
 ALGORITHMS = ["demo", "demo-overlap", "diloco-standard", "diloco-eager"]
 
@@ -136,7 +136,7 @@ def test_a_model_fake_tensors_cannot_run_is_traced_on_one_real_sample():
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["tiny", "gpt2"])
 def test_the_estimate_follows_the_autocast_the_peer_trains_in(request, name, precision):
-    from shoal.peer.hardware import autocast_for
+    from shoal.peer.train.hardware import autocast_for
 
     loaded = load_model("tiny") if name == "tiny" else request.getfixturevalue(name)
     autocast = autocast_for(torch.device("cpu"), precision)

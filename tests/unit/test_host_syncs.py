@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.exchange import LoopbackExchange
-from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
 
 READS_BACK = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero"}
 """Operators that make the host wait for the device's result."""

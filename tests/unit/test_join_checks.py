@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from shoal.peer.node import JoinError, _check_compatible
+from shoal.peer.job.node import JoinError, _check_compatible
 from shoal.peer.swarm.directory import ADDRESS
 
 

@@ -54,8 +54,8 @@ def test_the_swarm_imports_nothing_of_the_peer_job_above_it():
 
 
 def test_settings_load_neither_torch_nor_hivemind():
-    """`shoal join` checks its settings and ports before torch loads (peer/preflight.py)."""
-    code = "import sys, shoal.peer.settings, shoal.peer.preflight\n"
+    """`shoal join` checks its settings and ports before torch loads (peer/config/preflight.py)."""
+    code = "import sys, shoal.peer.config.settings, shoal.peer.config.preflight\n"
     code += "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('hivemind', 'torch'))}))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -83,8 +83,99 @@ def test_the_coordinator_imports_nothing_of_the_peer_and_loads_no_torch():
 def test_the_trainer_and_what_it_trains_load_no_network():
     """`Trainer` runs over any exchange: it, the models, the data and the checkpoints load neither
     hivemind nor grpc, so that a benchmark or a torch.distributed job can use them without the swarm."""
-    code = "import sys, shoal.peer.trainer, shoal.peer.models, shoal.peer.data, shoal.peer.checkpoint\n"
+    code = "import sys, shoal.peer.train.trainer, shoal.peer.models.loading, shoal.peer.data\n"
+    code += "import shoal.peer.checkpoint\n"
     code += "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('hivemind', 'grpc'))}))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+# The peer job's packages, bottom to top (docs/ARCHITECTURE.md): each imports only what is below it (and
+# the shared layers: the algorithms, the codecs, the wire format, the loose on-disk helpers). The swarm
+# and the data come in where they are used: the trainer trains without a network.
+LOOSE = ("shoal.peer.files", "shoal.peer.checkpoint")
+SHARED = ("shoal.compression", "shoal.protocol", "shoal.peer.algorithms", *LOOSE)
+ABOVE = ("shoal.peer.swarm", "shoal.peer.job", "hivemind", "grpc")
+JOB_LAYERS = {
+    "config": (*SHARED, "shoal.peer.config", "shoal.peer.swarm.names"),
+    "models": (*SHARED, "shoal.peer.models"),
+    "train": (*SHARED, "shoal.peer.models", "shoal.peer.data", "shoal.peer.train"),
+    "job": (*SHARED, "shoal.peer.config", "shoal.peer.models", "shoal.peer.data", "shoal.peer.train", *ABOVE),
+}
+
+
+def test_the_peer_folder_holds_packages_and_at_most_three_loose_modules():
+    loose = sorted(path.name for path in PEER.glob("*.py"))
+    assert loose == ["__init__.py", "checkpoint.py", "files.py"]
+    packages = {path.name for path in PEER.iterdir() if (path / "__init__.py").exists()}
+    assert {"config", "models", "train", "job"} <= packages
+
+
+def test_each_package_of_the_peer_job_imports_only_what_lies_below_it():
+    offending = {}
+    for package, allowed in JOB_LAYERS.items():
+        for path in sorted((PEER / package).glob("*.py")):
+            found = [name for name in shoal_imports(path) if not name.startswith(allowed)]
+            if found:
+                offending[f"{package}/{path.name}"] = found
+    assert offending == {}
+
+
+def module_imports(path: Path, root: Path) -> set[str]:
+    """The shoal modules `path` imports when it loads: its top-level imports, outside TYPE_CHECKING."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shoal"):
+            for alias in node.names:  # `from shoal.peer.job import window` names a module
+                candidate = f"{node.module}.{alias.name}"
+                module = candidate if module_path(candidate, root) else node.module
+                found.add(module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("shoal")}
+    return found
+
+
+def module_path(name: str, root: Path) -> Path | None:
+    parts = name.split(".")[1:]
+    top = {"peer": "peer", "protocol": "protocol", "compression": "compression", "coordinator": "coordinator"}
+    if not parts or parts[0] not in top:
+        return None
+    base = root / top[parts[0]] / Path(*parts[1:]) if parts[1:] else root / top[parts[0]]
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def test_the_peer_modules_import_one_another_without_a_cycle_or_a_dodging_import():
+    """A cycle once ran trainer -> ranks -> models -> trainer, broken by an import inside a function; the
+    peer's packages now load top-down, and none imports a shoal module inside a function."""
+    root = PEER.parent
+    modules = {}
+    for path in sorted(PEER.rglob("*.py")):
+        name = "shoal." + ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = {m for m in module_imports(path, root) if m.startswith("shoal.peer")}
+    state: dict[str, str] = {}
+
+    def visit(name: str, trail: tuple[str, ...]) -> None:
+        if state.get(name) == "done":
+            return
+        assert state.get(name) != "open", " -> ".join((*trail, name))
+        state[name] = "open"
+        for imported in sorted(modules.get(name, ())):
+            visit(imported, (*trail, name))
+        state[name] = "done"
+
+    for name in modules:
+        visit(name, ())
+    inner = []
+    for package in JOB_LAYERS:
+        for path in sorted((PEER / package).glob("*.py")):
+            tree = ast.parse(path.read_text())
+            top = {id(node) for node in tree.body}
+            for node in ast.walk(tree):
+                shoal = isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shoal")
+                if shoal and id(node) not in top:
+                    inner.append(f"{package}/{path.name}:{node.lineno}")
+    assert inner == []

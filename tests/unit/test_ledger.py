@@ -179,8 +179,8 @@ def test_a_peer_s_own_micro_batch_cap_is_not_part_of_the_run_s_ledger():
     that lowered it."""
     from types import SimpleNamespace
 
-    from shoal.peer.assembly import token_ledger
-    from shoal.peer.spec import MOST_MICRO_BATCHES, PeerSpec
+    from shoal.peer.config.spec import MOST_MICRO_BATCHES, PeerSpec
+    from shoal.peer.job.assembly import token_ledger
 
     workload = SimpleNamespace(
         streams=SimpleNamespace(train=SimpleNamespace(windows=lambda window: 1 << 20)),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shoal.peer.data import BatchPlan, stdlib_corpus, validation_batches, validation_loss
-from shoal.peer.model import GPTConfig, TinyGPT
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
 
 
 def test_initial_loss_is_near_uniform_and_gradients_flow():

@@ -9,8 +9,8 @@ import torch
 
 from shoal.peer.algorithms.configs import DeMoConfig
 from shoal.peer.algorithms.exchange import run_loopback
-from shoal.peer.models import ModelError, load_model
-from shoal.peer.trainer import Trainer
+from shoal.peer.models.loading import ModelError, load_model
+from shoal.peer.train.trainer import Trainer
 
 if os.environ.get("CI"):
     import transformers

@@ -1,5 +1,6 @@
-"""A peer operators run as a service (issue 74): a stop's budget and its watchdog (shoal.peer.stopping), the
-deployments' stop timeouts that rest on it, the lock on a checkpoint folder, a refusal in flags."""
+"""A peer operators run as a service (issue 74): a stop's budget and its watchdog
+(shoal.peer.train.stopping), the deployments' stop timeouts that rest on it, the lock on a checkpoint
+folder, a refusal in flags."""
 
 import json
 import re
@@ -9,8 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from shoal.peer.node import DRAIN_MAX_S, stop_budget
-from shoal.peer.stopping import WATCHDOG_MARGIN_S, StopRequest
+from shoal.peer.job.node import DRAIN_MAX_S, stop_budget
+from shoal.peer.train.stopping import WATCHDOG_MARGIN_S, StopRequest
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 LONGEST_DOCUMENTED_ROUND_S = 45.0  # the deploy READMEs: raise the timeouts for longer rounds
@@ -43,7 +44,7 @@ def test_the_watchdog_ends_a_stop_that_outlasts_its_budget(tmp_path):
     marker = tmp_path / "cleaned"
     code = textwrap.dedent(f"""
         import threading, time
-        from shoal.peer.stopping import StopRequest, Watchdog
+        from shoal.peer.train.stopping import StopRequest, Watchdog
         stop = StopRequest(grace_s=0.3)
         Watchdog(stop, before_exit=lambda: open({str(marker)!r}, "w").close(), margin_s=0.4)
         time.sleep(0.8)  # past the budget and margin: nothing happens without a stop
@@ -86,13 +87,13 @@ def test_every_deployment_lets_a_stop_run_to_its_end():
 def test_a_checkpoint_folder_held_by_a_live_peer_is_refused_and_freed_when_it_dies(tmp_path):
     """Two peers on one --checkpoint-dir: the second is refused, naming the first's pid; once the first
     is killed (no chance to clean up), the folder is free again."""
-    from shoal.peer.preflight import lock_folder, unlock_folder
-    from shoal.peer.settings import SettingsError
+    from shoal.peer.config.preflight import lock_folder, unlock_folder
+    from shoal.peer.config.settings import SettingsError
 
     code = textwrap.dedent(f"""
         import sys, threading
         from pathlib import Path
-        from shoal.peer.preflight import lock_folder
+        from shoal.peer.config.preflight import lock_folder
         lock_folder(Path({str(tmp_path)!r}), "--checkpoint-dir")
         print("held", flush=True)
         threading.Event().wait()  # until killed
@@ -118,7 +119,7 @@ def test_a_checkpoint_folder_held_by_a_live_peer_is_refused_and_freed_when_it_di
 
 
 def test_a_refusal_is_said_in_the_flags_a_volunteer_sets():
-    from shoal.peer.node import in_flags
+    from shoal.peer.job.node import in_flags
 
     reason = "compression_topk is 4 there, 32 here; lr is 1e-3 there, the default here; "
     reason += "grad_clip is 1.0 there, the default here"
@@ -182,7 +183,8 @@ def test_bad_inputs_are_refused_before_the_model_loads(tmp_path):
 
 
 def test_the_early_checks_know_the_models_names():
-    from shoal.peer import models, preflight
+    from shoal.peer.config import preflight
+    from shoal.peer.models import loading as models
 
     assert preflight.EMBEDDED == models.PRESETS
     assert preflight.EMBEDDED_MAX_SEQ_LEN == models.EMBEDDED_MAX_SEQ_LEN

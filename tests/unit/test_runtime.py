@@ -10,8 +10,8 @@ from torch import nn
 from shoal.peer.algorithms.configs import DeMoConfig, DiLoCoConfig
 from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.data import RoundSlices
-from shoal.peer.models import ModelError, load_model
-from shoal.peer.trainer import PHASES, OutOfMemory, Trainer
+from shoal.peer.models.loading import ModelError, load_model
+from shoal.peer.train.trainer import PHASES, OutOfMemory, Trainer
 
 STREAM = torch.arange(100_000)  # window i starts with token 10 * i (seq_len 9)
 
@@ -301,7 +301,7 @@ def test_a_checkpoint_carries_the_token_ledger(tmp_path):
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
-    from shoal.peer.assembly import checkpoint_activations
+    from shoal.peer.job.assembly import checkpoint_activations
 
     plain, checkpointed = load_model("tiny", seed=4).module, load_model("tiny", seed=4).module
     checkpoint_activations(checkpointed, "tiny")
@@ -320,9 +320,9 @@ def test_a_stop_that_comes_after_a_rounds_checkpoint_ends_the_next_round_with_on
     SIGTERM between the two reads of the stop left no checkpoint)."""
     from types import SimpleNamespace
 
-    from shoal.peer.runtime import SwarmPeer
-    from shoal.peer.stopping import StopRequest
+    from shoal.peer.job.runtime import SwarmPeer
     from shoal.peer.swarm.records import RoundPlan
+    from shoal.peer.train.stopping import StopRequest
 
     saved, rounds = [], iter(range(10))
     counts = SimpleNamespace(bytes_sent=0, bytes_received=0)
@@ -360,7 +360,7 @@ def test_loss_scaling_unscales_the_gradients_and_drops_a_step_that_overflowed():
     """fp16's dynamic loss scale (hardware.LossScale): the optimizer sees the true gradients; a step
     whose scaled gradients overflowed reaches it zeroed, counted, and the scale is halved; after
     `growth_every` good steps it doubles again."""
-    from shoal.peer.hardware import LossScale
+    from shoal.peer.train.hardware import LossScale
 
     plain = trainer()
     scaled = trainer(loss_scale=LossScale(scale=2.0**10, growth_every=2))
@@ -386,7 +386,7 @@ def test_loss_scaling_unscales_the_gradients_and_drops_a_step_that_overflowed():
 
 
 def test_fp16_autocast_with_loss_scaling_trains_the_embedded_gpt():
-    from shoal.peer.hardware import LossScale, autocast_for
+    from shoal.peer.train.hardware import LossScale, autocast_for
 
     torch.manual_seed(0)
     loaded = load_model("tiny")

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from shoal.peer.clock import CLOCK_FILE, save_clock, saved_clock
-from shoal.peer.progress import Progress
-from shoal.peer.settings import PeerSpec
+from shoal.peer.config.settings import PeerSpec
+from shoal.peer.job.clock import CLOCK_FILE, save_clock, saved_clock
+from shoal.peer.job.progress import Progress
 from shoal.peer.swarm.exchange import RoundSchedule
 
 

@@ -11,8 +11,8 @@ from shoal.peer.algorithms.configs import DeMoConfig, DiLoCoConfig
 from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.algorithms.schedule import Schedule
 from shoal.peer.checkpoint import CheckpointStore
-from shoal.peer.spec import PeerSpec
-from shoal.peer.trainer import Trainer
+from shoal.peer.config.spec import PeerSpec
+from shoal.peer.train.trainer import Trainer
 from tests.unit.test_runtime import Linear, batches
 
 

@@ -6,7 +6,7 @@ import socket
 import pytest
 
 from shoal.peer import cli
-from shoal.peer.settings import PeerSpec, SettingsError, resolve
+from shoal.peer.config.settings import PeerSpec, SettingsError, resolve
 from shoal.peer.swarm.identity import IdentityError, load_identity, peer_id_of
 
 

@@ -1,8 +1,8 @@
-"""The compute window of an uncoordinated round without --compute-fraction (shoal.peer.window)."""
+"""The compute window of an uncoordinated round without --compute-fraction (shoal.peer.job.window)."""
 
 import pytest
 
-from shoal.peer.window import FIRST_FRACTION, MARGIN_S, AutoWindow, round_seconds_for
+from shoal.peer.job.window import FIRST_FRACTION, MARGIN_S, AutoWindow, round_seconds_for
 
 
 def test_starts_at_half_a_round_then_computes_up_to_the_measured_exchange():

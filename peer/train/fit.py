@@ -39,7 +39,12 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shoal.peer.algorithms.configs import AlgorithmConfig, DeMoConfig, DiLoCoConfig
-from shoal.peer.models import LoadedModel, recompute, recomputing
+from shoal.peer.algorithms.exchange import LoopbackExchange
+from shoal.peer.algorithms.feedback import codec_for
+from shoal.peer.algorithms.tile_groups import slice_parameters
+from shoal.peer.models.gpt import TinyGPT
+from shoal.peer.models.loading import LoadedModel, recompute, recomputing
+from shoal.peer.train.trainer import Trainer
 
 MIB = 1 << 20
 HEADROOM = 0.9
@@ -71,8 +76,6 @@ def algorithm_memory(
       gradients and one temporary (not measured yet: it needs a GPU)."""
     size = sum(p.numel() for p in params) * 4
     if isinstance(algorithm, DeMoConfig):
-        from shoal.peer.algorithms.tile_groups import slice_parameters
-
         slices = slice_parameters(params, algorithm.chunk, DEMO_SLICE_NUMEL)
         slot = max((piece.plan.numel for piece in slices), default=0) * 4
         own = size * (1 + algorithm.overlapped)
@@ -269,15 +272,13 @@ def _trace(
 
 
 def dtype_of(autocast: Callable) -> torch.dtype | None:
-    """The dtype of an autocast factory (shoal.peer.hardware.autocast_for's), None for none."""
+    """The dtype of an autocast factory (shoal.peer.train.hardware.autocast_for's), None for none."""
     keywords = getattr(autocast, "keywords", None) or {}
     return keywords.get("dtype") if getattr(autocast, "func", None) is torch.autocast else None
 
 
 def layers(module: nn.Module) -> int:
     """The blocks activation checkpointing recomputes one at a time."""
-    from shoal.peer.model import TinyGPT
-
     if isinstance(module, TinyGPT):
         return len(module.blocks)
     config = getattr(module, "config", None)
@@ -298,10 +299,6 @@ def measure(
     """A dry run of `batch_size` on `device` (module docstring); the model is where it was after it.
     `outer_on_host`: DiLoCo's outer state in host memory (`--outer-state cpu`); `guess`: its estimate,
     if the caller made it already."""
-    from shoal.peer.algorithms.exchange import LoopbackExchange
-    from shoal.peer.algorithms.feedback import codec_for
-    from shoal.peer.trainer import Trainer
-
     module, vocab = loaded.module, loaded.vocab_size or 256
     home = next(module.parameters()).device
     kept = {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}

@@ -2,9 +2,9 @@
 will listen on (first: a port in use is the most common mistake, and reported at once), the checkpoint
 folder (writable, and no other live peer's: `lock_folder`) and the folder of the address file. Each
 failure is a `SettingsError` naming the flag to fix (the CLI exits 2 with it). The checks that need
-torch (device, model, data) follow in shoal.peer.node, still before the DHT starts.
+torch (device, model, data) follow in shoal.peer.job.node, still before the DHT starts.
 
-    python -c "from shoal.peer import preflight, spec; preflight.check(spec.PeerSpec())"
+    python -c "from shoal.peer.config import preflight, spec; preflight.check(spec.PeerSpec())"
 """
 
 import errno
@@ -17,7 +17,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from shoal.peer.settings import PeerSpec, SettingsError
+from shoal.peer.config.settings import PeerSpec, SettingsError
 
 
 def check(settings: PeerSpec) -> None:
@@ -105,7 +105,7 @@ def unlock_folder(folder: Path) -> None:
         os.close(fd)
 
 
-# shoal.peer.models' names (which imports torch), kept equal by tests/unit/test_peer_service.py
+# shoal.peer.models.loading' names (which imports torch), kept equal by tests/unit/test_peer_service.py
 EMBEDDED = ("tiny", "small", "base")
 EMBEDDED_MAX_SEQ_LEN = 1 << 16
 FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

@@ -10,6 +10,7 @@ under the same torch seed, so that peers that start together start equal.
 
 import importlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.peer.model import GPTConfig, TinyGPT
-from shoal.peer.trainer import LossFn, model_loss
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
 
 PRESETS = ("tiny", "small", "base")
 FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -31,6 +31,15 @@ WEIGHTS = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+"""loss_fn(model, inputs, targets) -> scalar loss."""
+
+
+def model_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The default loss: models whose `forward(inputs, targets=...)` returns it (TinyGPT)."""
+    return model(inputs, targets=targets)
 
 
 class ModelError(ValueError):

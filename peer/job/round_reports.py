@@ -4,9 +4,9 @@ rounds it settled, the epoch, and with --audit-data on, the windows this peer tr
 payloads miss round after round (`tell_late`), one left alone (`tell_alone`) or cut off from the others
 (`tell_isolation`)."""
 
-from shoal.peer.assembly import Workload
 from shoal.peer.data import validation_loss
-from shoal.peer.progress import Progress
+from shoal.peer.job.assembly import Workload
+from shoal.peer.job.progress import Progress
 from shoal.peer.swarm.directory import REJOIN_EVERY_S
 from shoal.peer.swarm.isolation import ISOLATED_AFTER
 from shoal.peer.swarm.relay import Reachability

@@ -7,9 +7,9 @@ import math
 import time
 from pathlib import Path
 
+from shoal.peer.config.spec import PeerSpec
 from shoal.peer.files import replace_text
-from shoal.peer.progress import Progress
-from shoal.peer.spec import PeerSpec
+from shoal.peer.job.progress import Progress
 from shoal.peer.swarm.records import RoundSchedule
 
 

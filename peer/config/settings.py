@@ -1,5 +1,5 @@
 """Settings of `shoal join`: from flags, then `SHOAL_*` environment variables, then a TOML file, then
-defaults; the first that names a setting wins. They make one `PeerSpec` (shoal.peer.spec), which
+defaults; the first that names a setting wins. They make one `PeerSpec` (shoal.peer.config.spec), which
 checks every value; a bad one raises `SettingsError` naming the setting and where it came from (the
 CLI exits 2 with it).
 
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shoal.peer.spec import ALGORITHMS, FLAGS, PARSERS, SECTIONS, PeerSpec
+from shoal.peer.config.spec import ALGORITHMS, FLAGS, PARSERS, SECTIONS, PeerSpec
 
 __all__ = ["ALGORITHMS", "MAX_CONFIG_BYTES", "PARSERS", "PeerSpec", "SettingsError", "resolve"]
 

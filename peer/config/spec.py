@@ -5,7 +5,7 @@ per component (network, coordinator, run, algorithm, model, data, checkpoint, lo
     spec.model.name, spec.algorithm.config().inner_steps                  # "small", 20
     spec.changed(port=4001)                                               # another spec, one flag moved
 
-`shoal join` reads its flags, `SHOAL_*` variables and TOML sections into it (shoal.peer.settings);
+`shoal join` reads its flags, `SHOAL_*` variables and TOML sections into it (shoal.peer.config.settings);
 `build_peer` and the integration tests' peers start from one and override fields. Each field is named
 by one flag (`FLAGS`: `--checkpoint-every` is `checkpoint.every`), and every check, whether of a
 flag's text or of a value set in code, raises a `ValueError` naming the flag. The run configuration
@@ -33,7 +33,6 @@ from shoal.peer.algorithms.configs import (
 )
 from shoal.peer.algorithms.schedule import KINDS, Schedule
 from shoal.peer.swarm.names import check_run_name
-from shoal.peer.window import DEFAULT_ROUND_S, FIRST_FRACTION
 
 ALGORITHMS = {
     "demo": "demo",
@@ -45,6 +44,10 @@ ALGORITHMS = {
 }
 """What --algorithm accepts, and the algorithm (shoal.peer.algorithms.configs.DEFAULTS) each names."""
 DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d{1,3})?)$")
+DEFAULT_ROUND_S = 10.0
+"""The shortest round a first peer chooses (shoal.peer.job.window.round_seconds_for)."""
+FIRST_FRACTION = 0.5
+"""The share of a round kept for the exchange before one was measured, and at most."""
 
 
 # --- the checks of single values: each parses a flag's text (or a value set in code) or raises -------
@@ -201,14 +204,14 @@ class RunSpec(_Section):
     """The run's name: peers of one run train one model."""
     round_seconds: float | None = _setting("round_seconds", _float(0.5, 86400), None)
     """Length of a round, when starting a new swarm. None: one that the exchange of this peer's payload
-    fits (shoal.peer.window.round_seconds_for); a peer that joins a swarm takes the swarm's."""
+    fits (shoal.peer.job.window.round_seconds_for); a peer that joins a swarm takes the swarm's."""
     start_time: float = _setting("start_time", _float(0.0, 1e11), 0.0)
     """Unix time of round 0, when starting a new swarm (0: now)."""
     discover_seconds: float = _setting("discover_seconds", _float(0.0, 86400), 60.0)
     """With initial peers: how long to wait for a peer of the run before starting it."""
     compute_fraction: float | None = _setting("compute_fraction", _float(0.0, 0.95, open_low=True), None)
     """Share of a round spent computing; the rest is for the exchange. None: until the round's deadline
-    less the exchange time measured (shoal.peer.window), half a round until measured."""
+    less the exchange time measured (shoal.peer.job.window), half a round until measured."""
     max_rounds: int = _setting("max_rounds", _int(0), 0)
     """Leave after this many rounds (0: never)."""
     until_round: int | None = _setting("until_round", _int(0), None)
@@ -223,7 +226,7 @@ class RunSpec(_Section):
     @property
     def window_s(self) -> float:
         """The compute window of a round as first planned: --compute-fraction's, else half a round
-        (shoal.peer.window adapts it from there)."""
+        (shoal.peer.job.window adapts it from there)."""
         return (self.round_seconds or DEFAULT_ROUND_S) * (self.compute_fraction or FIRST_FRACTION)
 
 
@@ -332,17 +335,19 @@ class ModelSpec(_Section):
     30 s round on a 2-core CPU). This peer's own: not part of the run's configuration."""
     precision: str = _setting("precision", _choice(("auto", "fp32", "bf16", "fp16")), "auto")
     """auto (bf16 autocast on GPUs that have it, fp32 elsewhere), fp32, bf16 autocast anywhere, or fp16
-    autocast with dynamic loss scaling (shoal.peer.hardware.LossScale)."""
+    autocast with dynamic loss scaling (shoal.peer.train.hardware.LossScale)."""
     activation_checkpointing: str = _setting("activation_checkpointing", _choice(("on", "off")), "off")
     """on: keep only each block's input and recompute its activations in the backward pass."""
     nproc_per_node: int = _setting("nproc_per_node", _int(1, 1024), 1)
-    """Data-parallel ranks of this peer on this machine, one per GPU (or CPU process): shoal.peer.ranks."""
+    """Data-parallel ranks of this peer on this machine, one per GPU (or CPU process):
+    shoal.peer.train.ranks."""
     outer_state: str = _setting("outer_state", _choice(("device", "cpu")), "device")
     """Where DiLoCo keeps its outer copy, momentum and error feedback: with the model, or in (pinned)
     host memory, copied to and from the device once a round."""
     fit: str = _setting("fit", _choice(("auto", "off")), "auto")
     """auto: before joining, estimate and measure (a dry run) the memory and time a round takes here,
-    choose the micro-batch and activation checkpointing that fit, refuse what cannot (shoal.peer.fit)."""
+    choose the micro-batch and activation checkpointing that fit, refuse what cannot
+    (shoal.peer.train.fit)."""
     max_memory: float = _setting("max_memory", _float(0.0, 1 << 20), 0.0)
     """GiB this peer may use on its device (0: 90% of what is free)."""
     seq_len: int | None = _setting("seq_len", _int(1, 1 << 20), None)

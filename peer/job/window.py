@@ -17,7 +17,7 @@ short; it never exceeds half a round (the old default's share), and starts at ha
 
 An overlapped algorithm (DeMo with overlap, DiLoCo's late modes) plans its next round while the last
 one is exchanged: the same rule then gives it nearly the whole round, its exchange running alongside.
-A coordinated round keeps the coordinator's compute budget (shoal.peer.runtime).
+A coordinated round keeps the coordinator's compute budget (shoal.peer.job.runtime).
 
 The round's length is the swarm's: its first peer chooses it, and the others follow its clock. Without
 --round-seconds the first peer chooses one that its exchange fits (`round_seconds_for`). The exchange
@@ -26,19 +26,17 @@ trips, as measured) plus the pulls of the others' payloads over the link assumed
 link, each way, with `PEERS` peers, or --gather's). A peer that does not overlap its exchange idles
 for it, so it takes at most `IDLE_SHARE` of a round; an overlapped one computes through it, which is
 planned to take at most `OVERLAP_SHARE` of the round, so that a slow pull still ends within it. The
-payload is the one the fit's dry run made (shoal.peer.fit); without one (--fit off), the latency alone.
+payload is the one the fit's dry run made (shoal.peer.train.fit); without one (--fit off), the latency alone.
 """
 
 import math
 from dataclasses import dataclass, field
 
-FIRST_FRACTION = 0.5
-"""The share of a round kept for the exchange before one was measured, and at most."""
+from shoal.peer.config.spec import DEFAULT_ROUND_S, FIRST_FRACTION
+
 MARGIN_S = 0.3
 """Kept on top of the measured need: the DHT's poll interval and the clocks' skew."""
 SLACK = 1.5
-DEFAULT_ROUND_S = 10.0
-"""The shortest round a first peer chooses."""
 ROUND_STEP_S = 5.0
 """A round chosen longer than the shortest is a multiple of this."""
 LINK_MBIT = 10.0

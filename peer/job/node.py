@@ -1,6 +1,6 @@
 """`shoal join`: one volunteer's peer, from settings to rounds in a swarm.
 
-    settings (ports, folders: shoal.peer.preflight) -> device, model, data -> coordinator token
+    settings (ports, folders: shoal.peer.config.preflight) -> device, model, data -> coordinator token
              -> identity -> DHT (print this peer's address and the join command; a joiner finds the
              round clock) -> SwarmExchange -> Trainer -> rounds until stopped
 
@@ -10,10 +10,10 @@ or data that cannot be loaded, a token the coordinator refuses) is a `SettingsEr
 what to do (the CLI exits 1): an unreachable bootstrap peer, no peer of the run found, a swarm whose
 configuration differs, a model that does not fit the device. Ctrl-C or SIGTERM stop the
 peer at the end of the round in progress, with a checkpoint when `--checkpoint-dir` is set.
-With `--metrics-port` the peer serves Prometheus metrics (shoal.peer.metrics); with `--address-file`
+With `--metrics-port` the peer serves Prometheus metrics (shoal.peer.job.metrics); with `--address-file`
 it writes the address others join through, for scripts and containers.
 
-The peer is put together by shoal.peer.assembly (`build_peer`), as every other peer is.
+The peer is put together by shoal.peer.job.assembly (`build_peer`), as every other peer is.
 """
 
 import dataclasses
@@ -29,8 +29,11 @@ from typing import IO
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
-from shoal.peer import window
-from shoal.peer.assembly import (
+from shoal.peer.config.settings import PARSERS, PeerSpec, SettingsError
+from shoal.peer.data import validation_loss
+from shoal.peer.files import replace_text
+from shoal.peer.job import window
+from shoal.peer.job.assembly import (
     PeerSummary,
     Workload,
     build_peer,
@@ -39,18 +42,12 @@ from shoal.peer.assembly import (
     start_peer,
     workload_ranks,
 )
-from shoal.peer.clock import ClockError, save_clock, saved_clock
-from shoal.peer.data import validation_loss
-from shoal.peer.files import replace_text
-from shoal.peer.fit import Fit
-from shoal.peer.hardware import autocast_for, memory_in_use
-from shoal.peer.metrics import PeerMetrics, build_info
-from shoal.peer.progress import Progress
-from shoal.peer.ranks import LocalRanks, RanksError, serve
-from shoal.peer.round_reports import tell_alone, tell_isolation, tell_late, tell_ledger, tell_validation
-from shoal.peer.runtime import SwarmPeer
-from shoal.peer.settings import PARSERS, PeerSpec, SettingsError
-from shoal.peer.stopping import StopRequest, Watchdog, stop_on_signals
+from shoal.peer.job.clock import ClockError, save_clock, saved_clock
+from shoal.peer.job.metrics import PeerMetrics, build_info
+from shoal.peer.job.progress import Progress
+from shoal.peer.job.round_reports import tell_alone, tell_isolation, tell_late, tell_ledger, tell_validation
+from shoal.peer.job.runtime import SwarmPeer
+from shoal.peer.job.window import round_seconds_for
 from shoal.peer.swarm.bootstrap import BootstrapError, best_address, check_multiaddrs, private_only
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
 from shoal.peer.swarm.exchange import Abandoned, RoundSchedule, SwarmExchange
@@ -58,8 +55,11 @@ from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
 from shoal.peer.swarm.membership import SHOAL_VERSION
 from shoal.peer.swarm.relay import Reachability
 from shoal.peer.swarm.server import ask_runs
-from shoal.peer.trainer import OutOfMemory
-from shoal.peer.window import round_seconds_for
+from shoal.peer.train.fit import Fit
+from shoal.peer.train.hardware import autocast_for, memory_in_use
+from shoal.peer.train.ranks import LocalRanks, RanksError, serve
+from shoal.peer.train.stopping import StopRequest, Watchdog, stop_on_signals
+from shoal.peer.train.trainer import OutOfMemory
 
 # the run configuration's flags, in the order the join command names them
 RUN_FLAGS = (
@@ -83,7 +83,7 @@ STOP_ROUND_MARGIN_S = 5.0  # past a round's length, what a stop gives the round 
 
 
 def stop_budget(round_seconds: float) -> float:
-    """A stop's budget from its signal (shoal.peer.stopping): the round in flight ends and is
+    """A stop's budget from its signal (shoal.peer.train.stopping): the round in flight ends and is
     checkpointed, then the peer serves its last payload, DRAIN_MAX_S in all, or the round's length and
     a margin where rounds are longer."""
     return max(DRAIN_MAX_S, round_seconds + STOP_ROUND_MARGIN_S)
@@ -106,7 +106,7 @@ class Credentials:
 
 def join(settings: PeerSpec, *, stream: IO[str] | None = None) -> dict:
     """Runs the peer until it is stopped or its rounds are done; returns the summary it printed.
-    `settings` have passed shoal.peer.preflight.check (the CLI runs it before importing torch); raises
+    `settings` have passed shoal.peer.config.preflight.check (the CLI runs it before importing torch); raises
     SettingsError for a setting checked here, JoinError for any other failure the volunteer can fix."""
     progress = Progress(
         settings.logging.format, stream or sys.stdout, title=f"shoal · run {settings.run.name}"
@@ -256,7 +256,7 @@ def _announce_address(
 
 
 def _workload(settings: PeerSpec) -> Workload:
-    """The device, model and data the settings name (shoal.peer.assembly.load_workload); SettingsError
+    """The device, model and data the settings name (shoal.peer.job.assembly.load_workload); SettingsError
     naming the flag if one is unusable."""
     try:
         return load_workload(settings)
@@ -266,7 +266,7 @@ def _workload(settings: PeerSpec) -> Workload:
 
 def _chosen_round(settings: PeerSpec, progress: Progress, fitted: Fit | None) -> float:
     """The round this peer starts a run with when --round-seconds is not given: one its exchange fits
-    (shoal.peer.window.round_seconds_for), from the payload of the fit's dry run."""
+    (shoal.peer.job.window.round_seconds_for), from the payload of the fit's dry run."""
     algorithm = settings.algorithm_config()
     payload = fitted.chosen.payload_bytes if fitted is not None else None
     seconds = round_seconds_for(payload, overlapped=algorithm.overlapped, gather=settings.run.gather)
@@ -280,7 +280,7 @@ def _chosen_round(settings: PeerSpec, progress: Progress, fitted: Fit | None) ->
 
 
 def _fit(settings: PeerSpec, progress: Progress, workload: Workload) -> Fit | None:
-    """--fit auto: what fits this device (shoal.peer.fit), said with its numbers; a device too slow
+    """--fit auto: what fits this device (shoal.peer.train.fit), said with its numbers; a device too slow
     for the round's window is warned of (it joins, late); SettingsError when nothing fits in memory."""
     try:
         fitted = fit_workload(settings, workload)
@@ -433,7 +433,7 @@ def _loop(
 
 
 def _serve_metrics(settings, progress, exchange, trainer, device, numel) -> PeerMetrics | None:
-    """With --metrics-port: Prometheus metrics on --host:port/metrics (shoal.peer.metrics)."""
+    """With --metrics-port: Prometheus metrics on --host:port/metrics (shoal.peer.job.metrics)."""
     if settings.logging.metrics_port is None:
         return None
     info = build_info(
@@ -473,7 +473,7 @@ def _write_address(path: str, address: str) -> None:
 
 
 def _summary(settings, progress, peer: SwarmPeer, reports, final_resync, validation) -> dict:
-    """The run as this peer saw it (shoal.peer.assembly.PeerSummary), logged as the `summary` event
+    """The run as this peer saw it (shoal.peer.job.assembly.PeerSummary), logged as the `summary` event
     (and, for a person, one line)."""
     summary = PeerSummary.of(peer, reports, validation=validation, final_resync=final_resync)
     event = summary.event()
@@ -563,7 +563,7 @@ def _check_compatible(exchange: SwarmExchange) -> None:
         )
 
 
-# the run configuration's keys (shoal.peer.spec run_config) that are not spelled as their flag
+# the run configuration's keys (shoal.peer.config.spec run_config) that are not spelled as their flag
 CONFIG_FLAGS = {"compression_topk": "--topk", "total_rounds": "--until-round"}
 
 

@@ -1,13 +1,13 @@
 """The one recipe that puts a peer together from its `PeerSpec`, and the one summary of its run.
 
     workload = load_workload(spec)                    # device, model, data: checked before the DHT starts
-    with start_peer(spec) as peer:                    # its DHT (shoal.peer.runtime.SwarmPeer)
+    with start_peer(spec) as peer:                    # its DHT (shoal.peer.job.runtime.SwarmPeer)
         build_peer(peer, spec, schedule, workload)    # its SwarmExchange and Trainer
         reports = [done.report for done in peer.rounds(until_round=spec.run.until_round)]
         peer.finish()
         summary = PeerSummary.of(peer, reports)
 
-`shoal join` (shoal.peer.node), `shoal bench swarm-local` and `wan`, and the integration tests' peers
+`shoal join` (shoal.peer.job.node), `shoal bench swarm-local` and `wan`, and the integration tests' peers
 all assemble through here. They change fields of the spec (`spec.changed(...)`), and pass only what a
 spec cannot hold: a benchmark's own model or batches, a test's hostile exchange class, a deadline.
 """
@@ -27,20 +27,20 @@ from shoal.peer.algorithms.configs import DeMoConfig, DiLoCoConfig
 from shoal.peer.algorithms.feedback import codec_for
 from shoal.peer.algorithms.robust import finite
 from shoal.peer.checkpoint import CheckpointStore
+from shoal.peer.config.spec import MOST_MICRO_BATCHES, PeerSpec
 from shoal.peer.data import RoundSlices, TokenStreams, load_data
 from shoal.peer.data.ledger import TokenLedger
 from shoal.peer.data.tokenizer import load_tokenizer
-from shoal.peer.fit import Fit, fit
-from shoal.peer.hardware import LossScale, autocast_for, choose_device
-from shoal.peer.models import LoadedModel, load_model, recompute, recomputing
-from shoal.peer.ranks import LocalRanks, RanksError, check_ranks, start_ranks, torchrun_ranks
-from shoal.peer.runtime import SwarmPeer
-from shoal.peer.spec import MOST_MICRO_BATCHES, PeerSpec
+from shoal.peer.job.runtime import SwarmPeer
+from shoal.peer.job.window import AutoWindow
+from shoal.peer.models.loading import LoadedModel, load_model, recompute, recomputing
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
 from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.records import RoundPlan, RoundSchedule
-from shoal.peer.trainer import Batches, RoundReport, Trainer
-from shoal.peer.window import AutoWindow
+from shoal.peer.train.fit import Fit, fit
+from shoal.peer.train.hardware import LossScale, autocast_for, choose_device
+from shoal.peer.train.ranks import LocalRanks, RanksError, check_ranks, start_ranks, torchrun_ranks
+from shoal.peer.train.trainer import Batches, RoundReport, Trainer
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +84,7 @@ def load_workload(spec: PeerSpec) -> Workload:
 
 def fit_workload(spec: PeerSpec, workload: Workload) -> Fit | None:
     """`--fit auto`: the micro-batch, activation checkpointing and DiLoCo's outer-state placement that
-    fit this device in memory and the round's compute window (shoal.peer.fit: estimated, then measured
+    fit this device in memory and the round's compute window (shoal.peer.train.fit: estimated, then measured
     by a dry run), checkpointing switched on if chosen (the caller sets --outer-state cpu if chosen:
     `Fit.outer_on_host`); None with `--fit off`. FitError (a ValueError) when nothing fits."""
     if spec.model.fit == "off":
@@ -109,7 +109,7 @@ def fit_workload(spec: PeerSpec, workload: Workload) -> Fit | None:
 
 def workload_ranks(spec: PeerSpec, workload: Workload) -> LocalRanks | None:
     """`--nproc-per-node N` (the other ranks spawned, each building the spec's model) or torchrun: this
-    process's place among the peer's data-parallel ranks (shoal.peer.ranks), the group met; None for
+    process's place among the peer's data-parallel ranks (shoal.peer.train.ranks), the group met; None for
     one process. RanksError naming the flag when this machine has fewer devices than ranks."""
     ranks = torchrun_ranks(workload.device)
     if ranks is not None or spec.model.nproc_per_node == 1:
@@ -171,7 +171,7 @@ def build_peer(
     trainer (also `peer.trainer`). `batches`: the benchmark's own (default: the round's windows of the
     spec's data, `round_batches`); `fill_window` False computes one micro-batch per step instead of
     filling --compute-fraction of each round; `warn` hears of checkpoints that could not be written;
-    `ranks`: the peer's data-parallel ranks, this one rank 0 (shoal.peer.ranks); `exchange_options`
+    `ranks`: the peer's data-parallel ranks, this one rank 0 (shoal.peer.train.ranks); `exchange_options`
     override SwarmExchange's (a test's fetch timeout or strike limit)."""
     device, loaded = workload.device, workload.model
     model = loaded.module.to(device)

@@ -29,8 +29,8 @@ import torch
 from safetensors.torch import save_file
 
 from shoal.peer.checkpoint import CheckpointStore
-from shoal.peer.model import TinyGPT
-from shoal.peer.models import PRESETS, ModelError, load_model
+from shoal.peer.models.gpt import TinyGPT
+from shoal.peer.models.loading import PRESETS, ModelError, load_model
 
 TOKENIZER_FILES = (
     "tokenizer.json",

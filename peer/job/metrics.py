@@ -100,7 +100,7 @@ class PeerMetrics:
     def observe_round(
         self, report, *, wall_s: float, payload_bytes: int, peers_seen: int, stragglers: int
     ) -> None:
-        """One finished round: `report` is the trainer's RoundReport (shoal.peer.trainer)."""
+        """One finished round: `report` is the trainer's RoundReport (shoal.peer.train.trainer)."""
         self.round.set(report.round)
         self.rounds.inc()
         if math.isfinite(report.loss):

@@ -1,5 +1,5 @@
 """A swarm peer driven round after round (`SwarmPeer`): its DHT, its `SwarmExchange` and its `Trainer`
-(shoal.peer.trainer), closed in order. shoal.peer.assembly puts it together from a `PeerSpec`.
+(shoal.peer.train.trainer), closed in order. shoal.peer.job.assembly puts it together from a `PeerSpec`.
 """
 
 import dataclasses
@@ -13,14 +13,14 @@ from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
 
 from shoal.peer.algorithms.configs import AlgorithmConfig
-from shoal.peer.stopping import StopRequest
+from shoal.peer.job.window import AutoWindow
 from shoal.peer.swarm.bootstrap import start_dht
 from shoal.peer.swarm.exchange import Abandoned, SwarmExchange
 from shoal.peer.swarm.membership import record_validators
 from shoal.peer.swarm.records import RoundPlan, RoundSchedule
 from shoal.peer.swarm.relay import UNCHECKED, check_reachability
-from shoal.peer.trainer import Batches, RoundReport, Trainer
-from shoal.peer.window import AutoWindow
+from shoal.peer.train.stopping import StopRequest
+from shoal.peer.train.trainer import Batches, RoundReport, Trainer
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +39,9 @@ class PeerRound:
 
 
 class SwarmPeer:
-    """One peer of a swarm, and the one round loop that drives it. `shoal join` (shoal.peer.node), the
+    """One peer of a swarm, and the one round loop that drives it. `shoal join` (shoal.peer.job.node), the
     benchmark workers and the integration tests' peers all run through it, built by
-    shoal.peer.assembly (`start_peer`, then `build_peer`, which call these):
+    shoal.peer.job.assembly (`start_peer`, then `build_peer`, which call these):
 
         with SwarmPeer.start("my-run", initial_peers, host_maddrs=["/ip4/0.0.0.0/tcp/0"]) as peer:
             peer.connect(schedule, config)                # its SwarmExchange
@@ -71,7 +71,7 @@ class SwarmPeer:
         self._encode_s = 0.0  # the last round's encode time
         self.window: AutoWindow | None = None
         """Without --compute-fraction: each uncoordinated round computes until its deadline, less the
-        exchange time measured (shoal.peer.window)."""
+        exchange time measured (shoal.peer.job.window)."""
 
     @classmethod
     def start(

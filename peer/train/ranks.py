@@ -15,7 +15,7 @@ ranks' combined update and claims the samples of all its ranks.
     trainer = Trainer(..., ranks=ranks)            # its steps run across them
     trainer.close()                                # the workers told to stop, and waited for
 
-A worker (`python -m shoal.peer.ranks`, or a rank of torchrun other than 0) builds the model as rank
+A worker (`python -m shoal.peer.train.ranks`, or a rank of torchrun other than 0) builds the model as rank
 0 does and serves steps until told to stop (`serve`).
 """
 
@@ -38,6 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from shoal.peer.models.loading import load_model, recompute
+from shoal.peer.train.hardware import autocast_for
 
 STEP, STOP = 1, 0
 TIMEOUT = timedelta(minutes=10)
@@ -159,7 +162,7 @@ def check_ranks(count: int, device: torch.device) -> None:
 
 
 def start_ranks(count: int, device: torch.device, model: dict) -> LocalRanks:
-    """Rank 0 of `count`: spawns the other ranks (`python -m shoal.peer.ranks`), each building the
+    """Rank 0 of `count`: spawns the other ranks (`python -m shoal.peer.train.ranks`), each building the
     model `model` names (load_model's arguments and `checkpointing`, `precision`), and meets them."""
     check_ranks(count, device)
     folder = Path(tempfile.mkdtemp(prefix="shoal-ranks-"))
@@ -172,7 +175,7 @@ def start_ranks(count: int, device: torch.device, model: dict) -> LocalRanks:
             "SHOAL_RANKS_STORE": str(store),
             "SHOAL_RANKS_MODEL": json.dumps(model | {"device": str(rank_device(device, rank))}),
         }
-        workers.append(subprocess.Popen([sys.executable, "-m", "shoal.peer.ranks"], env=env))
+        workers.append(subprocess.Popen([sys.executable, "-m", "shoal.peer.train.ranks"], env=env))
     try:
         join_group(0, count, device, f"file://{store}")
     except BaseException:
@@ -221,9 +224,6 @@ def follow_rank_0() -> None:
 
 def worker_main() -> int:
     """A spawned worker rank: builds the model, meets rank 0, serves its steps."""
-    from shoal.peer.hardware import autocast_for
-    from shoal.peer.models import load_model, recompute
-
     rank, world = int(os.environ["SHOAL_RANK"]), int(os.environ["SHOAL_WORLD"])
     model = json.loads(os.environ["SHOAL_RANKS_MODEL"])
     follow_rank_0()

@@ -1,6 +1,6 @@
 """The round loop of one peer (`Trainer`), with checkpoints and a clean stop. No network here: the
 trainer runs over any `Exchange` (loopback threads, torch.distributed, or the swarm's, driven by
-shoal.peer.runtime.SwarmPeer).
+shoal.peer.job.runtime.SwarmPeer).
 
 Each round: compute (forward and backward on this peer's micro-batches, gradients accumulated),
 then the optimizer's step, which encodes, exchanges, decodes and applies (DeMo: one step per round;
@@ -11,7 +11,7 @@ Heterogeneous hardware: the micro-batch size starts at `batch_size` and is halve
 runs out of memory (the round's accumulation is restarted, never crashed; below 1 it is a clear
 `OutOfMemory`), and with a `compute_window` as many micro-batches are accumulated per step as fit
 in it, measured on the previous rounds, so a fast GPU contributes more samples per round than a
-laptop CPU. `autocast` wraps the forward passes (bf16 on GPUs that support it, shoal.peer.hardware).
+laptop CPU. `autocast` wraps the forward passes (bf16 on GPUs that support it, shoal.peer.train.hardware).
 
 Checkpoints (shoal.peer.checkpoint) are written every `checkpoint_every` rounds and when a stop is
 asked for (`stop_on_signals`: SIGTERM or SIGINT set a flag that the loop checks after each round,
@@ -35,9 +35,10 @@ from shoal.peer.algorithms.exchange import Exchange
 from shoal.peer.algorithms.schedule import Schedule
 from shoal.peer.algorithms.synchronizer import synchronizer
 from shoal.peer.checkpoint import CheckpointStore
-from shoal.peer.hardware import LossScale
-from shoal.peer.ranks import LocalRanks
-from shoal.peer.stopping import StopRequest
+from shoal.peer.models.loading import LossFn, model_loss
+from shoal.peer.train.hardware import LossScale
+from shoal.peer.train.ranks import LocalRanks
+from shoal.peer.train.stopping import StopRequest
 
 PHASES = ("compute", "encode", "exchange", "decode", "apply")
 
@@ -45,14 +46,6 @@ Batches = Callable[[int, int, int, object], tuple[torch.Tensor, torch.Tensor]]
 """batches(step, micro, batch_size, plan) -> (inputs, targets): the `micro`-th micro-batch of this
 peer's `step`-th optimizer step, `batch_size` samples, for the round `plan` (`Trainer.round`'s: a
 swarm peer's RoundPlan, whose round, slot and data seed choose its data; None without one)."""
-
-LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-"""loss_fn(model, inputs, targets) -> scalar loss."""
-
-
-def model_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The default loss: models whose `forward(inputs, targets=...)` returns it (TinyGPT)."""
-    return model(inputs, targets=targets)
 
 
 class OutOfMemory(RuntimeError):
@@ -126,10 +119,10 @@ class Trainer:
         grad_clip: each step's gradient clipped to this norm (0: not clipped).
         weight_decay: DeMo's, or DiLoCo's inner AdamW's (None: the algorithm's).
         outer_device: where DiLoCo keeps its outer state (`--outer-state cpu`; None: with the model).
-        ranks: this peer's data-parallel ranks, of which this trainer is rank 0 (shoal.peer.ranks: the
+        ranks: this peer's data-parallel ranks, of which this trainer is rank 0 (shoal.peer.train.ranks: the
             others compute its micro-batches with it, and it alone steps); None: one process. A step
             across ranks is not cut short by the compute window, and out of memory is not recovered.
-        loss_scale: fp16's dynamic loss scaling (shoal.peer.hardware.LossScale; None: no scaling).
+        loss_scale: fp16's dynamic loss scaling (shoal.peer.train.hardware.LossScale; None: no scaling).
     """
 
     def __init__(
@@ -204,7 +197,7 @@ class Trainer:
     def run(self, rounds: int, stop: StopRequest | None = None) -> list[RoundReport]:
         """Trains `rounds` rounds, or until `stop` is set (then checkpoints and returns early): the loop
         of a trainer on its own (tests, a torch.distributed job). A swarm peer drives `round` and
-        `end_round` itself, round by round (shoal.peer.runtime.SwarmPeer.rounds)."""
+        `end_round` itself, round by round (shoal.peer.job.runtime.SwarmPeer.rounds)."""
         reports = []
         for _ in range(rounds):
             reports.append(self.round())
@@ -324,7 +317,7 @@ class Trainer:
                 self._recover_from_oom(error)
 
     def _accumulate_across_ranks(self, micro_batches: int, plan: object) -> tuple[float, int, int, int]:
-        """`_accumulate` across the peer's ranks (shoal.peer.ranks): rank 0's parameters broadcast, the
+        """`_accumulate` across the peer's ranks (shoal.peer.train.ranks): rank 0's parameters broadcast, the
         m-th micro-batch of rank r drawn as the peer's m N + r-th, the gradients averaged. Counts the
         samples and tokens of every rank; the loss is rank 0's."""
         ranks, total, samples, tokens = self.ranks, None, 0, 0
