@@ -55,7 +55,7 @@ import torch
 from shoal.compression import DCTTopKCodec, DecodeLimits, MalformedPayloadError, dct
 from shoal.compression.dct_topk import TopKCoefficients
 from shoal.peer.algorithms.demo_receive import SUM_SLOT, combine, decode, screen
-from shoal.peer.algorithms.exchange import Contribution, Exchange
+from shoal.peer.algorithms.exchange import Contribution, Exchange, Plan
 from shoal.peer.algorithms.in_flight import InFlight
 from shoal.peer.algorithms.robust import (
     DEMO,
@@ -208,7 +208,7 @@ class DeMo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(
-        self, closure: Callable[[], float] | None = None, *, samples: int = 1, plan: object = None
+        self, closure: Callable[[], float] | None = None, *, samples: int = 1, plan: Plan | None = None
     ) -> float | None:
         """One DeMo step; `samples` is this participant's sample count (for weighting and reports),
         `plan` the round it computed for, handed to the exchange with its payload (Exchange.gather)."""
@@ -322,7 +322,7 @@ class DeMo(torch.optim.Optimizer):
         samples: int,
         params: list[torch.Tensor],
         selections: list[TopKCoefficients],
-        plan: object = None,
+        plan: Plan | None = None,
     ) -> _Gathered:
         """Step 6: the exchange, on the training thread or the background one."""
         start = time.perf_counter()

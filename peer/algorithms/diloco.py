@@ -54,7 +54,7 @@ from torch import nn
 from shoal.compression import Codec, DCTTopKCodec, DecodeLimits, MalformedPayloadError, decode_tensor
 from shoal.peer.algorithms.butterfly import Pieces
 from shoal.peer.algorithms.configs import outer_settings
-from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange
+from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, Plan
 from shoal.peer.algorithms.feedback import ErrorFeedback
 from shoal.peer.algorithms.in_flight import InFlight
 from shoal.peer.algorithms.robust import (
@@ -239,7 +239,7 @@ class DiLoCo:
         self._last_sent: _Sent | None = None
         self._carried: _Carried | None = None  # bounded fan-in: the work not counted yet (`_carry`)
 
-    def step(self, *, samples: int = 1, plan: object = None) -> None:
+    def step(self, *, samples: int = 1, plan: Plan | None = None) -> None:
         """One inner step (the inner optimizer's, then zero_grad); an outer step every `inner_steps`.
 
         `samples` is what this inner step trained on; the round's total weights this participant.
@@ -253,7 +253,7 @@ class DiLoCo:
             self.outer_step(plan)
 
     @torch.no_grad()
-    def outer_step(self, plan: object = None) -> None:
+    def outer_step(self, plan: Plan | None = None) -> None:
         """Ends the inner phase now: exchange pseudo-gradients and step the global parameters; `plan`
         goes to the exchange with them (Exchange.gather)."""
         previous = self._collect_pending()  # before encoding: the codec is not shared across threads
@@ -375,7 +375,7 @@ class DiLoCo:
         self.stats.waited_s += elapsed
         return _Sent(data, decoded, samples, phases)
 
-    def _round(self, sent: _Sent, state: list[torch.Tensor], plan: object = None) -> _RoundResult:
+    def _round(self, sent: _Sent, state: list[torch.Tensor], plan: Plan | None = None) -> _RoundResult:
         """Gathers every participant's payload and returns the weighted mean (rank order), screened."""
         start = time.perf_counter()
         if self.pieces is None:

@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -113,12 +113,25 @@ class Averaged:
         return Averaged(contributions=result, adopted=result.adopted, counted=result.counted)
 
 
+class Plan(Protocol):
+    """The round a payload was computed for, as its caller planned it (a swarm peer's RoundPlan:
+    shoal.peer.swarm.records). The trainer hands it through the optimizer to the exchange with the
+    round's payload, so that an overlapped optimizer's gather on another thread takes its own round's
+    plan; exchanges that plan no rounds ignore it, and batches read their data slot from it."""
+
+    @property
+    def round(self) -> int: ...
+
+
 class Exchange(ABC):
     """What an optimizer needs from the network."""
 
     gather_limit: int = 0
     """At most this many contributions count in a round (a bounded fan-in: shoal.protocol.rules);
     0: all of them."""
+    last_round: int | None = None
+    """The round of the last `gather`, where the exchange numbers rounds (the swarm's clock); None:
+    it numbers none, or gathered nothing yet. A checkpoint is labelled with it."""
 
     @property
     @abstractmethod
@@ -132,7 +145,11 @@ class Exchange(ABC):
 
     @abstractmethod
     def gather(
-        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None, plan: object = None
+        self,
+        payload: bytes,
+        samples: int,
+        state: Sequence[torch.Tensor] | None = None,
+        plan: Plan | None = None,
     ) -> Gathered:
         """Every participant's payload (this one's included), ordered by rank, and what else the round
         decided for this participant (`Gathered`).
@@ -149,7 +166,7 @@ class Exchange(ABC):
         samples: int,
         state: Sequence[torch.Tensor] | None,
         pieces: "Pieces",
-        plan: object = None,
+        plan: Plan | None = None,
     ) -> Averaged:
         """Like `gather`, for a dense payload that `pieces` (shoal.peer.algorithms.butterfly) can cut: an
         exchange that can average it piece by piece returns the mean; others (this default) the
@@ -190,7 +207,11 @@ class Delegating(Exchange):
         return self.inner.gather_limit
 
     def gather(
-        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None, plan: object = None
+        self,
+        payload: bytes,
+        samples: int,
+        state: Sequence[torch.Tensor] | None = None,
+        plan: Plan | None = None,
     ) -> Gathered:
         return self.inner.gather(payload, samples, state, plan)
 
@@ -248,7 +269,11 @@ class LoopbackExchange(Exchange):
         return self._hub.world_size
 
     def gather(
-        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None, plan: object = None
+        self,
+        payload: bytes,
+        samples: int,
+        state: Sequence[torch.Tensor] | None = None,
+        plan: Plan | None = None,
     ) -> Gathered:
         self.sent_bytes = len(payload)
         everyone = self._hub.all_gather(self._rank, Contribution(self._rank, bytes(payload), samples))
@@ -404,7 +429,11 @@ class TorchDistributedExchange(Exchange):
         return dist.get_world_size(self._group)
 
     def gather(
-        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None, plan: object = None
+        self,
+        payload: bytes,
+        samples: int,
+        state: Sequence[torch.Tensor] | None = None,
+        plan: Plan | None = None,
     ) -> Gathered:
         header = torch.tensor([len(payload), samples], dtype=torch.int64, device=self._device)
         headers = [torch.empty_like(header) for _ in range(self.world_size)]

@@ -24,7 +24,7 @@ from shoal.compression import Codec
 from shoal.peer.algorithms.configs import AlgorithmConfig, DeMoConfig, DiLoCoConfig
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
-from shoal.peer.algorithms.exchange import Exchange
+from shoal.peer.algorithms.exchange import Exchange, Plan
 
 INNER_BETAS = (0.9, 0.95)
 """DiLoCo's inner AdamW (the DiLoCo paper's inner optimizer, at the betas of its language models)."""
@@ -38,7 +38,7 @@ class Synchronizer(ABC):
     """Optimizer steps per round; the last of them exchanges."""
 
     @abstractmethod
-    def step(self, *, samples: int, plan: object = None) -> None:
+    def step(self, *, samples: int, plan: Plan | None = None) -> None:
         """One optimizer step on the accumulated gradients, which it then clears; `samples`: what the
         step trained on (it weighs this participant in the round); `plan`: the round it computes for,
         handed to the exchange with the round's payload."""
@@ -110,7 +110,7 @@ class DeMoSynchronizer(Synchronizer):
             lookahead=config.overlapped,  # Psyche's: see shoal.peer.algorithms.demo
         )
 
-    def step(self, *, samples: int, plan: object = None) -> None:
+    def step(self, *, samples: int, plan: Plan | None = None) -> None:
         self.optimizer.step(samples=samples, plan=plan)
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -185,7 +185,7 @@ class DiLoCoSynchronizer(Synchronizer):
         )
         self.inner_steps = config.inner_steps
 
-    def step(self, *, samples: int, plan: object = None) -> None:
+    def step(self, *, samples: int, plan: Plan | None = None) -> None:
         self.diloco.step(samples=samples, plan=plan)
 
     def set_lr(self, lr: float) -> None:

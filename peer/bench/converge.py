@@ -35,7 +35,7 @@ from shoal.compression import Codec, DCTTopKCodec, DenseCodec, TopKCodec
 from shoal.peer.algorithms.configs import SPARSE_ERROR_DECAY, SPARSE_OUTER
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
-from shoal.peer.algorithms.exchange import Delegating, Exchange, run_loopback
+from shoal.peer.algorithms.exchange import Delegating, Exchange, Plan, run_loopback
 from shoal.peer.algorithms.schedule import Schedule
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
 from shoal.peer.data import validation_loss as held_out_loss
@@ -151,7 +151,7 @@ class _Counted(Delegating):
         super().__init__(inner)
         self.sent = 0
 
-    def gather(self, payload: bytes, samples: int, state=None, plan: object = None):
+    def gather(self, payload: bytes, samples: int, state=None, plan: Plan | None = None):
         self.sent += len(payload)
         return super().gather(payload, samples, state, plan)
 

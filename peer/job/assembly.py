@@ -213,6 +213,7 @@ def build_peer(
         compute_window=spec.run.window_s if fill_window else None,
         max_micro_batches=spec.model.max_micro_batches,
         autocast=autocast_for(device, spec.model.precision),
+        ledger=tokens,
         schedule=spec.schedule(),
         grad_clip=spec.algorithm.grad_clip,
         weight_decay=spec.algorithm.weight_decay,

@@ -374,26 +374,27 @@ def _loop(
     crowd = 1  # the most participants of a round so far
     told = -1  # the last round the token ledger settled, as logged
     late = (0, 0)  # (rounds missed so far, of them in a row)
+    senders = [exchange.owner.hex(), exchange.peer_id.encode().hex()]  # this peer, as ledger events name it
     for done in peer.rounds(
         until_round=settings.run.until_round, max_rounds=settings.run.max_rounds, stop=stop
     ):
-        report = done.report
+        report, status = done.report, done.status
         reports.append(report)
         crowd = max(crowd, report.participants)
         if (crowd > 1 and report.participants <= 1) != alone:
             alone = not alone
-            tell_alone(progress, alone, report, exchange.counts.peers_seen)
-        late = tell_late(progress, exchange.counts.late, late, report, settings.run.round_seconds)
-        if exchange.isolation.isolated != isolated:
-            isolated = exchange.isolation.isolated
+            tell_alone(progress, alone, report, status.peers_seen)
+        late = tell_late(progress, status.late, late, report, settings.run.round_seconds)
+        if status.isolated != isolated:
+            isolated = status.isolated
             tell_isolation(progress, isolated, report.round, peer.reachability)
         if metrics is not None:
             metrics.observe_round(
                 report,
                 wall_s=done.wall_s,
-                payload_bytes=exchange.last_payload_bytes,
-                peers_seen=exchange.counts.peers_seen,
-                stragglers=exchange.counts.round_stragglers,
+                payload_bytes=status.payload_bytes,
+                peers_seen=status.peers_seen,
+                stragglers=status.stragglers,
             )
         progress.round(
             {
@@ -401,23 +402,23 @@ def _loop(
                 "loss": report.loss,
                 "tokens_per_s": report.tokens / max(done.wall_s, 1e-9),
                 "participants": report.participants,
-                "shared": exchange.shared,
+                "shared": status.shared,
                 "micro_batches": f"{report.micro_batches}x{report.batch_size}",
                 "bytes_up": done.bytes_up,
                 "bytes_down": done.bytes_down,
                 "round_s": done.wall_s,
-                "epoch": None if exchange.tokens is None else sum(exchange.tokens.progress()[:2]),
+                "epoch": None if status.ledger is None else status.ledger.epochs,
             },
             samples=report.samples,
             tokens=report.tokens,
             phases=report.phases,
             lr=report.lr,
-            round_seconds=exchange.schedule.round_seconds,
+            round_seconds=status.round_seconds,
         )
-        told = tell_ledger(progress, exchange, done.plan, metrics, told)
+        told = tell_ledger(progress, peer.trainer.ledger, senders, done.plan, metrics, told)
         tell_validation(settings, progress, workload, peer.trainer.batch_size, report.round, metrics)
-        if exchange.counts.clocks_adopted > adopted:  # a restart keeps the run's clock, not the one it left
-            adopted = exchange.counts.clocks_adopted
+        if status.clocks_adopted > adopted:  # a restart keeps the run's clock, not the one it left
+            adopted = status.clocks_adopted
             _save_clock(settings, exchange.schedule)
     # the swarm's run ends together (not this peer alone: a stop, or its own --max-rounds)
     alone = bool(settings.run.max_rounds and len(reports) >= settings.run.max_rounds)
@@ -548,8 +549,9 @@ def _check_compatible(exchange: SwarmExchange) -> None:
     # from every replica: a node nearest the key that hides records could otherwise keep newcomers out
     compatible = exchange.compatible_peers(fully=True)
     # most of them, so that one peer lying in its record cannot keep newcomers out
-    if exchange.coordinator is None and 2 * len(exchange.directory.coordinators) > len(compatible) - 1:
-        addresses = ", ".join(sorted(set(exchange.directory.coordinators.values())))
+    coordinators = exchange.coordinators_seen
+    if exchange.coordinator is None and 2 * len(coordinators) > len(compatible) - 1:
+        addresses = ", ".join(sorted(set(coordinators.values())))
         raise JoinError(
             f"the peers of this run follow a coordinator (they reach it as {addresses}): "
             "pass --coordinator HOST:PORT"

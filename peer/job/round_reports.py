@@ -5,20 +5,30 @@ payloads miss round after round (`tell_late`), one left alone (`tell_alone`) or 
 (`tell_isolation`)."""
 
 from shoal.peer.data import validation_loss
+from shoal.peer.data.ledger import Lane, TokenLedger
 from shoal.peer.job.assembly import Workload
+from shoal.peer.job.metrics import PeerMetrics
 from shoal.peer.job.progress import Progress
 from shoal.peer.swarm.directory import REJOIN_EVERY_S
 from shoal.peer.swarm.isolation import ISOLATED_AFTER
+from shoal.peer.swarm.records import RoundPlan
 from shoal.peer.swarm.relay import Reachability
 
 
-def tell_ledger(progress: Progress, exchange, plan, metrics, told: int) -> int:
+def tell_ledger(
+    progress: Progress,
+    tokens: TokenLedger | None,
+    senders: list[str],
+    plan: RoundPlan,
+    metrics: PeerMetrics | None,
+    told: int,
+) -> int:
     """The token ledger after a round: a `ledger` event for each round it settled after round `told`
     and each it settled again on an adopted ledger (whose claims it credited, by sender, and the
     digests of the round's class before and after: `Settled`), the epoch in the metrics, and with
-    --audit-data on, what this peer's lane trained (a `trained` event). Returns the last round
-    settled."""
-    tokens, lane = exchange.tokens, plan.lane
+    --audit-data on, what this peer's lane trained (a `trained` event, naming this peer by `senders`).
+    Returns the last round settled."""
+    lane = plan.lane
     if tokens is None:
         return told
     epoch, share, windows = tokens.progress()
@@ -43,7 +53,7 @@ def tell_ledger(progress: Progress, exchange, plan, metrics, told: int) -> int:
         )
     if metrics is not None:
         metrics.observe_ledger(epoch, share, windows * seq_len)
-    if lane is not None and lane.audit is not None:
+    if isinstance(lane, Lane) and lane.audit is not None:
         trained = [part for step in sorted(lane.audit) for part in lane.audit[step]]
         progress.event(
             "trained",
@@ -51,7 +61,7 @@ def tell_ledger(progress: Progress, exchange, plan, metrics, told: int) -> int:
             slot=lane.slot,
             slots=lane.slots,
             places=lane.windows,
-            senders=[exchange.owner.hex(), exchange.peer_id.encode().hex()],
+            senders=senders,
             windows=[int(i) for ids, _ in trained for i in ids.tolist()],
             epochs=[int(e) for _, epochs in trained for e in epochs.tolist()],
         )

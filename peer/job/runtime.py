@@ -17,7 +17,7 @@ from shoal.peer.job.window import AutoWindow
 from shoal.peer.swarm.bootstrap import start_dht
 from shoal.peer.swarm.exchange import Abandoned, SwarmExchange
 from shoal.peer.swarm.membership import record_validators
-from shoal.peer.swarm.records import RoundPlan, RoundSchedule
+from shoal.peer.swarm.records import RoundPlan, RoundSchedule, RoundStatus, SharedLedger
 from shoal.peer.swarm.relay import UNCHECKED, check_reachability
 from shoal.peer.train.stopping import StopRequest
 from shoal.peer.train.trainer import Batches, RoundReport, Trainer
@@ -36,6 +36,8 @@ class PeerRound:
     bytes_up: int
     """Payload and state bytes this peer served during the round."""
     bytes_down: int
+    status: RoundStatus
+    """Where the exchange stood once the round was done (the job reads nothing else of it)."""
 
 
 class SwarmPeer:
@@ -59,6 +61,8 @@ class SwarmPeer:
     def __init__(self, dht: hivemind.DHT, identity: RSAPrivateKey, run: str):
         self.dht, self.identity, self.run = dht, identity, run
         self.exchange: SwarmExchange | None = None
+        self.ledger: SharedLedger | None = None
+        """The run's token ledger (shoal.peer.data.ledger), if it keeps one: each plan gets its lane."""
         self.trainer: Trainer | None = None
         self.stopped = False
         """Whether the loop ended on a stop (a signal): the peer leaves alone, after a checkpoint."""
@@ -114,6 +118,7 @@ class SwarmPeer:
         """This peer's exchange on `schedule`, for the run configuration `config`; `options` go to
         SwarmExchange (a test's hostile peer passes its subclass as `exchange_type`)."""
         options.setdefault("reachability", self.reachability)
+        self.ledger = options.get("tokens")
         self.exchange = exchange_type(
             self.dht, run=self.run, schedule=schedule, identity=self.identity, config=config, **options
         )
@@ -145,11 +150,7 @@ class SwarmPeer:
             if stop is not None and stop.is_set() and count == 0:  # stopped before its first round
                 self.stopped = True
                 return
-            sent, received, started = (
-                exchange.counts.bytes_sent,
-                exchange.counts.bytes_received,
-                time.perf_counter(),
-            )
+            before, started = exchange.status(), time.perf_counter()
             try:
                 plan = exchange.plan_round(until_round)
             except Abandoned:
@@ -160,8 +161,8 @@ class SwarmPeer:
             if plan is None or (until_round is not None and plan.round > until_round):
                 return
             plan_s = time.perf_counter() - started
-            if exchange.tokens is not None:  # its lane of the token ledger (shoal.peer.data.ledger)
-                plan = dataclasses.replace(plan, lane=exchange.tokens.lane(plan.round, *plan.slot))
+            if self.ledger is not None:  # its lane of the token ledger (shoal.peer.data.ledger)
+                plan = dataclasses.replace(plan, lane=self.ledger.lane(plan.round, *plan.slot))
             if planned is not None:
                 planned(plan)
             if plan.compute_seconds is not None and trainer.compute_window is not None:
@@ -184,21 +185,23 @@ class SwarmPeer:
             stopping = stop is not None and stop.is_set()  # read once: a stop after the checkpoint
             trainer.end_round(stopping)  # waits for the next round's end, which then saves it
             self._encode_s = report.phases["encode"]
+            status = exchange.status()
             if self.window is not None and plan.compute_seconds is None:
-                self.window.observe(exchange.stages.standing.needed, self._encode_s)
+                self.window.observe(status.needed, self._encode_s)
             wall = time.perf_counter() - started
             count, samples = count + 1, samples + report.samples
-            epoch, share, windows = (0, 0.0, 0) if exchange.tokens is None else exchange.tokens.progress()
+            ledger = status.ledger
             exchange.set_progress(
                 throughput=report.samples / max(wall, 1e-9),
                 samples=samples,
                 compute_throughput=report.samples / max(report.compute_s, 1e-9),
                 min_samples=trainer.batch_size * trainer.inner_steps,
-                epoch=epoch + share,
-                tokens=windows * getattr(exchange.tokens, "seq_len", 0),
+                epoch=0.0 if ledger is None else ledger.epochs,
+                tokens=0 if ledger is None else ledger.tokens,
             )
-            up, down = exchange.counts.bytes_sent - sent, exchange.counts.bytes_received - received
-            yield PeerRound(report, plan, wall, plan_s, up, down)
+            up = status.bytes_sent - before.bytes_sent
+            down = status.bytes_received - before.bytes_received
+            yield PeerRound(report, plan, wall, plan_s, up, down, status)
             if stopping:
                 self.stopped = True
                 return

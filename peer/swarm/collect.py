@@ -1,6 +1,7 @@
-"""The collect stage of an uncoordinated round (shoal.peer.swarm.stages): until the round's
-deadline, the announcements of compatible peers read from the DHT, and the chosen payloads pulled as
-they come (under a fan-in, once the chosen set is final: `Pulls`).
+"""The parts of the collect stage of an uncoordinated round (`RoundStages.collect`,
+shoal.peer.swarm.stages): until the round's deadline, the announcements of compatible peers read from
+the DHT (`Reads`, when: `Polls`), and the chosen payloads pulled as they come (`pull_chosen`; under a
+fan-in, once the chosen set is final: `Pulls`).
 
 DHT reads are most of an uncoordinated round's wire traffic besides the payloads (BENCHMARKS.md):
 every read answers with every peer's entry from each node it asks. `Polls` decides when to read (no
@@ -26,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shoal.peer.swarm.names import round_key
-from shoal.peer.swarm.pull import abandon
 from shoal.peer.swarm.records import Announcement
 
 if TYPE_CHECKING:
@@ -141,53 +141,6 @@ class Pulls:
         return self.settled - round_started - (0.0 if self.missed else poll_s)
 
 
-async def collect(
-    stages: "RoundStages", round_number: int, mine: Announcement, deadline: float, round_seconds: float
-) -> tuple[dict[bytes, Announcement], set[bytes]]:
-    """Until `deadline`, the announcements of compatible peers in the DHT, their chosen payloads pulled
-    (`pull_chosen`). Returns (the announcements taken, the compatible peers)."""
-    limits, standing = stages.limits, stages.standing
-    reads = Reads(stages, round_number, mine)
-    fetches: dict[bytes, asyncio.Task] = {}
-    polls = Polls(limits.poll_interval_s, round_seconds)
-    pulls = Pulls(limits.gather_limit, provisional_from=time.time() + (deadline - time.time()) / 2)
-    started = deadline - round_seconds
-    if standing.settled_s is not None and 0 < limits.gather_limit < len(standing.members):
-        # the pulls wait for every compatible peer: no read before they were all in last round
-        # (`Pulls.settled_s`), where it would find some missing
-        await asyncio.sleep(max(0.0, min(started + standing.settled_s, pulls.provisional_from) - time.time()))
-    while True:
-        waiting = not reads.compatible <= reads.announced.keys() | reads.ignored
-        busy = waiting or not all(task.done() for task in fetches.values())
-        idle = polls.records_read and not busy and not polls.unknown
-        if idle and not polls.looks_on(len(reads.compatible), len(standing.members)):
-            await asyncio.sleep(max(0.0, deadline - time.time()))
-            break
-        if idle:
-            await asyncio.sleep(min(polls.idle_s(), max(0.0, deadline - time.time())))
-            if deadline - time.time() < polls.longest_s:  # a newcomer seen now would be too late to pull
-                await asyncio.sleep(max(0.0, deadline - time.time()))
-                break
-        if polls.records_due():
-            reads.compatible = await stages.directory.compatible_peers(fully=polls.unknown)
-            polls.read_records()
-        taken, read_at = len(reads.announced), time.time()
-        await reads.read(polls, idle)
-        if pulls.due(reads.compatible, reads.announced.keys() | reads.ignored, read_at):
-            pull_chosen(stages, round_number, reads.announced, fetches, reads.pulled_at)
-        # while pulls wait for the chosen set, a new announcement does not hasten the next read
-        poll_s = polls.next_poll_s(news=polls.unknown or (len(reads.announced) > taken and pulls.started))
-        remaining = deadline - time.time()
-        if remaining <= 0:
-            break
-        await asyncio.sleep(min(poll_s, remaining))
-    strike_unserved(stages, reads, fetches, deadline, pulls.since)
-    standing.needed = _needed(stages, reads, fetches, pulls.since, 2 * polls.shortest_s)
-    await abandon(list(fetches.values()))
-    standing.settled_s = pulls.settled_s(started, polls.shortest_s)
-    return reads.announced, reads.compatible
-
-
 class Reads:
     """What a round's reads of the DHT found: the compatible peers, the announcements taken (and
     when), and the owners whose announcement was refused."""
@@ -227,7 +180,7 @@ class Reads:
             self.announced_at[owner] = time.time()
 
 
-def _needed(
+def needed(
     stages: "RoundStages", reads: "Reads", fetches: dict[bytes, asyncio.Task], since: float, poll_s: float
 ) -> tuple[float, float] | None:
     """What this round's exchange needed, whenever the others announced (shoal.peer.job.window): storing

@@ -64,7 +64,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import get_logger
 
 from shoal.peer.algorithms.butterfly import Pieces
-from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, Gathered, mean_by_gather
+from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, Gathered, Plan, mean_by_gather
 from shoal.peer.swarm.channels import Channels
 from shoal.peer.swarm.coordinated import CoordinatedRounds
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
@@ -75,7 +75,15 @@ from shoal.peer.swarm.ledger import Ledger
 from shoal.peer.swarm.membership import PeerRecord, owner_subkey
 from shoal.peer.swarm.names import final_key
 from shoal.peer.swarm.pull import Puller
-from shoal.peer.swarm.records import Announcement, RoundClock, RoundPlan, RoundSchedule, SharedLedger
+from shoal.peer.swarm.records import (
+    Announcement,
+    LedgerProgress,
+    RoundClock,
+    RoundPlan,
+    RoundSchedule,
+    RoundStatus,
+    SharedLedger,
+)
 from shoal.peer.swarm.relay import UNCHECKED, Reachability
 from shoal.peer.swarm.server import PayloadServer
 from shoal.peer.swarm.stages import Outcome, RoundLimits, RoundStages, Snapshot
@@ -103,6 +111,13 @@ class Stop(Protocol):
 CALL_POLL_S = 0.25  # how often a wait on the loop thread looks at the peer's stop and its DHT process
 STOP_TIMEOUT_S = 5.0  # the longest closing the exchange (its server, its P2P replica) may take
 FINAL_WAIT_ROUNDS = 2  # at a run's end, peers wait this many round lengths for the others' final states
+
+
+def own_plan(plan: Plan | None) -> RoundPlan | None:
+    """A plan a SwarmExchange made (`plan_round`), as its own type."""
+    if plan is not None and not isinstance(plan, RoundPlan):
+        raise TypeError(f"a SwarmExchange takes the plans it made (RoundPlan), not {type(plan).__name__}")
+    return plan
 
 
 class SwarmExchange(Exchange):
@@ -278,6 +293,34 @@ class SwarmExchange(Exchange):
         reached the swarm (not missed, late, of another state, or left out)."""
         return self._me in self._participants and len(self._participants) > 1
 
+    def status(self) -> RoundStatus:
+        """Where this peer's exchange stands after its last round (`RoundStatus`), for the job."""
+        ledger = None
+        if self.tokens is not None:
+            ledger = LedgerProgress(*self.tokens.progress(), seq_len=self.tokens.seq_len)
+        counts = self.counts
+        return RoundStatus(
+            round=self.last_round,
+            needed=self.stages.standing.needed,
+            shared=self.shared,
+            late=counts.late,
+            isolated=self.isolation.isolated,
+            peers_seen=counts.peers_seen,
+            stragglers=counts.round_stragglers,
+            clocks_adopted=counts.clocks_adopted,
+            resyncs=counts.resyncs,
+            payload_bytes=self.last_payload_bytes,
+            bytes_sent=counts.bytes_sent,
+            bytes_received=counts.bytes_received,
+            round_seconds=self.schedule.round_seconds,
+            ledger=ledger,
+        )
+
+    @property
+    def coordinators_seen(self) -> dict[bytes, str]:
+        """The peers of the run whose records say they follow a coordinator, and its address there."""
+        return dict(self.directory.coordinators)
+
     @property
     def next_round(self) -> int:
         """The round the next plan, or a `gather` without one, would take if called now."""
@@ -308,9 +351,13 @@ class SwarmExchange(Exchange):
                 return None
 
     def gather(
-        self, payload: bytes, samples: int, state: Sequence[torch.Tensor] | None = None, plan: object = None
+        self,
+        payload: bytes,
+        samples: int,
+        state: Sequence[torch.Tensor] | None = None,
+        plan: Plan | None = None,
     ) -> Gathered:
-        return self._gather(payload, samples, state, None, plan)
+        return self._gather(payload, samples, state, None, own_plan(plan))
 
     def average(
         self,
@@ -318,11 +365,11 @@ class SwarmExchange(Exchange):
         samples: int,
         state: Sequence[torch.Tensor] | None,
         pieces: Pieces,
-        plan: RoundPlan | None = None,
+        plan: Plan | None = None,
     ) -> Averaged:
         """A coordinated round of at least `butterfly.MIN_PARTICIPANTS` is averaged piece by piece
         (shoal.peer.algorithms.butterfly); any other round is gathered."""
-        result = self._gather(payload, samples, state, pieces, plan)
+        result = self._gather(payload, samples, state, pieces, own_plan(plan))
         return result if isinstance(result, Averaged) else Averaged.gathered(result)
 
     def _gather(
@@ -340,7 +387,7 @@ class SwarmExchange(Exchange):
         self.last_round = round_number
         ledgered = self.tokens is not None and pieces is None and state is not None
         if ledgered:
-            lane = getattr(plan, "lane", None)
+            lane = None if plan is None else plan.lane
             payload = bytes(payload) + (b"" if lane is None else lane.claim_bytes())
             state = [*state, self.tokens.view_tensor(round_number)]
         self.last_payload_bytes = len(payload)

@@ -134,6 +134,13 @@ class RoundClock:
             self.untaken = schedule.round_at(time.time())
 
 
+class Claim(Protocol):
+    """A peer's lane of the token ledger in one round (shoal.peer.data.ledger.Lane): its claim goes with
+    its payload."""
+
+    def claim_bytes(self) -> bytes: ...
+
+
 class SharedLedger(Protocol):
     """A record the swarm keeps with its shared state and settles from its rounds' payloads: the token
     ledger (shoal.peer.data.ledger.TokenLedger). The exchange appends its view to each round's state,
@@ -149,6 +156,73 @@ class SharedLedger(Protocol):
     def reject(self, round_number: int, sender: bytes) -> None: ...
 
     def adopt_tensor(self, tensor: torch.Tensor, round_number: int) -> None: ...
+
+    seq_len: int
+    """Tokens of one window, less the target's."""
+
+    def lane(self, round_number: int, slot: int, slots: int) -> Claim:
+        """The lane of `slot` of `slots` in the round."""
+        ...
+
+    def progress(self) -> tuple[int, float, int]:
+        """(epoch, share of it settled, windows settled in all)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerProgress:
+    """How far the run's token ledger has walked its corpus, as this peer holds it."""
+
+    epoch: int
+    share: float
+    """Of the current epoch, settled."""
+    windows: int
+    """Windows settled, every epoch together."""
+    seq_len: int
+
+    @property
+    def epochs(self) -> float:
+        return self.epoch + self.share
+
+    @property
+    def tokens(self) -> int:
+        return self.windows * self.seq_len
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundStatus:
+    """What the peer job reads of its exchange after a round (`SwarmExchange.status`): one frozen value,
+    so that the job reaches into none of the exchange's parts (its stages, counters, isolation, ledger).
+    """
+
+    round: int | None
+    """The round of the last `gather` (None: none yet)."""
+    needed: tuple[float, float] | None
+    """What the last round's exchange needed, for the compute window (shoal.peer.job.window): seconds
+    to announce and be read, and of the longest pull; None: a pull was still on at the deadline."""
+    shared: bool
+    """Whether this peer's payload counted together with another peer's."""
+    late: int
+    """Rounds this peer's payload missed so far."""
+    isolated: bool
+    """Whether this peer reaches none of the others (shoal.peer.swarm.isolation)."""
+    peers_seen: int
+    """Peers expected in the last round, this one included."""
+    stragglers: int
+    """Of them, those whose payload missed the last round."""
+    clocks_adopted: int
+    """Times this peer took the run's round clock from peers that started with it."""
+    resyncs: int
+    """Times its shared state was replaced by the majority's."""
+    payload_bytes: int
+    """This peer's payload in the last round."""
+    bytes_sent: int
+    """Payload, state and probe bytes served so far."""
+    bytes_received: int
+    """Payload and state bytes pulled so far."""
+    round_seconds: float
+    ledger: LedgerProgress | None
+    """The token ledger's progress (None: the run keeps none)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -168,7 +242,7 @@ class RoundPlan:
     """Coordinated: when the round ends at the latest (this machine's clock)."""
     expected: int = 0
     """Coordinated: how many peers the coordinator expects in the round."""
-    lane: object = None
+    lane: Claim | None = None
     """This peer's lane of the token ledger in the round (shoal.peer.data.ledger.Lane; None: no
     ledger): its batches draw from it, and the exchange sends its claim."""
 

@@ -17,6 +17,7 @@ over these stages, and each returns an `Outcome`: the round's result as one valu
 Runs on the exchange's event loop thread.
 """
 
+import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,13 +25,13 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.peer.algorithms.exchange import Averaged, Contribution
-from shoal.peer.swarm.collect import collect
+from shoal.peer.swarm.collect import Polls, Pulls, Reads, needed, pull_chosen, strike_unserved
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.directory import RECORD_REFRESH_S, RunDirectory
 from shoal.peer.swarm.isolation import Isolation
 from shoal.peer.swarm.ledger import Ledger
 from shoal.peer.swarm.names import round_key
-from shoal.peer.swarm.pull import Puller
+from shoal.peer.swarm.pull import Puller, abandon
 from shoal.peer.swarm.records import Announcement, RoundSchedule
 from shoal.peer.swarm.server import PayloadServer, round_pullers
 from shoal.peer.swarm.state import StateSnapshot, Tally, decide
@@ -165,8 +166,51 @@ class RoundStages:
         self, number: int, mine: Announcement, deadline: float, round_seconds: float
     ) -> tuple[dict[bytes, Announcement], set[bytes]]:
         """Until `deadline`, the announcements of compatible peers in the DHT and their chosen payloads
-        (shoal.peer.swarm.collect). Returns (the announcements taken, the compatible peers)."""
-        return await collect(self, number, mine, deadline, round_seconds)
+        (shoal.peer.swarm.collect: `pull_chosen` pulls them as they come). Returns (the announcements
+        taken, the compatible peers)."""
+        limits, standing = self.limits, self.standing
+        reads = Reads(self, number, mine)
+        fetches: dict[bytes, asyncio.Task] = {}
+        polls = Polls(limits.poll_interval_s, round_seconds)
+        pulls = Pulls(limits.gather_limit, provisional_from=time.time() + (deadline - time.time()) / 2)
+        started = deadline - round_seconds
+        if standing.settled_s is not None and 0 < limits.gather_limit < len(standing.members):
+            # the pulls wait for every compatible peer: no read before they were all in last round
+            # (`Pulls.settled_s`), where it would find some missing
+            await asyncio.sleep(
+                max(0.0, min(started + standing.settled_s, pulls.provisional_from) - time.time())
+            )
+        while True:
+            waiting = not reads.compatible <= reads.announced.keys() | reads.ignored
+            busy = waiting or not all(task.done() for task in fetches.values())
+            idle = polls.records_read and not busy and not polls.unknown
+            if idle and not polls.looks_on(len(reads.compatible), len(standing.members)):
+                await asyncio.sleep(max(0.0, deadline - time.time()))
+                break
+            if idle:
+                await asyncio.sleep(min(polls.idle_s(), max(0.0, deadline - time.time())))
+                # a newcomer seen now would be too late to pull
+                if deadline - time.time() < polls.longest_s:
+                    await asyncio.sleep(max(0.0, deadline - time.time()))
+                    break
+            if polls.records_due():
+                reads.compatible = await self.directory.compatible_peers(fully=polls.unknown)
+                polls.read_records()
+            taken, read_at = len(reads.announced), time.time()
+            await reads.read(polls, idle)
+            if pulls.due(reads.compatible, reads.announced.keys() | reads.ignored, read_at):
+                pull_chosen(self, number, reads.announced, fetches, reads.pulled_at)
+            # while pulls wait for the chosen set, a new announcement does not hasten the next read
+            poll_s = polls.next_poll_s(news=polls.unknown or (len(reads.announced) > taken and pulls.started))
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                break
+            await asyncio.sleep(min(poll_s, remaining))
+        strike_unserved(self, reads, fetches, deadline, pulls.since)
+        standing.needed = needed(self, reads, fetches, pulls.since, 2 * polls.shortest_s)
+        await abandon(list(fetches.values()))
+        standing.settled_s = pulls.settled_s(started, polls.shortest_s)
+        return reads.announced, reads.compatible
 
     def chosen(self, number: int, announced: dict[bytes, Announcement]) -> dict[bytes, Announcement]:
         """The announcements whose payloads count in the round: at most `gather_limit` of them, in the

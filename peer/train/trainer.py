@@ -31,10 +31,11 @@ from torch import nn
 
 from shoal.compression import Codec
 from shoal.peer.algorithms.configs import AlgorithmConfig
-from shoal.peer.algorithms.exchange import Exchange
+from shoal.peer.algorithms.exchange import Exchange, Plan
 from shoal.peer.algorithms.schedule import Schedule
 from shoal.peer.algorithms.synchronizer import synchronizer
 from shoal.peer.checkpoint import CheckpointStore
+from shoal.peer.data.ledger import TokenLedger
 from shoal.peer.models.loading import LossFn, model_loss
 from shoal.peer.train.hardware import LossScale
 from shoal.peer.train.ranks import LocalRanks
@@ -42,7 +43,7 @@ from shoal.peer.train.stopping import StopRequest
 
 PHASES = ("compute", "encode", "exchange", "decode", "apply")
 
-Batches = Callable[[int, int, int, object], tuple[torch.Tensor, torch.Tensor]]
+Batches = Callable[[int, int, int, Plan | None], tuple[torch.Tensor, torch.Tensor]]
 """batches(step, micro, batch_size, plan) -> (inputs, targets): the `micro`-th micro-batch of this
 peer's `step`-th optimizer step, `batch_size` samples, for the round `plan` (`Trainer.round`'s: a
 swarm peer's RoundPlan, whose round, slot and data seed choose its data; None without one)."""
@@ -146,6 +147,7 @@ class Trainer:
         outer_device: torch.device | str | None = None,
         ranks: "LocalRanks | None" = None,
         loss_scale: LossScale | None = None,
+        ledger: TokenLedger | None = None,
     ):
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
@@ -154,6 +156,8 @@ class Trainer:
         if compute_window is not None and not compute_window > 0:
             raise ValueError(f"compute_window must be > 0 seconds, got {compute_window}")
         self.model, self.exchange, self.algorithm, self.batches = model, exchange, algorithm, batches
+        self.ledger = ledger
+        """A swarm's token ledger (shoal.peer.data.ledger), kept in its checkpoints."""
         self.checkpoints, self.checkpoint_every = checkpoints, checkpoint_every
         self.loss_fn, self.autocast = loss_fn, autocast
         self.batch_size, self.compute_window, self.max_micro_batches = (
@@ -213,7 +217,7 @@ class Trainer:
         if self.checkpoints is not None and (stopping or due):
             self.save()
 
-    def round(self, number: int | None = None, *, plan: object = None) -> RoundReport:
+    def round(self, number: int | None = None, *, plan: Plan | None = None) -> RoundReport:
         """One round: `inner_steps` steps, the last exchanging. `number`: the round it computes for,
         as its report says (None: the rounds this trainer has done); `plan`: the exchange's plan of
         that round (a swarm peer's RoundPlan), handed to it with the round's payload."""
@@ -279,7 +283,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(grads, self.grad_clip, foreach=True)
 
     def _accumulate(
-        self, micro_batches: int, budget: float | None = None, plan: object = None
+        self, micro_batches: int, budget: float | None = None, plan: Plan | None = None
     ) -> tuple[float, int, int, int]:
         """Forward and backward over the step's micro-batches, or those done when `budget` seconds have
         passed (at least one; the gradient is then scaled to their mean, counted in `cut_short`); on
@@ -316,7 +320,7 @@ class Trainer:
                     raise
                 self._recover_from_oom(error)
 
-    def _accumulate_across_ranks(self, micro_batches: int, plan: object) -> tuple[float, int, int, int]:
+    def _accumulate_across_ranks(self, micro_batches: int, plan: Plan | None) -> tuple[float, int, int, int]:
         """`_accumulate` across the peer's ranks (shoal.peer.train.ranks): rank 0's parameters broadcast, the
         m-th micro-batch of rank r drawn as the peer's m N + r-th, the gradients averaged. Counts the
         samples and tokens of every rank; the loss is rank 0's."""
@@ -418,7 +422,7 @@ class Trainer:
         synchronizing = self.sync.state_dict()  # first: it undoes DeMo's lookahead shift of the model
         model = self.model.state_dict()
         state = {"steps": self.steps, "algorithm": self.algorithm.name, "model": model, **synchronizing}
-        tokens = getattr(self.exchange, "tokens", None)  # a swarm's token ledger (shoal.peer.data.ledger)
+        tokens = self.ledger
         if tokens is not None:
             state["token_ledger"] = torch.frombuffer(bytearray(tokens.to_bytes()), dtype=torch.uint8)
             state["tokens_consumed"] = tokens.progress()[2] * tokens.seq_len  # provenance (shoal export)
@@ -435,13 +439,13 @@ class Trainer:
         self.sync.load_state_dict(state)
         self._credited_before = {str(peer) for peer in state.get("credited_peers", [])}
         self.steps = int(state["steps"])
-        tokens = getattr(self.exchange, "tokens", None)
+        tokens = self.ledger
         if tokens is not None and "token_ledger" in state:
             tokens.load(state["token_ledger"].numpy().tobytes())
 
     def save(self) -> None:
         if self.checkpoints is not None:
-            round_number = getattr(self.exchange, "last_round", None)
+            round_number = self.exchange.last_round
             self.checkpoints.save(
                 self.rounds_done if round_number is None else round_number, self.state_dict()
             )
