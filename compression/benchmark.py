@@ -15,12 +15,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TypeAlias
 
 import torch
 import zstandard
 
 from shoal.compression import dct, streams, values
-from shoal.compression.codec import Codec
 from shoal.compression.dct_topk import DCTTopKCodec
 from shoal.compression.dense import DenseCodec
 from shoal.compression.topk import TopKCodec
@@ -34,7 +34,9 @@ SHAPES: tuple[tuple[int, ...], ...] = (
     (768,),
 )
 ZSTD_SHAPE = (768, 3072)
-SETTINGS: tuple[tuple[str, Callable[[], Codec]], ...] = (
+BenchedCodec: TypeAlias = DenseCodec | DCTTopKCodec
+"""The codecs benchmarked (TopKCodec is a DCTTopKCodec): each has a value encoding and a zstd switch."""
+SETTINGS: tuple[tuple[str, Callable[[], BenchedCodec]], ...] = (
     ("demo_reference", lambda: DCTTopKCodec(chunk=64, topk=32, value_bits=32)),
     ("demo_compact", lambda: DCTTopKCodec(chunk=64, topk=4, value_bits=1)),
     ("dense_int8", lambda: DenseCodec(value_bits=8, block=64)),
@@ -103,7 +105,7 @@ def median_seconds(fn: Callable[[], object], repeat: int, device: torch.device) 
 
 
 def measure(
-    name: str, make: Callable[[], Codec], shape: tuple[int, ...], repeat: int, device: torch.device
+    name: str, make: Callable[[], BenchedCodec], shape: tuple[int, ...], repeat: int, device: torch.device
 ) -> CodecResult:
     torch.manual_seed(0)
     x = torch.randn(shape).to(device)

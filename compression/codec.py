@@ -13,13 +13,13 @@ import torch
 
 from shoal.protocol import CodecId, DType, EncodedTensor, MalformedPayloadError
 
-DTYPES: dict[int, torch.dtype] = {
+DTYPES: dict[DType, torch.dtype] = {
     DType.DTYPE_FLOAT32: torch.float32,
     DType.DTYPE_FLOAT16: torch.float16,
     DType.DTYPE_BFLOAT16: torch.bfloat16,
     DType.DTYPE_FLOAT64: torch.float64,
 }
-WIRE_DTYPES: dict[torch.dtype, int] = {dtype: wire for wire, dtype in DTYPES.items()}
+WIRE_DTYPES: dict[torch.dtype, DType] = {dtype: wire for wire, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,7 +112,7 @@ def checked_shape(message: EncodedTensor, limits: DecodeLimits) -> tuple[tuple[i
     return tuple(message.shape), dtype
 
 
-def wire_dtype(tensor: torch.Tensor) -> int:
+def wire_dtype(tensor: torch.Tensor) -> DType:
     """The wire dtype of a tensor to encode; a clear error for a tensor no codec can carry."""
     if tensor.dtype not in WIRE_DTYPES:
         raise ValueError(f"can only encode float32/float16/bfloat16/float64 tensors, got {tensor.dtype}")

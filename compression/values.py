@@ -34,7 +34,7 @@ from shoal.protocol import MalformedPayloadError, ValueEncoding
 if sys.byteorder != "little":  # tensors are viewed as bytes; the wire is little-endian
     raise ImportError("shoal.compression needs a little-endian host")
 
-BITS = {
+BITS: dict[int, int] = {
     ValueEncoding.VALUE_ENCODING_FLOAT32: 32,
     ValueEncoding.VALUE_ENCODING_BFLOAT16: 16,
     ValueEncoding.VALUE_ENCODING_FLOAT16: 16,
@@ -43,7 +43,7 @@ BITS = {
     ValueEncoding.VALUE_ENCODING_SIGN: 1,
     ValueEncoding.VALUE_ENCODING_LEVELS2: 2,
 }
-_LEVELS = {ValueEncoding.VALUE_ENCODING_INT8: 127, ValueEncoding.VALUE_ENCODING_INT4: 7}
+_LEVELS: dict[int, int] = {ValueEncoding.VALUE_ENCODING_INT8: 127, ValueEncoding.VALUE_ENCODING_INT4: 7}
 
 
 def encoding_for_bits(value_bits: int, *, half: str = "bf16") -> int:

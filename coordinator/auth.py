@@ -11,9 +11,13 @@ token file the coordinator accepts every caller (fine on a private network, not 
 
 import hmac
 from pathlib import Path
+from typing import TypeAlias
 
 from shoal.coordinator.actions import Refused
 from shoal.protocol.rules import is_peer_id
+
+Metadata: TypeAlias = tuple[tuple[str, str | bytes], ...]
+"""A call's metadata: (key, value) pairs, binary values as bytes."""
 
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 512
@@ -57,7 +61,7 @@ class Tokens:
             raise TokenFileError(f"{path} holds no token")
         return Tokens(swarm, per_peer)
 
-    def check(self, metadata: tuple | None, peer_id: str | None) -> Refused | None:
+    def check(self, metadata: Metadata | None, peer_id: str | None) -> Refused | None:
         """None if the call may proceed; `peer_id` is the peer the call is about (None: no peer)."""
         presented = _bearer(metadata)
         if presented is None:
@@ -72,7 +76,7 @@ class Tokens:
         return None
 
 
-def _bearer(metadata: tuple | None) -> bytes | None:
+def _bearer(metadata: Metadata | None) -> bytes | None:
     for key, value in metadata or ():
         if key == "authorization":
             text = value if isinstance(value, str) else value.decode(errors="replace")

@@ -6,10 +6,11 @@ stragglers, evictions, refused requests by status code, and round durations.
 
 import platform
 from importlib.metadata import version
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
-from shoal.coordinator.actions import Announced, Capped, Decided, Dropped
+from shoal.coordinator.actions import Action, Announced, Capped, Decided, Dropped
 from shoal.coordinator.state import SwarmState
 
 ROUND_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
@@ -79,7 +80,7 @@ class CoordinatorMetrics:
             registry=r,
         )
         self._announced_at: float | None = None
-        self._server = None
+        self._server: WSGIServer | None = None
         self._zero_series()
 
     def _zero_series(self) -> None:
@@ -93,7 +94,7 @@ class CoordinatorMetrics:
         for code in REFUSAL_CODES:
             self.refused.labels(code=code)
 
-    def observe(self, action, state: SwarmState) -> None:
+    def observe(self, action: Action, state: SwarmState) -> None:
         self.members.set(len(state.members))
         match action:
             case Announced(round=announced):

@@ -48,6 +48,7 @@ request fields in .validation.
 import hashlib
 import math
 from dataclasses import replace
+from typing import cast
 
 from shoal.coordinator.actions import (
     Abandoned,
@@ -259,7 +260,7 @@ def _report(state: SwarmState, now: float, event: Report, policy: Policy) -> tup
         peer_id=event.peer_id,
         digest=event.digest,
         size=event.size,
-        samples=event.samples if not capped else bound,
+        samples=event.samples if not capped else cast(int, bound),  # capped only when bound is an int
         state=event.state,
         synced=event.synced,
         at=now,
@@ -322,6 +323,7 @@ def _advance(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState,
 def _decide(state: SwarmState, current: Round, now: float, policy: Policy) -> tuple[SwarmState, list[Action]]:
     stragglers = tuple(p for p in current.expected if p in state.members and p not in current.reports)
     current = replace(current, decided_at=now, stragglers=stragglers)
+    actions: list[Action]
     members, evicted, actions = dict(state.members), dict(state.evicted), []
     # when no one made it, the window was wrong (or the swarm was away), not the peers: no strikes
     for peer_id in stragglers if current.reports else ():

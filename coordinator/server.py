@@ -24,15 +24,27 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shoal.coordinator.actions import Abandoned, Announced, Capped, Decided, Dropped, Refused, Reply, Struck
+from shoal.coordinator.actions import (
+    Abandoned,
+    Action,
+    Announced,
+    Capped,
+    Decided,
+    Dropped,
+    Refused,
+    Reply,
+    Struck,
+)
 from shoal.coordinator.auth import Tokens
 from shoal.coordinator.events import Event, Heartbeat, Join, Leave, Report, Tick
 from shoal.coordinator.limits import Limits, RateLimiter, client_address
@@ -80,7 +92,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     ):
         self.state, self.policy, self.store, self.tokens = state, policy, store, tokens
         self.metrics, self.clock = metrics, clock
-        self._subscribers: set[asyncio.Queue] = set()
+        self._subscribers: set[asyncio.Queue[tuple[int, bytes]]] = set()
         self._changed = asyncio.Event()  # set (and replaced) whenever a round is decided or abandoned
         self.limiter = limiter
         self.saved = state
@@ -90,12 +102,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._flushed = asyncio.Event()  # set (and replaced) after every transaction
         self._write_error: Exception | None = None
         self._delayed = 0  # abusive calls waiting for their refusal
-        self._results: dict[int, tuple[Round, pb.RoundResultReply]] = {}
+        self._results: dict[int, tuple[Round, bytes]] = {}
         """Each decided round's reply, built once: every member asks for it, and it lists every one."""
 
     # --- the state machine ---
 
-    async def apply(self, event: Event) -> list:
+    async def apply(self, event: Event) -> list[Action]:
         """Applies one event now, waits until it is durable, then acts. Returns the actions."""
         old = self.state
         new, actions = transition(old, self.clock(), event, self.policy)
@@ -127,7 +139,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._dirty.clear()
             state, version = self.state, self._version
             try:
-                await asyncio.to_thread(self.store.save, self.saved, state)
+                # started only with a store (Coordinator.start)
+                await asyncio.to_thread(cast(StateStore, self.store).save, self.saved, state)
             except Exception as error:  # the disk (full, gone): told to the callers
                 logger.error(f"writing the state failed: {error}")
                 self._write_error = error
@@ -141,7 +154,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if self.store is not None:
             await self._written(self._version)
 
-    def _act(self, action) -> None:
+    def _act(self, action: Action) -> None:
         if self.metrics is not None:
             self.metrics.observe(action, self.state)
         match action:
@@ -183,7 +196,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await self.apply(Tick())
             await asyncio.sleep(TICK_S)
 
-    async def _request(self, context, request, peer_id: str | None, event: Event | None = None) -> dict:
+    async def _request(
+        self,
+        context: grpc.aio.ServicerContext,
+        request: Message,
+        peer_id: str | None,
+        event: Event | None = None,
+    ) -> dict[str, Any]:
         """Authenticates the call, charges it to its peer's and address's limits, applies its event;
         aborts with the refusal's status code."""
         if self.tokens is not None:
@@ -214,7 +233,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 return dict(action.fields)
         raise AssertionError(f"no reply to {event!r}")
 
-    async def _refuse_slowly(self, context, refusal: Refused) -> None:
+    async def _refuse_slowly(self, context: grpc.aio.ServicerContext, refusal: Refused) -> None:
         """Refuses an abusive call (over a rate limit, oversized) after `REFUSAL_DELAY_S`, while fewer
         than `MAX_DELAYED` are waiting (then at once): a client that calls again as soon as it is
         answered, a retry loop or a flood, then costs one refusal a second, not as many as the event
@@ -227,32 +246,36 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self._delayed -= 1
         await self._abort(context, refusal)
 
-    async def _abort(self, context, refusal: Refused) -> None:
+    async def _abort(self, context: grpc.aio.ServicerContext, refusal: Refused) -> None:
         if self.metrics is not None:
             self.metrics.refused.labels(code=refusal.code.lower()).inc()
         await context.abort(grpc.StatusCode[refusal.code], refusal.message)
 
     # --- the RPCs ---
 
-    async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         event = Join(request.peer_id, request.throughput, request.min_samples)
         reply = await self._request(context, request, request.peer_id, event)
         return pb.JoinReply(
             round=reply["round"], heartbeat_timeout_s=reply["heartbeat_timeout_s"], now=self.clock()
         )
 
-    async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveReply:
         await self._request(context, request, request.peer_id, Leave(request.peer_id))
         return pb.LeaveReply()
 
-    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatReply:
         event = Heartbeat(
             request.peer_id, request.round, request.throughput, request.min_samples, request.exchange_s
         )
         reply = await self._request(context, request, request.peer_id, event)
         return pb.HeartbeatReply(compute_scale=reply["compute_scale"], now=self.clock())
 
-    async def ReportReady(self, request: pb.ReportRequest, context) -> pb.ReportReply:
+    async def ReportReady(
+        self, request: pb.ReportRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportReply:
         event = Report(
             request.peer_id,
             request.round,
@@ -265,14 +288,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         reply = await self._request(context, request, request.peer_id, event)
         return pb.ReportReply(**reply)
 
-    async def Rounds(self, request: pb.RoundsRequest, context):
+    async def Rounds(
+        self, request: pb.RoundsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RoundAnnouncement | bytes]:
         await self._request(context, request, request.peer_id)
         refusal = check_peer_id(request.peer_id)
         if refusal is not None:
             await self._abort(context, refusal)
         if len(self._subscribers) >= self.policy.max_members:
             await self._abort(context, Refused("RESOURCE_EXHAUSTED", "too many round subscribers"))
-        queue: asyncio.Queue = asyncio.Queue(maxsize=SUBSCRIBER_BACKLOG)
+        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue(maxsize=SUBSCRIBER_BACKLOG)
         self._subscribers.add(queue)
         sent = -1  # a round written but not yet broadcast is both open and on its way: sent once
         try:
@@ -288,7 +313,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         finally:
             self._subscribers.discard(queue)
 
-    async def RoundResult(self, request: pb.RoundResultRequest, context) -> bytes:
+    async def RoundResult(self, request: pb.RoundResultRequest, context: grpc.aio.ServicerContext) -> bytes:
         await self._request(context, request, None)
         give_up = time.monotonic() + MAX_WAIT_S
         while True:
@@ -313,9 +338,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._results[decided.number] = cached
             for number in sorted(self._results)[:-RESULTS_KEPT]:
                 del self._results[number]
-        return cached[1] + pb.RoundResultReply(now=self.clock()).SerializeToString()
+        # protobuf is untyped here
+        return cached[1] + cast(bytes, pb.RoundResultReply(now=self.clock()).SerializeToString())
 
-    async def SwarmStatus(self, request: pb.SwarmStatusRequest, context) -> pb.SwarmStatusReply:
+    async def SwarmStatus(
+        self, request: pb.SwarmStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SwarmStatusReply:
         await self._request(context, request, None)
         now, state = self.clock(), self.state
         current = state.round
@@ -342,7 +370,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         )
 
 
-def _serialized(reply) -> bytes:
+def _serialized(reply: Message | bytes) -> bytes:
     """A reply message serialized, or one the service serialized itself (bytes) as it is."""
     return reply if isinstance(reply, bytes) else reply.SerializeToString()
 
@@ -392,8 +420,8 @@ class Coordinator:
         """The metrics port bound, once started (metrics_port 0: any free one)."""
         self.service: CoordinatorService | None = None
         self._server: grpc.aio.Server | None = None
-        self._ticker: asyncio.Task | None = None
-        self._writer: asyncio.Task | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._writer: asyncio.Task[None] | None = None
         self._health = health.aio.HealthServicer()
 
     async def start(self) -> int:
@@ -428,6 +456,7 @@ class Coordinator:
         add_service(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        port: int
         try:
             if self.tls is None:
                 port = server.add_insecure_port(self.listen)
@@ -461,6 +490,7 @@ class Coordinator:
         if self._server is not None:
             await self._server.stop(grace_s)
         if self._writer is not None:
+            assert self.service is not None  # set before the writer is started
             with contextlib.suppress(RuntimeError, TimeoutError):  # logged by the writer
                 await asyncio.wait_for(self.service.flush(), 10.0)
             self._writer.cancel()

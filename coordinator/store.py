@@ -17,7 +17,9 @@ membership, the strikes and the reports of the round in progress.
 import contextlib
 import json
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeAlias, cast
 
 from shoal.coordinator.rounds import KEEP_ROUNDS
 from shoal.coordinator.state import Member, PayloadReport, Round, SwarmState
@@ -35,6 +37,8 @@ CREATE TABLE IF NOT EXISTS reports (
     round INTEGER, peer_id TEXT, digest BLOB, size INTEGER, samples INTEGER, state BLOB, synced INTEGER,
     at REAL, PRIMARY KEY (round, peer_id));
 """
+RoundRow: TypeAlias = tuple[int, float, float, float, int, str, float | None, str]
+"""A row of `rounds`: the member list and the stragglers as JSON."""
 
 
 class StateStore:
@@ -73,7 +77,7 @@ class StateStore:
         evicted = dict(self._db.execute("SELECT peer_id, until FROM evicted"))
         # the kept history, an undecided previous round (with overlap) and the current one
         rows = self._db.execute("SELECT * FROM rounds ORDER BY number DESC LIMIT ?", (KEEP_ROUNDS + 2,))
-        rounds = [self._round(row) for row in reversed(rows.fetchall())]
+        rounds: list[Round | None] = [self._round(row) for row in reversed(rows.fetchall())]
         if meta["current_round"] == "":  # between an abandoned round and the next announcement
             rounds.append(None)
         # with overlap, the round before the current one may still be undecided (abandoned ones are deleted)
@@ -85,7 +89,10 @@ class StateStore:
             round=rounds[-1] if rounds else None,
             previous=older if older is not None and older.decided_at is None else None,
             next_round=int(meta["next_round"]),
-            history=tuple(r for r in rounds[:-1] if r.decided_at is not None)[-KEEP_ROUNDS:],
+            # None only ever ends `rounds`
+            history=tuple(r for r in cast(list[Round], rounds[:-1]) if r.decided_at is not None)[
+                -KEEP_ROUNDS:
+            ],
             exchange_times=tuple(json.loads(meta["exchange_times"])),
             stragglers_total=int(meta["stragglers_total"]),
             evictions_total=int(meta["evictions_total"]),
@@ -157,7 +164,7 @@ class StateStore:
                     ),
                 )
 
-    def _round(self, row: tuple) -> Round:
+    def _round(self, row: RoundRow) -> Round:
         number = row[0]
         reports = {
             r[1]: PayloadReport(
@@ -178,7 +185,7 @@ class StateStore:
         )
 
     @contextlib.contextmanager
-    def _transaction(self):
+    def _transaction(self) -> Iterator[None]:
         self._db.execute("BEGIN IMMEDIATE")
         try:
             yield
@@ -188,7 +195,7 @@ class StateStore:
         self._db.execute("COMMIT")
 
 
-def _round_row(saved: Round) -> tuple:
+def _round_row(saved: Round) -> tuple[int, float, float, float, int, float | None, tuple[str, ...]]:
     """What of a round its `rounds` row holds, but the member list (fixed when it is announced)."""
     return (
         saved.number,
@@ -218,7 +225,7 @@ def _meta(state: SwarmState) -> dict[str, str]:
     return {k: str(v) for k, v in values.items()}
 
 
-def _durable(member: Member) -> tuple:
+def _durable(member: Member) -> tuple[str, float, float, int, int, int, int, float]:
     """What of a member survives a restart (liveness does not)."""
     return (
         member.peer_id,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 
-def write_atomically(path: str | Path, write: Callable[[BinaryIO], None], *, durable: bool = False) -> None:
+def write_atomically(path: str | Path, write: Callable[[BinaryIO], object], *, durable: bool = False) -> None:
     """`write` fills a temporary file beside `path`, which is then renamed over `path`. `durable`: the
     file is fsynced before the rename and its folder after it, so the new content also survives a power
     cut. Creates the folder. A failure removes the temporary file and leaves `path` as it was; raises

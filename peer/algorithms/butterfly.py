@@ -27,6 +27,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeGuard, cast
 
 import torch
 
@@ -45,12 +46,12 @@ MIN_PARTICIPANTS = 3
 """Fewer, and a butterfly saves nothing: with 2 peers each still sends and receives one payload."""
 
 
-def shardable(codec: Codec) -> bool:
+def shardable(codec: Codec) -> TypeGuard[DenseCodec]:
     """Whether payloads of `codec` can be cut into pieces along its blocks."""
     per_tensor = (ValueEncoding.VALUE_ENCODING_SIGN, ValueEncoding.VALUE_ENCODING_LEVELS2)  # one scale table
     if not isinstance(codec, DenseCodec) or codec.encoding in per_tensor:
         return False
-    return codec.block * values.BITS[codec.encoding] % 8 == 0
+    return codec.block * values.BITS[cast(ValueEncoding, codec.encoding)] % 8 == 0
 
 
 def ranges(numel: int, block: int, count: int) -> list[tuple[int, int]]:
@@ -65,16 +66,19 @@ def cut(payload: Payload, count: int) -> list[bytes]:
     """The `count` pieces of this peer's own payload (trusted: it encoded it), serialized: every
     tensor's slice, as a flat tensor of the same encoding, uncompressed. Each stream is read once."""
     pieces: list[list[EncodedTensor]] = [[] for _ in range(count)]
+    stream: torch.Tensor | bytes
+    scales: torch.Tensor | bytes
+    cpu = cast(torch.device, "cpu")  # from_wire moves its tensor with .to(device), which takes a str too
     for message in payload.tensors:
         numel = math.prod(message.shape)
         encoding, block = message.value_encoding, message.block_size
         bits = values.BITS[encoding]
         stream = streams.from_wire(
-            message.values, message.values_zstd, values.values_size(encoding, numel), "values", "cpu"
+            message.values, message.values_zstd, values.values_size(encoding, numel), "values", cpu
         )
         groups = -(-numel // block)
         scales = streams.from_wire(
-            message.scales, message.scales_zstd, values.scale_bytes(encoding, groups), "scales", "cpu"
+            message.scales, message.scales_zstd, values.scale_bytes(encoding, groups), "scales", cpu
         )
         stream, scales = stream.numpy().tobytes(), scales.numpy().tobytes()
         for piece, (start, end) in zip(pieces, ranges(numel, block, count), strict=True):

@@ -13,6 +13,7 @@ No torch here, so that the settings parse and check the algorithm before torch l
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 MODES = ("standard", "delayed", "eager")
 """DiLoCo's outer updates (shoal.peer.algorithms.diloco): blocking, one round late, or one round late
@@ -202,7 +203,10 @@ def _changed(config: AlgorithmConfig, default: AlgorithmConfig, names: tuple[str
 
 DEFAULTS: dict[str, AlgorithmConfig] = {
     config.name: config
-    for config in (DeMoConfig(), DeMoConfig(overlapped=True), *(DiLoCoConfig(mode=mode) for mode in MODES))
+    for config in cast(
+        "tuple[AlgorithmConfig, ...]",
+        (DeMoConfig(), DeMoConfig(overlapped=True), *(DiLoCoConfig(mode=mode) for mode in MODES)),
+    )
 }
 """Each algorithm at its default hyperparameters, by its name (`config.name`): demo, demo-overlap,
 diloco-standard, diloco-delayed, diloco-eager. The alias `--algorithm diloco` is

@@ -49,6 +49,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import cast, overload
 
 import torch
 
@@ -107,7 +108,8 @@ class DeMoStats:
     """Payload bytes this participant has sent, in total."""
     bytes_received: int = 0
     """Payload bytes received from the other participants, in total."""
-    phase_seconds: Counter[str] = field(default_factory=Counter)
+    # a Counter of float seconds (typeshed types a Counter's values as int)
+    phase_seconds: dict[str, float] = field(default_factory=cast("Callable[[], dict[str, float]]", Counter))
     """Seconds spent per phase of the steps: encode, exchange, decode, apply (host wall time)."""
     exchange_s: float = 0.0
     """Seconds the exchanges took, on whichever thread ran them (phase_seconds["exchange"] is what the
@@ -206,6 +208,12 @@ class DeMo(torch.optim.Optimizer):
             self._slice_cache = slice_parameters(self._trainable(), self.codec.chunk, self.max_slice_numel)
         return self._slice_cache
 
+    @overload
+    def step(self, closure: None = None, *, samples: int = 1, plan: Plan | None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float], *, samples: int = 1, plan: Plan | None = None) -> float: ...
+
     @torch.no_grad()
     def step(
         self, closure: Callable[[], float] | None = None, *, samples: int = 1, plan: Plan | None = None
@@ -296,6 +304,7 @@ class DeMo(torch.optim.Optimizer):
         """Lookahead: puts the parameters back where the last step left them, exactly (a checkpoint
         then holds the shared parameters; the next forward pass goes without the lookahead)."""
         if self._shifted:
+            assert self._origin is not None  # `_shift` keeps the parameters there before it shifts them
             for p, origin in zip(self._trainable(), self._origin, strict=True):
                 p.copy_(origin)
             self._shifted = False
@@ -381,7 +390,7 @@ class DeMo(torch.optim.Optimizer):
     def shared_state(self) -> list[torch.Tensor]:
         """What every participant holds alike: the trainable parameters (the momentum is local), as
         the last step left them (without the lookahead shift)."""
-        return self._origin if self._shifted else self._trainable()
+        return cast("list[torch.Tensor]", self._origin) if self._shifted else self._trainable()
 
     @torch.no_grad()
     def load_shared_state(self, tensors: list[torch.Tensor]) -> None:

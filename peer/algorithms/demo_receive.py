@@ -3,6 +3,9 @@ checked against the run's codec (`decode`), the contributions screened from thei
 DCT domain (`screen`, shoal.peer.algorithms.robust), and the accepted ones combined into the round's
 update direction (`combine`). shoal.peer.algorithms.demo drives them."""
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 
 from shoal.compression import DCTTopKCodec, DecodeLimits, MalformedPayloadError, dct
@@ -35,13 +38,15 @@ def screen(
     judging = directions_judged(policy, count, reference)
     if (count < 2 and not judging) or (policy.norm_ratio is None and not policy.judges):
         return Screened.of(weights, [1.0] * count, [None] * count, policy, overclaimed=overclaims(claims))
+    gram: list[list[float]] | torch.Tensor  # the Gram matrix, read or on the device
     if not judging:
         squared = [torch.stack([c.values.float().square().sum() for c in coeffs]).sum() for coeffs in decoded]
         gram = torch.diag(torch.stack(squared)).tolist()
         return judged(gram, weights, policy, suspicion, senders, claims)
     by_reference = reference is not None
     if by_reference:
-        decoded = [*decoded, list(reference.update)]
+        assert reference is not None  # by_reference
+        decoded = [*decoded, list(cast("Sequence[TopKCoefficients]", reference.update))]  # DeMo's: top-k
     rows = len(decoded)
     device = decoded[0][0].values.device
     gram = torch.zeros(rows, rows, device=device)

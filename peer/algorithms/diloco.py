@@ -46,7 +46,9 @@ Pseudo-gradients travel exactly (float32, the default) or through a codec of sho
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -98,7 +100,8 @@ class OuterStats:
     """Times the exchange replaced the shared state with the swarm's."""
     uncounted: int = 0
     """Rounds whose aggregate left this participant's payload out (bounded fan-in: its work was carried)."""
-    phase_seconds: Counter = field(default_factory=Counter)
+    # a Counter of float seconds (typeshed types a Counter's values as int)
+    phase_seconds: dict[str, float] = field(default_factory=cast("Callable[[], dict[str, float]]", Counter))
     """Seconds spent per phase of the outer steps: encode, exchange, decode, apply (wall time on the
     host, on whichever thread ran it)."""
 
@@ -227,7 +230,7 @@ class DiLoCo:
         if mode == "eager":
             self.consensus_params = [p.detach().clone() for p in self.global_params]
             self.consensus_optimizer = torch.optim.SGD(self.consensus_params, **settings)
-        self.pieces = None
+        self.pieces: Pieces | None = None
         if butterfly:
             device = self.global_params[0].device if self.params else "cpu"
             shapes = [p.shape for p in self.params]
@@ -270,6 +273,7 @@ class DiLoCo:
             pseudo = [d.add_(c).div_(phases) for d, c in zip(pseudo, carried.displacement, strict=True)]
         sent = self._encode(pseudo, max(samples, 1), phases)
         self._samples, self._carried = 0, None
+        start: float | torch.Tensor  # a time, then a parameter
         if self.mode == "standard":
             start = time.perf_counter()
             result = self._round(sent, self.shared_state(), plan)
@@ -387,6 +391,8 @@ class DiLoCo:
         gathered = time.perf_counter()
         self.stats.phase_seconds["exchange"] += gathered - start
         if contributions is None:  # averaged by the exchange, piece by piece
+            # only `Exchange.average`, called with pieces, averages; an Averaged has contributions or pieces
+            assert self.pieces is not None and averaged.pieces is not None
             mean = self.pieces.assemble(averaged.pieces)
             self.stats.clipped += averaged.clipped
             end = time.perf_counter()

@@ -38,7 +38,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ import torch
 from shoal.protocol.rules import overclaims
 
 if TYPE_CHECKING:
+    from shoal.compression.dct_topk import TopKCoefficients
     from shoal.peer.algorithms.exchange import Contribution, Exchange
 
 DEFAULT_CLIP_RATIO = 1.0
@@ -200,6 +201,7 @@ class Suspicion:
                     self._outlying.discard(self._ids.pop(forgotten))
                 self._recent[sender] = deque(maxlen=policy.suspect_window)
                 self._ids[sender], self._issued = self._issued, self._issued + 1
+        ids: np.ndarray | list[int]
         for index, (sender, cosine) in enumerate(zip(senders, cosines, strict=True)):
             vote = votes[index] if votes is not None else None
             record: Record | None = cosine
@@ -320,7 +322,7 @@ class Reference:
     rounds it is chosen: a swarm of two has no majority to protect, and there two honest DeMo peers,
     whose cosines are near 0, judged each other by their own updates and parted by suspicion."""
 
-    update: Sequence[torch.Tensor]
+    update: "Sequence[torch.Tensor] | Sequence[TopKCoefficients]"
     """The update, as the contributions are (dense tensors, or for DeMo its top-k selections)."""
 
 
@@ -388,7 +390,12 @@ def screen(
     if count < 2 and not judging:
         return Screened.of(weights, [1.0] * count, [None] * count, policy, overclaimed=overclaims(samples))
     by_reference = judging and reference is not None
-    rows = [*contributions, reference.update] if by_reference else list(contributions)
+    rows = (
+        # with `by_reference`, `reference` is not None, and dense as the contributions are
+        [*contributions, cast("Sequence[torch.Tensor]", cast(Reference, reference).update)]
+        if by_reference
+        else list(contributions)
+    )
     gram = torch.zeros(len(rows), len(rows), device=rows[0][0].device if rows[0] else "cpu")
     for parts in zip(*rows, strict=True):  # a tensor at a time: N copies of the largest at most
         stacked = torch.stack([t.reshape(-1).float() for t in parts])  # (N, numel)
@@ -458,6 +465,7 @@ def add_screened_mean(
     """Adds to `into` the screened, sample-weighted mean of `contributions`, (tensors, samples) pairs
     in the round's order (the same sums on every participant). Returns (the weight behind it, the
     verdict)."""
+    tensors: Sequence[Sequence[torch.Tensor]] | Sequence[torch.Tensor]  # all of them, then one's
     tensors, samples = [t for t, _ in contributions], [s for _, s in contributions]
     verdict = screen(tensors, samples, policy, suspicion, senders, reference)
     total = sum(verdict.weights)

@@ -15,7 +15,6 @@ did not count are the same few attributes for both.
 """
 
 from abc import ABC, abstractmethod
-from collections import Counter
 
 import torch
 from torch import nn
@@ -73,7 +72,7 @@ class Synchronizer(ABC):
 
     @property
     @abstractmethod
-    def phase_seconds(self) -> Counter[str]:
+    def phase_seconds(self) -> dict[str, float]:
         """Seconds spent per phase of its exchanging steps: encode, exchange, decode, apply."""
 
     @property
@@ -138,7 +137,7 @@ class DeMoSynchronizer(Synchronizer):
         self.optimizer.load_state_dict(state["optimizer"])
 
     @property
-    def phase_seconds(self) -> Counter[str]:
+    def phase_seconds(self) -> dict[str, float]:
         return self.optimizer.stats.phase_seconds
 
     @property
@@ -213,7 +212,7 @@ class DiLoCoSynchronizer(Synchronizer):
         self.diloco.load_shared_state(state["shared"])
 
     @property
-    def phase_seconds(self) -> Counter[str]:
+    def phase_seconds(self) -> dict[str, float]:
         return self.diloco.stats.phase_seconds
 
     @property

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import TypedDict, Unpack, cast
 
 import torch
 
@@ -116,6 +117,19 @@ QUICK = ConvergeConfig(model="tiny", steps=300, batch_size=16, inner_steps=25)
 FULL = ConvergeConfig(model="tiny", steps=1500, batch_size=16, inner_steps=50, eval_batches=16)
 
 
+class ConvergeOverrides(TypedDict, total=False):
+    """The ConvergeConfig fields `shoal bench converge` sets from its flags (`main`)."""
+
+    inner_steps: int
+    outer_lr: float | None
+    outer_momentum: float | None
+    error_decay: float
+    demo_error_feedback: float | None
+    workers: int
+    gather: int
+    carry: bool
+
+
 @dataclass(slots=True)
 class MethodResult:
     method: str
@@ -183,7 +197,7 @@ class _Lion(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self) -> None:  # type: ignore[override]  # no closure: only stepped plainly here
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -243,7 +257,7 @@ def _train_demo(model, exchange, batches, config, **settings) -> int:
     return optimizer.stats.bytes_sent
 
 
-def _train_diloco(model, exchange, batches, config, mode: str, codec: Codec | None = None) -> int:
+def _train_diloco(model, exchange, batches, config, *, mode: str, codec: Codec | None = None) -> int:
     sparse = isinstance(codec, DCTTopKCodec)  # and TopKCodec: what `--compression sparse` runs with
     outer_lr, outer_momentum = SPARSE_OUTER if sparse else OUTER[mode]
     inner = _adamw(model, config)
@@ -308,7 +322,11 @@ TRAINERS: dict[str, Callable[..., int]] = {
 
 def validation_loss(model: TinyGPT, streams: TokenStreams, config: ConvergeConfig) -> float:
     windows = config.eval_batches * config.batch_size
-    return held_out_loss(model, _loss, streams.validation, config.gpt.seq_len, windows, config.batch_size)
+    # None only for a validation stream without a window: the benchmark's corpora hold many
+    return cast(
+        float,
+        held_out_loss(model, _loss, streams.validation, config.gpt.seq_len, windows, config.batch_size),
+    )
 
 
 def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> MethodResult:
@@ -336,7 +354,8 @@ def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> Me
     def work(rank: int, exchange: Exchange) -> _WorkerOutcome:
         model = TinyGPT(config.gpt).to(device)
         model.load_state_dict(initial)
-        model.bf16 = config.precision == "bf16"
+        # torch types nn.Module's attribute assignment as Tensor | Module only
+        model.bf16 = config.precision == "bf16"  # type: ignore[assignment]
         counted = _Counted(exchange)
         return _WorkerOutcome(model, TRAINERS[method](model, counted, batches(rank, model, counted), config))
 
@@ -352,7 +371,9 @@ def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> Me
     return MethodResult(method, loss, outcomes[0].bytes_sent, wall, curve)
 
 
-def main(*, as_json: bool, quick: bool, methods: tuple[str, ...] = METHODS, **overrides: float) -> int:
+def main(
+    *, as_json: bool, quick: bool, methods: tuple[str, ...] = METHODS, **overrides: Unpack[ConvergeOverrides]
+) -> int:
     """`overrides`: ConvergeConfig fields (inner_steps, outer_lr, outer_momentum, error_decay,
     demo_error_feedback, workers, gather, carry)."""
     config = dataclasses.replace(QUICK if quick else FULL, **overrides)

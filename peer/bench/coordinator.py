@@ -32,6 +32,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import cast
 
 import grpc
 
@@ -102,7 +103,7 @@ class CoordinatorLoad:
     """The coordinator's own counts of refused abuse (its Prometheus counters that are not 0)."""
 
 
-def peer_ids(count: int, seed: int = 0) -> list[str]:
+def peer_ids(count: int, seed: float = 0) -> list[str]:
     """`count` distinct ids of the shape of libp2p ones (what the coordinator validates)."""
     rng = random.Random(seed)
     return [f"12D3KooW{''.join(rng.choices(BASE58, k=44))}" for _ in range(count)]
@@ -306,6 +307,7 @@ def _start_coordinator(
     ]
     log = (workdir / "coordinator.log").open("w")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    assert process.stdout is not None  # stdout=PIPE
     line = process.stdout.readline()
     if not line:
         raise RuntimeError(
@@ -340,7 +342,10 @@ async def _drive(
         for i, p in enumerate(ids[:abusive])
     ]
     began = time.monotonic()
-    tasks = [asyncio.create_task(s.run(until)) for s in [*simulated, *abusers]]
+    tasks = [
+        asyncio.create_task(s.run(until))
+        for s in cast("list[SimulatedPeer | AbusiveClient]", [*simulated, *abusers])
+    ]
     watcher_channel = grpc.aio.insecure_channel(address)
     watcher = coordinator_pb2_grpc.CoordinatorStub(watcher_channel)
     marks: dict[str, float] = {}

@@ -117,6 +117,7 @@ def _poison_tensor(
 ) -> EncodedTensor:
     limits = DecodeLimits(max_numel=1 << 30)
     bits = values.BITS[message.value_encoding]
+    codec: DCTTopKCodec | DenseCodec
     if message.codec in (CodecId.CODEC_ID_DCT_TOPK, CodecId.CODEC_ID_TOPK):
         make = TopKCodec if message.codec == CodecId.CODEC_ID_TOPK else DCTTopKCodec
         elias_fano = message.index_coding == IndexCoding.INDEX_CODING_ELIAS_FANO

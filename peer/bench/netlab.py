@@ -166,6 +166,7 @@ class NetLab:
         _ip("-n", name, "link", "set", "lo", "up")
 
     def _shape(self, namespace: str, device: str) -> None:
+        assert self.rate_mbit is not None  # shaped only when a rate is set (_build)
         rate_bytes = self.rate_mbit * 1e6 / 8
         # a burst of 10 ms of the rate, at least 64 KiB so that GSO segments pass whole
         burst = max(64 * 1024, int(rate_bytes / 100))

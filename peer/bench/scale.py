@@ -33,6 +33,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -124,7 +125,7 @@ LATER_FIELDS = ("demo_topk", "demo_error_feedback")
 so that the runs recorded before them keep their keys."""
 
 
-def run_key(method: str, config: ConvergeConfig, corpus: str) -> str:
+def run_key(method: str, config: ConvergeConfig, corpus: str | None) -> str:
     """What a run's result depends on: a record made with other settings or data is not reused."""
     fields = {k: v for k, v in asdict(config).items() if not (k in LATER_FIELDS and v is None)}
     text = json.dumps([method, fields, corpus, torch.__version__], sort_keys=True)
@@ -196,7 +197,8 @@ def _sweep_method(
     if method.startswith("diloco") and "adamw_dp" in runs:  # the inner AdamW: AdamW-DP's best lr
         start = replace(start, adamw_lr=_best(runs["adamw_dp"]).settings.get("adamw_lr", base.adamw_lr))
     for lr in plan.lrs if full else plan.lrs[:1]:
-        found.append(point(method, replace(start, **{plan.lr_field: lr})))
+        # `lr_field` names one of ConvergeConfig's float fields
+        found.append(point(method, replace(start, **cast("dict[str, Any]", {plan.lr_field: lr}))))
     best = _best(found).settings[plan.lr_field]
     if full and best in (min(plan.lrs), max(plan.lrs)):  # the best at an edge: one step beyond it
         beyond = best / 2 if best == min(plan.lrs) else best * 2

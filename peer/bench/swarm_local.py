@@ -91,6 +91,7 @@ def worker(args: argparse.Namespace) -> None:
         if not args.coordinator:  # a peer ready early would compute and exchange round 0 before the window
             time.sleep(max(0.0, args.start - time.time()))
         summary = PeerSummary.of(peer, [done.report for done in peer.rounds(max_rounds=args.rounds)])
+        assert peer.exchange is not None  # build_peer connected it
         counts = peer.exchange.counts
         result = summary.event() | {
             "params": workload.model.parameters,
@@ -145,7 +146,9 @@ def run_swarm(
     with tempfile.TemporaryDirectory() as tmp:
         coordinator, linked = None, []
         if coordinated:
-            coordinator, where, _ = _start_coordinator(Path(tmp), peers, round_seconds, False, str(gather))
+            started: list[subprocess.Popen] = []
+            where, _ = _start_coordinator(Path(tmp), peers, round_seconds, False, str(gather), started)
+            coordinator = started[0]
             linked = ["--coordinator", where]
         worker = [sys.executable, "-m", "shoal.peer.bench.swarm_local", "--worker", "--initial-peer", address]
         worker += ["--round-seconds", str(round_seconds), "--rounds", str(rounds), "--model", model]
@@ -173,7 +176,7 @@ def run_swarm(
                 if process.poll() is None:
                     os.killpg(process.pid, 9)
             if coordinator is not None:
-                _stop(coordinator)
+                _stop([coordinator])
             node.shutdown()
         results = [json.loads(Path(f"{tmp}/{i}.json").read_text()) for i in range(peers)]
     last = max(max(r["round_numbers"]) for r in results)

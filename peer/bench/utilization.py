@@ -71,6 +71,8 @@ class Loopback:
     """`nodes` peers on 127.0.0.1: NetLab's launcher without namespaces (each started process is stopped
     on exit)."""
 
+    _processes: list[subprocess.Popen]
+
     def __init__(self, nodes: int):
         self.nodes, self._processes = nodes, []
 

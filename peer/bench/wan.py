@@ -28,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from shoal.peer.bench.netlab import NetLab, NetLabError, available, raise_on_sigterm
 from shoal.peer.bench.wan_worker import BUTTERFLY, METHODS, SWARM_METHODS
@@ -105,7 +106,7 @@ def run(
             command += ["--inner-steps", str(config.inner_steps), "--batch-size", str(config.batch_size)]
             command += ["--address", lab.address(index), "--first", first, "--coordinator", coordinator]
             command += ["--out", str(outputs[index])]
-            log = (log_dir / f"{method}-{rate_mbit:g}mbit-peer{index}.log").open("w")
+            log: TextIO | Path = (log_dir / f"{method}-{rate_mbit:g}mbit-peer{index}.log").open("w")
             workers.append(lab.popen(index, command, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + config.timeout_s
         for index, worker in enumerate(workers):
@@ -157,6 +158,7 @@ def _capture(lab: NetLab, path: Path) -> None:
     """tcpdump on node 0's interface until the lab closes (its SIGTERM flushes the file)."""
     command = ["tcpdump", "-i", "eth0", "-s", "128", "-U", "-w", str(path)]
     capture = lab.popen(0, command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert capture.stderr is not None  # stderr=PIPE
     line = capture.stderr.readline()  # "listening on eth0 ..." once it captures
     if "listening on" not in line:
         raise RuntimeError(f"tcpdump did not start: {line.strip() or capture.wait()}")
@@ -173,6 +175,7 @@ def _start_coordinator(lab: NetLab, peers: int, method: str, scratch: Path, log_
         command.append("--overlap")  # peers compute round r + 1 while they exchange round r
     log = (log_dir / f"{method}-coordinator.log").open("a")
     coordinator = lab.popen(peers, command, stdout=subprocess.PIPE, stderr=log, text=True)
+    assert coordinator.stdout is not None  # stdout=PIPE
     line = coordinator.stdout.readline()
     if not line.startswith("{"):
         raise RuntimeError(f"the coordinator did not start; see {log_dir / f'{method}-coordinator.log'}")

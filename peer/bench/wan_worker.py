@@ -26,6 +26,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from shoal.peer.data import BatchPlan, stdlib_corpus, validation_loss
 from shoal.peer.files import replace_text
 from shoal.peer.models.gpt import GPTConfig, TinyGPT
 from shoal.peer.models.loading import model_loss
+
+if TYPE_CHECKING:
+    from shoal.peer.swarm.records import RoundPlan
 
 MODELS = {
     "tiny": GPTConfig.preset("tiny"),
@@ -187,6 +191,7 @@ def _swarm(args, model, batch, streams) -> dict:
         if args.index == 0:  # the others join through its address
             address = next(str(a) for a in peer.dht.get_visible_maddrs() if f"/ip4/{args.address}/" in str(a))
             replace_text(first, address)
+        assert spec.run.round_seconds is not None  # _swarm_spec sets it
         trainer = build_peer(
             peer,
             spec,
@@ -198,12 +203,17 @@ def _swarm(args, model, batch, streams) -> dict:
             fetch_timeout=timedelta(seconds=120),
         )
         exchange = peer.exchange
+        assert exchange is not None  # build_peer connected it
         # round 0 starts once every peer has joined the coordinator: time and wire count from its plan
         start: list[tuple[float, tuple[int, int]]] = []
         compute = planning = exchanging = 0.0
         payloads = 0
         rounds = math.ceil(args.steps / trainer.inner_steps)
-        planned = lambda _plan: start or start.append((time.perf_counter(), interface_bytes()))  # noqa: E731
+
+        def planned(_plan: "RoundPlan") -> None:
+            if not start:
+                start.append((time.perf_counter(), interface_bytes()))
+
         for index, done in enumerate(peer.rounds(max_rounds=rounds, planned=planned)):
             planning += done.plan_s if index else 0.0
             compute += done.report.compute_s

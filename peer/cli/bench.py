@@ -334,7 +334,14 @@ def _converge(args: argparse.Namespace) -> int:
     if args.demo_error_feedback is not None and not 0 <= args.demo_error_feedback <= 1:
         print("shoal bench converge: error: --demo-error-feedback must be in [0, 1]", file=sys.stderr)
         return 2
-    names = ("inner_steps", "outer_lr", "outer_momentum", "error_decay", "demo_error_feedback", "workers")
+    names: tuple[str, ...] = (
+        "inner_steps",
+        "outer_lr",
+        "outer_momentum",
+        "error_decay",
+        "demo_error_feedback",
+        "workers",
+    )
     names += ("gather", "carry")
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return converge.main(as_json=args.json, quick=args.quick, methods=methods, **overrides)

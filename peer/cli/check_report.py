@@ -17,7 +17,7 @@ import asyncio
 import json
 import sys
 import time
-from typing import IO
+from typing import IO, TYPE_CHECKING, cast
 
 import torch
 from hivemind.p2p import PeerID
@@ -30,6 +30,9 @@ from shoal.peer.swarm.records import peer_records
 from shoal.peer.swarm.relay import UNCHECKED, Reachability, check_reachability
 from shoal.peer.train.hardware import choose_device, describe
 from shoal.protocol.swarm_pb2 import PayloadChunk, ProbeRequest
+
+if TYPE_CHECKING:
+    from shoal.peer.data import TokenStreams
 
 PROBE_BYTES = 4 << 20
 PROBE_PEERS = 3
@@ -112,7 +115,7 @@ def network_report(initial_peers: list[str], run: str, port: int) -> dict:
         report["bootstrap"] = "ok"
         report["dht_round_trip_ms"] = (time.perf_counter() - started) * 1000
         report["run_peers"] = len(records)
-        bandwidth = {}
+        bandwidth: dict[str, float | str] = {}
         for record in list(records.values())[:PROBE_PEERS]:
             try:
                 mbit = asyncio.run(asyncio.wait_for(_probe(dht, record.peer_id, run), PROBE_TIMEOUT_S))
@@ -134,9 +137,11 @@ def fit_report(spec) -> tuple[dict, str]:
     try:
         device = choose_device(spec.model.device)
         loaded = load_model(spec.model.name, seed=spec.run.seed, seq_len=spec.model.seq_len)
-        fitted = fit_workload(spec.changed(fit="auto"), Workload(device, loaded, None))
+        # the fit reads no data: no streams (Workload types them as required)
+        fitted = fit_workload(spec.changed(fit="auto"), Workload(device, loaded, cast("TokenStreams", None)))
     except ValueError as error:  # FitError, ModelError, DeviceError
         return {"error": str(error)}, f"fit        DOES NOT FIT: {error}"
+    assert fitted is not None  # fit="auto": fit_workload returns None only with fit off
     text = f"fit        {fitted.describe()}"
     if fitted.late:
         text += f"\n           warning: {fitted.lateness()}"

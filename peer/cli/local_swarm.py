@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 from statistics import fmean
-from typing import IO
+from typing import IO, Any
 
 from shoal.peer.algorithms.configs import DEFAULTS
 from shoal.peer.config.settings import ALGORITHMS
@@ -132,6 +132,7 @@ def run(
 ) -> dict:
     """Runs the demo; returns its summary. The log folder is `keep_logs` (kept), else a temporary one,
     removed at the end unless the demo fails (DemoError, whose message names it)."""
+    events: queue.Queue[tuple[int, dict[str, Any]]]
     started, events, processes = time.perf_counter(), queue.Queue(), []
     logs = _log_folder(keep_logs)
     start_time = time.time() + STARTUP_S + STARTUP_PER_PEER_S * peers
@@ -146,6 +147,7 @@ def run(
         command += ["--checkpoint-dir", str(logs / f"peer{index}-checkpoints")]
         processes.append(_start_peer(index, command, logs, threads, events))
 
+    helpers: list[subprocess.Popen]
     helpers, failed = [], False  # helpers: the coordinator, once started
     try:
         kept = "" if keep_logs else " (removed at the end; shoal demo --keep-logs DIR keeps them)"
@@ -304,6 +306,7 @@ def _start_coordinator(
     command += ["--gather", gather]
     process = _spawn(command, (logs / "coordinator.log").open("w"))
     started.append(process)
+    assert process.stdout is not None  # _spawn: stdout=PIPE
     line = process.stdout.readline()  # its first line says where it listens (no torch: quick)
     try:
         listening = json.loads(line)

@@ -16,6 +16,7 @@ import re
 import socket
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from shoal.peer.config.settings import PeerSpec, SettingsError
 
@@ -137,7 +138,7 @@ def check_inputs(settings: PeerSpec) -> None:
     _check_data(settings.data.source)
 
 
-def _model_config(model: str) -> dict | None:
+def _model_config(model: str) -> dict[str, Any] | None:
     """A Hugging Face directory's config.json (None for the embedded presets and factories)."""
     if model in EMBEDDED or FACTORY.match(model):
         return None
@@ -153,7 +154,7 @@ def _model_config(model: str) -> dict | None:
     return _json_object(path, f"--model {model}")
 
 
-def _json_object(path: Path, named_by: str) -> dict:
+def _json_object(path: Path, named_by: str) -> dict[str, Any]:
     try:
         found = json.loads(path.read_text())
     except (OSError, ValueError) as error:
@@ -163,7 +164,7 @@ def _json_object(path: Path, named_by: str) -> dict:
     return found
 
 
-def _positions(config: dict | None) -> int | None:
+def _positions(config: dict[str, Any] | None) -> int | None:
     if config is None:
         return None
     for key in POSITIONS:

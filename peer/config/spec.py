@@ -18,7 +18,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, cast
 
 from shoal.peer.algorithms.configs import (
     AVERAGING,
@@ -29,6 +29,7 @@ from shoal.peer.algorithms.configs import (
     VALUE_BITS,
     AlgorithmConfig,
     DeMoConfig,
+    DiLoCoConfig,
     run_config,
 )
 from shoal.peer.algorithms.schedule import KINDS, Schedule
@@ -120,7 +121,7 @@ def _address(value: Any) -> str:
     host, _, port = _text(value).rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT, got {value!r}")
-    return value
+    return cast(str, value)  # a str: _text checked it
 
 
 def _run(value: Any) -> str:
@@ -295,17 +296,18 @@ class AlgorithmSpec(_Section):
         codec = codec | {name: value for name, value in overrides.items() if value is not None}
         try:
             if family == "demo":
-                return replace(named, lr=self.lr or named.lr, **codec)
+                return replace(cast(DeMoConfig, named), lr=self.lr or named.lr, **cast(dict[str, Any], codec))
+            diloco = cast(DiLoCoConfig, named)  # family "diloco": not a DeMoConfig
             sparse = preset == "sparse"  # the sparse codec's own outer step where none is given
             return replace(
-                named,
+                diloco,
                 lr=self.lr or named.lr,
                 inner_steps=self.inner_steps,
-                outer_lr=_first(self.outer_lr, SPARSE_OUTER[0] if sparse else named.outer_lr),
+                outer_lr=_first(self.outer_lr, SPARSE_OUTER[0] if sparse else diloco.outer_lr),
                 outer_momentum=_first(self.outer_momentum, SPARSE_OUTER[1] if sparse else None),
                 averaging=self.averaging,
                 compression=preset,
-                **codec,
+                **cast(dict[str, Any], codec),  # topk, value_bits, chunk: int fields of both
             )
         except ValueError as error:  # the config's own check names its field, which is the flag
             name = str(error).split()[0]

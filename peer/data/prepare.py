@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO, cast
 
 import numpy as np
 
@@ -179,7 +179,12 @@ def _flush(
         ids = np.concatenate(pieces)
         largest = int(ids.max())
         name = f"{split}-{len(progress.shards):05d}.npy"
-        write_atomically(out / name, lambda file, ids=ids: np.save(file, ids), durable=True)
+        # cast: mypy cannot infer a lambda with a default (`ids`, bound now) against a one-argument callable
+        write_atomically(
+            out / name,
+            cast("Callable[[BinaryIO], object]", lambda file, ids=ids: np.save(file, ids)),
+            durable=True,
+        )
         progress.shards.append(Shard(name, split, int(ids.size), largest, file_digest(out / name)))
         progress.max_id = max(progress.max_id, largest)
         pieces.clear()

@@ -45,6 +45,8 @@ class TokenStreams:
 
 
 def _split_files(files: list[Path], root: Path, max_bytes: int | None) -> TokenStreams:
+    train: list[bytes]
+    validation: list[bytes]
     train, validation, total = [], [], 0
     for path in sorted(files):
         data = path.read_bytes()

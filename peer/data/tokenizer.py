@@ -46,7 +46,7 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     name = "bytes"
     vocab_size = 256
-    separator = (ord("\n"),)
+    separator: tuple[int, ...] = (ord("\n"),)
     digest = hashlib.sha256(b"shoal bytes tokenizer, newline-separated").hexdigest()
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
@@ -82,7 +82,7 @@ class HFTokenizer:
                 f"--tokenizer {path}: it has no end-of-text token to separate documents (looked for the "
                 f"eos_token of tokenizer_config.json, then {', '.join(END_OF_TEXT)})"
             )
-        self.separator = (eot,)
+        self.separator: tuple[int, ...] = (eot,)
         # of the file's JSON, canonical (not of the library's re-serialization, which may change with
         # its version): two machines with one tokenizer.json pin one digest
         canonical = json.dumps(json.loads(file.read_text()), sort_keys=True, separators=(",", ":"))

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
@@ -29,7 +29,7 @@ from shoal.peer.algorithms.robust import finite
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.config.spec import MOST_MICRO_BATCHES, PeerSpec
 from shoal.peer.data import RoundSlices, TokenStreams, load_data
-from shoal.peer.data.ledger import TokenLedger
+from shoal.peer.data.ledger import Lane, TokenLedger
 from shoal.peer.data.tokenizer import load_tokenizer
 from shoal.peer.job.runtime import SwarmPeer
 from shoal.peer.job.window import AutoWindow
@@ -165,7 +165,7 @@ def build_peer(
     warn: Callable[[str], None] | None = None,
     exchange_type: type[SwarmExchange] | None = None,
     ranks: LocalRanks | None = None,
-    **exchange_options,
+    **exchange_options: Any,
 ) -> Trainer:
     """Connects the peer's exchange on `schedule` and its trainer, as the spec says, and returns the
     trainer (also `peer.trainer`). `batches`: the benchmark's own (default: the round's windows of the
@@ -176,7 +176,7 @@ def build_peer(
     device, loaded = workload.device, workload.model
     model = loaded.module.to(device)
     numel = loaded.parameters
-    options = {
+    options: dict[str, Any] = {  # SwarmExchange's keywords
         "coordinator": coordinator,
         "device": str(device),
         "max_payload_bytes": max(1 << 20, 8 * numel),
@@ -257,11 +257,12 @@ def round_batches(spec: PeerSpec, workload: Workload, tokens: TokenLedger | None
         inner = step % inner_steps
         if delay and inner == 0 and micro == 0:
             time.sleep(delay)  # --compute-delay: a slow peer, on purpose
-        lane = plan.lane
+        lane = cast("Lane | None", plan.lane)  # the token ledger's (TokenLedger.lane: SwarmPeer.rounds)
         if lane is not None:
             if audit and lane.audit is None:
                 lane.audit = {}
-            rows = train.rows(tokens.batch(lane, step, micro, size)[0], window)
+            # a lane comes only with the token ledger, `tokens` (build_peer)
+            rows = train.rows(cast(TokenLedger, tokens).batch(lane, step, micro, size)[0], window)
             inputs, targets = rows[:, :-1], rows[:, 1:]
         else:
             inputs, targets = slices.batch(
@@ -275,7 +276,7 @@ def round_batches(spec: PeerSpec, workload: Workload, tokens: TokenLedger | None
             )
         return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
-    return batches
+    return cast(Batches, batches)  # the trainer hands a swarm peer's batches its RoundPlan
 
 
 def param_hash(model: torch.nn.Module) -> str:
@@ -323,7 +324,8 @@ class PeerSummary:
         validation: float | None = None,
         final_resync: bool = False,
     ) -> "PeerSummary":
-        exchange, trainer = peer.exchange, peer.trainer
+        # a built peer (build_peer): connected and trained
+        exchange, trainer = cast(SwarmExchange, peer.exchange), cast(Trainer, peer.trainer)
         store = trainer.checkpoints
         return cls(
             round_numbers=tuple(r.round for r in reports),

@@ -15,11 +15,16 @@ Two sources:
 import math
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:  # torch: not loaded for the metrics alone
+    from shoal.peer.train.trainer import RoundReport
 
 # Every reason a peer's input is dropped for (shoal.protocol's MalformedPayloadError reasons and the
 # swarm's own), exposed at 0 from the start so that a healthy peer has the series too (a test checks
@@ -98,7 +103,7 @@ class PeerMetrics:
         self._data_gauges(r)
 
     def observe_round(
-        self, report, *, wall_s: float, payload_bytes: int, peers_seen: int, stragglers: int
+        self, report: "RoundReport", *, wall_s: float, payload_bytes: int, peers_seen: int, stragglers: int
     ) -> None:
         """One finished round: `report` is the trainer's RoundReport (shoal.peer.train.trainer)."""
         self.round.set(report.round)
@@ -164,7 +169,7 @@ class PeerMetrics:
         ).set_function(age)
         self.registry.register(CheckpointCollector(write_failures))
 
-    def track_exchange(self, counters: Callable[[], dict]) -> None:
+    def track_exchange(self, counters: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(SwarmCollector(counters))
 
     def serve(self, host: str, port: int) -> int:
@@ -205,10 +210,10 @@ class SwarmCollector(Collector):
 
     KINDS = ("payload", "state", "probe", "dht")
 
-    def __init__(self, counters: Callable[[], dict]):
+    def __init__(self, counters: Callable[[], dict[str, Any]]):
         self.counters = counters
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         c = self.counters()
         sent = CounterMetricFamily("shoal_sent_bytes", "Bytes this peer sent, by kind.", labels=["kind"])
         received = CounterMetricFamily(
@@ -240,7 +245,7 @@ class CheckpointCollector(Collector):
     def __init__(self, write_failures: Callable[[], int]):
         self.write_failures = write_failures
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily(
             "shoal_checkpoint_write_failures",
             "Checkpoints that could not be written (folder not writable, disk full); training went on.",

@@ -22,13 +22,16 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, cast
 
+import hivemind
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
+from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.config.settings import PARSERS, PeerSpec, SettingsError
 from shoal.peer.data import validation_loss
 from shoal.peer.files import replace_text
@@ -59,7 +62,7 @@ from shoal.peer.train.fit import Fit
 from shoal.peer.train.hardware import autocast_for, memory_in_use
 from shoal.peer.train.ranks import LocalRanks, RanksError, serve
 from shoal.peer.train.stopping import StopRequest, Watchdog, stop_on_signals
-from shoal.peer.train.trainer import OutOfMemory
+from shoal.peer.train.trainer import OutOfMemory, RoundReport, Trainer
 
 # the run configuration's flags, in the order the join command names them
 RUN_FLAGS = (
@@ -104,7 +107,7 @@ class Credentials:
     """Whether the coordinator answered the check at the start."""
 
 
-def join(settings: PeerSpec, *, stream: IO[str] | None = None) -> dict:
+def join(settings: PeerSpec, *, stream: IO[str] | None = None) -> dict[str, Any]:
     """Runs the peer until it is stopped or its rounds are done; returns the summary it printed.
     `settings` have passed shoal.peer.config.preflight.check (the CLI runs it before importing torch); raises
     SettingsError for a setting checked here, JoinError for any other failure the volunteer can fix."""
@@ -117,7 +120,7 @@ def join(settings: PeerSpec, *, stream: IO[str] | None = None) -> dict:
         progress.close()
 
 
-def _join(settings: PeerSpec, progress: Progress) -> dict:
+def _join(settings: PeerSpec, progress: Progress) -> dict[str, Any]:
     try:
         check_multiaddrs("--initial-peers", settings.network.initial_peers, dialable=True)
         check_multiaddrs("--announce-maddrs", settings.network.announce_maddrs, dialable=False)
@@ -127,15 +130,18 @@ def _join(settings: PeerSpec, progress: Progress) -> dict:
     # and, mid-round, a DHT process behind); a stop that outlasts its budget is ended by the watchdog,
     # which first kills the DHT's processes
     stop = stop_on_signals(grace_s=DRAIN_MAX_S)
-    helpers: list = []
-    watchdog = Watchdog(stop, before_exit=lambda: [kill() for kill in helpers])
+    helpers: list[Callable[[], object]] = []
+    # what it returns is not read: Watchdog calls it for its effect
+    watchdog = Watchdog(stop, before_exit=cast("Callable[[], None]", lambda: [kill() for kill in helpers]))
     try:
         return _join_until(settings, progress, stop, helpers)
     finally:
         watchdog.cancel()
 
 
-def _join_until(settings: PeerSpec, progress: Progress, stop: StopRequest, helpers: list) -> dict:
+def _join_until(
+    settings: PeerSpec, progress: Progress, stop: StopRequest, helpers: list[Callable[[], object]]
+) -> dict[str, Any]:
     workload = _workload(settings)
     fitted = None if stop.is_set() else _fit(settings, progress, workload)
     if fitted is not None and fitted.outer_on_host:
@@ -175,7 +181,7 @@ def _join_until(settings: PeerSpec, progress: Progress, stop: StopRequest, helpe
         return _train(settings, progress, peer, schedule, workload, credentials, fitted, ranks, stop)
 
 
-def _discover(settings: PeerSpec, progress: Progress, dht) -> RoundSchedule | None:
+def _discover(settings: PeerSpec, progress: Progress, dht: hivemind.DHT) -> RoundSchedule | None:
     """The round clock of the run's live peers; None if none showed up within --discover-seconds: this
     peer then starts the run (its clock starts once the model is loaded, `_train`). Peers that start
     it at the same moment end on one clock (shoal.peer.swarm.membership.winning_clock)."""
@@ -192,7 +198,7 @@ def _discover(settings: PeerSpec, progress: Progress, dht) -> RoundSchedule | No
         return None
 
 
-def _check_other_runs(settings: PeerSpec, progress: Progress, dht) -> None:
+def _check_other_runs(settings: PeerSpec, progress: Progress, dht: hivemind.DHT) -> None:
     """An initial peer that trains another run, when none of this one showed up, most likely means a
     mistyped --run or address: JoinError, unless the run is started at once (--discover-seconds 0), then
     a warning. The peers asked count the question (`other_run`)."""
@@ -307,8 +313,16 @@ def _close(ranks: LocalRanks | None) -> None:
 
 
 def _train(
-    settings, progress, peer: SwarmPeer, schedule, workload: Workload, credentials, fitted, ranks, stop
-) -> dict:
+    settings: PeerSpec,
+    progress: Progress,
+    peer: SwarmPeer,
+    schedule: RoundSchedule | None,
+    workload: Workload,
+    credentials: Credentials | None,
+    fitted: Fit | None,
+    ranks: LocalRanks | None,
+    stop: StopRequest,
+) -> dict[str, Any]:
     if schedule is None:
         schedule = saved_clock(settings, progress) or RoundSchedule(
             start_time=settings.run.start_time or time.time() + 0.5,
@@ -329,6 +343,7 @@ def _train(
         warn=lambda text: progress.message(f"warning: {text}"),
         ranks=ranks,
     )
+    assert peer.exchange is not None  # build_peer connected it (SwarmPeer.connect)
     if fitted is not None:
         trainer.batch_size = fitted.batch_size
         trainer.expect_pace(fitted.chosen.round_s / trainer.inner_steps)
@@ -338,6 +353,7 @@ def _train(
     metrics = _serve_metrics(settings, progress, peer.exchange, trainer, workload.device, numel)
     try:
         if trainer.resume():
+            assert trainer.checkpoints is not None  # resume() loads only from a checkpoint store
             progress.message(f"resumed from the checkpoint of round {trainer.checkpoints.loaded_round}")
         data = workload.streams
         progress.message(
@@ -366,9 +382,15 @@ def _save_clock(settings: PeerSpec, schedule: RoundSchedule) -> None:
 
 
 def _loop(
-    settings, progress, peer: SwarmPeer, workload: Workload, metrics: PeerMetrics | None, stop: StopRequest
-) -> dict:
-    exchange, reports = peer.exchange, []
+    settings: PeerSpec,
+    progress: Progress,
+    peer: SwarmPeer,
+    workload: Workload,
+    metrics: PeerMetrics | None,
+    stop: StopRequest,
+) -> dict[str, Any]:
+    # _train built the peer (build_peer), connected and trained, and set the swarm's --round-seconds
+    exchange, reports = cast(SwarmExchange, peer.exchange), []
     adopted = 0  # round clocks taken from peers that started the run at once
     isolated = alone = False
     crowd = 1  # the most participants of a round so far
@@ -384,7 +406,7 @@ def _loop(
         if (crowd > 1 and report.participants <= 1) != alone:
             alone = not alone
             tell_alone(progress, alone, report, status.peers_seen)
-        late = tell_late(progress, status.late, late, report, settings.run.round_seconds)
+        late = tell_late(progress, status.late, late, report, cast(float, settings.run.round_seconds))
         if status.isolated != isolated:
             isolated = status.isolated
             tell_isolation(progress, isolated, report.round, peer.reachability)
@@ -415,8 +437,10 @@ def _loop(
             lr=report.lr,
             round_seconds=status.round_seconds,
         )
-        told = tell_ledger(progress, peer.trainer.ledger, senders, done.plan, metrics, told)
-        tell_validation(settings, progress, workload, peer.trainer.batch_size, report.round, metrics)
+        told = tell_ledger(progress, cast(Trainer, peer.trainer).ledger, senders, done.plan, metrics, told)
+        tell_validation(
+            settings, progress, workload, cast(Trainer, peer.trainer).batch_size, report.round, metrics
+        )
         if status.clocks_adopted > adopted:  # a restart keeps the run's clock, not the one it left
             adopted = status.clocks_adopted
             _save_clock(settings, exchange.schedule)
@@ -424,8 +448,8 @@ def _loop(
     alone = bool(settings.run.max_rounds and len(reports) >= settings.run.max_rounds)
     final_resync = peer.finish(until_round=settings.run.until_round, left_alone=alone)
     if reports and not peer.stopped:  # the run's last state, after its end agreed (a stop saved already)
-        peer.trainer.save()
-    loaded, batch_size = workload.model, peer.trainer.batch_size
+        cast(Trainer, peer.trainer).save()
+    loaded, batch_size = workload.model, cast(Trainer, peer.trainer).batch_size
     held_out = (loaded.module, loaded.loss_fn, workload.streams.validation, loaded.seq_len)
     # a stop past its budget (or a second signal) leaves at once: no validation pass
     measure = reports and not (peer.abandoned or stop.spent())
@@ -433,7 +457,14 @@ def _loop(
     return _summary(settings, progress, peer, reports, final_resync, validation)
 
 
-def _serve_metrics(settings, progress, exchange, trainer, device, numel) -> PeerMetrics | None:
+def _serve_metrics(
+    settings: PeerSpec,
+    progress: Progress,
+    exchange: SwarmExchange,
+    trainer: Trainer,
+    device: torch.device,
+    numel: int,
+) -> PeerMetrics | None:
     """With --metrics-port: Prometheus metrics on --host:port/metrics (shoal.peer.job.metrics)."""
     if settings.logging.metrics_port is None:
         return None
@@ -449,8 +480,10 @@ def _serve_metrics(settings, progress, exchange, trainer, device, numel) -> Peer
     metrics = PeerMetrics(info=info, dense_bytes=4 * numel)
     metrics.track_exchange(exchange.counters)
     metrics.track_device_memory(memory_in_use(device))
-    if trainer.checkpoints is not None:
-        metrics.track_checkpoints(trainer.checkpoints.last_saved, lambda: trainer.checkpoints.write_failures)
+    if trainer.checkpoints is not None:  # and so in the lambda: the trainer keeps its store
+        metrics.track_checkpoints(
+            trainer.checkpoints.last_saved, lambda: cast(CheckpointStore, trainer.checkpoints).write_failures
+        )
     try:
         port = metrics.serve(settings.network.host, settings.logging.metrics_port)
     except OSError as error:
@@ -473,7 +506,14 @@ def _write_address(path: str, address: str) -> None:
         raise JoinError(f"--address-file {path}: {error.strerror}") from None
 
 
-def _summary(settings, progress, peer: SwarmPeer, reports, final_resync, validation) -> dict:
+def _summary(
+    settings: PeerSpec,
+    progress: Progress,
+    peer: SwarmPeer,
+    reports: Sequence[RoundReport],
+    final_resync: bool,
+    validation: float | None,
+) -> dict[str, Any]:
     """The run as this peer saw it (shoal.peer.job.assembly.PeerSummary), logged as the `summary` event
     (and, for a person, one line)."""
     summary = PeerSummary.of(peer, reports, validation=validation, final_resync=final_resync)
@@ -510,7 +550,7 @@ def _coordinator_link(
     if credentials is None:  # no --coordinator
         return None
     return CoordinatorLink(
-        settings.coordinator.address,
+        cast(str, settings.coordinator.address),  # set: credentials come with --coordinator
         peer_id,
         token=credentials.token,
         tls_roots=credentials.tls_roots,

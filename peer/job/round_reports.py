@@ -4,6 +4,7 @@ rounds it settled, the epoch, and with --audit-data on, the windows this peer tr
 payloads miss round after round (`tell_late`), one left alone (`tell_alone`) or cut off from the others
 (`tell_isolation`)."""
 
+from shoal.peer.config.spec import PeerSpec
 from shoal.peer.data import validation_loss
 from shoal.peer.data.ledger import Lane, TokenLedger
 from shoal.peer.job.assembly import Workload
@@ -13,6 +14,7 @@ from shoal.peer.swarm.directory import REJOIN_EVERY_S
 from shoal.peer.swarm.isolation import ISOLATED_AFTER
 from shoal.peer.swarm.records import RoundPlan
 from shoal.peer.swarm.relay import Reachability
+from shoal.peer.train.trainer import RoundReport
 
 
 def tell_ledger(
@@ -69,7 +71,12 @@ def tell_ledger(
 
 
 def tell_validation(
-    settings, progress, workload: Workload, batch_size: int, round_number: int, metrics
+    settings: PeerSpec,
+    progress: Progress,
+    workload: Workload,
+    batch_size: int,
+    round_number: int,
+    metrics: PeerMetrics | None,
 ) -> None:
     """Every --validate-every swarm rounds (the same rounds on every peer), the loss on the held-out
     batches, in the log and the metrics."""
@@ -93,7 +100,9 @@ LATE_TOLD = 3
 """Rounds in a row a peer's payloads miss before it is told (one is bad luck: a busy machine)."""
 
 
-def tell_late(progress: Progress, missed: int, late: tuple[int, int], report, round_s: float) -> tuple:
+def tell_late(
+    progress: Progress, missed: int, late: tuple[int, int], report: RoundReport, round_s: float
+) -> tuple[int, int]:
     """A peer whose payloads missed LATE_TOLD rounds in a row is told so, with why (its round's
     computation against the round's length) and what to change; and when it is on time again.
     `late`: (rounds missed before this one, of them in a row); returns the same after it."""
@@ -114,7 +123,7 @@ def tell_late(progress: Progress, missed: int, late: tuple[int, int], report, ro
     return missed, streak
 
 
-def tell_alone(progress: Progress, alone: bool, report, peers_seen: int = 1) -> None:
+def tell_alone(progress: Progress, alone: bool, report: RoundReport, peers_seen: int = 1) -> None:
     """A peer that trained with others and finds its round counted alone is told so, and when it has
     company again: alone when it sees no other peer (they left, or the node it joined through is gone);
     when it saw `peers_seen` - 1 others whose payloads did not count (late, of another state, not

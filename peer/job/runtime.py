@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, cast
 
 import hivemind
 from hivemind.utils.crypto import RSAPrivateKey
@@ -86,7 +87,7 @@ class SwarmPeer:
         host_maddrs: Sequence[str],
         identity: RSAPrivateKey | None = None,
         relay: bool = True,
-        **dht_options,
+        **dht_options: Any,
     ) -> "SwarmPeer":
         """Joins the DHT through `initial_peers` (none: a new swarm), with the run's record validators;
         `dht_options` go to `bootstrap.start_dht` (identity_path, ...); asks the relays among them whether
@@ -113,7 +114,7 @@ class SwarmPeer:
         config: Mapping[str, str],
         *,
         exchange_type: type[SwarmExchange] = SwarmExchange,
-        **options,
+        **options: Any,
     ) -> SwarmExchange:
         """This peer's exchange on `schedule`, for the run configuration `config`; `options` go to
         SwarmExchange (a test's hostile peer passes its subclass as `exchange_type`)."""
@@ -124,9 +125,14 @@ class SwarmPeer:
         )
         return self.exchange
 
-    def train(self, model: nn.Module, algorithm: AlgorithmConfig, batches: Batches, **options) -> Trainer:
+    def train(
+        self, model: nn.Module, algorithm: AlgorithmConfig, batches: Batches, **options: Any
+    ) -> Trainer:
         """This peer's trainer over its exchange; `options` go to Trainer."""
-        self.trainer = Trainer(model, self.exchange, algorithm=algorithm, batches=batches, **options)
+        # connected first (`connect`: the class docstring)
+        self.trainer = Trainer(
+            model, cast(SwarmExchange, self.exchange), algorithm=algorithm, batches=batches, **options
+        )
         return self.trainer
 
     def rounds(
@@ -141,7 +147,8 @@ class SwarmPeer:
         is past `until_round`, `max_rounds` are done, or `stop` is set (the round in progress ends,
         with a checkpoint; `stopped` is then set). `planned(plan)` is called before each round's
         computation starts."""
-        exchange, trainer = self.exchange, self.trainer
+        # connected and trained first (`connect`, `train`: the class docstring)
+        exchange, trainer = cast(SwarmExchange, self.exchange), cast(Trainer, self.trainer)
         exchange.stop = trainer.stop = stop  # its waits end with the stop's budget
         count = samples = 0
         while not (max_rounds and count >= max_rounds):
@@ -211,13 +218,16 @@ class SwarmPeer:
         ends together after `until_round` (this peer is not leaving alone, on its own round limit or a
         stop), the peers agree on the state they end on (SwarmExchange.agree_final), and this one takes
         the majority's if it differs. Returns whether it did."""
+        # connected and trained first (`connect`, `train`: the class docstring)
         if not self.stopped:
-            self.trainer.finish()
+            cast(Trainer, self.trainer).finish()
         if until_round is None or left_alone or self.stopped:
             return False
-        adopted = self.exchange.agree_final(until_round, self.trainer.shared_state())
+        adopted = cast(SwarmExchange, self.exchange).agree_final(
+            until_round, cast(Trainer, self.trainer).shared_state()
+        )
         if adopted is not None:
-            self.trainer.load_shared_state(adopted)
+            cast(Trainer, self.trainer).load_shared_state(adopted)
         return adopted is not None
 
     def _past(self, until_round: int) -> bool:
@@ -225,7 +235,7 @@ class SwarmPeer:
         with a coordinator it has not tried yet is past nothing on the clock: the coordinator's first
         round waits for its peers, so a peer slower to start than the run's `--start-time` plus its
         rounds (a loaded machine) would otherwise leave at once, having trained nothing."""
-        exchange = self.exchange
+        exchange = cast(SwarmExchange, self.exchange)  # connected first (`rounds`)
         if exchange.last_round is not None and exchange.last_round >= until_round:
             return True
         link = exchange.coordinator

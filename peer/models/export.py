@@ -81,7 +81,8 @@ def export(checkpoint_dir: str | Path, out: str | Path, *, model: str | None = N
                 json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
             )
         elif hasattr(loaded.module, "save_pretrained"):
-            loaded.module.save_pretrained(staging, safe_serialization=True)
+            # torch's stubs type a Module's attributes as Tensor | Module
+            loaded.module.save_pretrained(staging, safe_serialization=True)  # type: ignore[operator]
             _copy_tokenizer(Path(meta.get("tokenizer") or name), staging)
         else:
             weights = {k: v.detach().contiguous() for k, v in loaded.module.state_dict().items()}

@@ -149,14 +149,17 @@ def recomputing(module: nn.Module) -> bool | None:
 def recompute(module: nn.Module, on: bool) -> None:
     """Switches activation checkpointing on or off (`recomputing` is not None): the embedded GPT's
     blocks, or a Hugging Face model's own, non-reentrant."""
+    # a Hugging Face model's methods below: torch's stubs type a Module's attributes as Tensor | Module
     if isinstance(module, TinyGPT):
         module.checkpointing = on
     elif hasattr(module, "activation_checkpointing_enable"):
         if on:
-            module.activation_checkpointing_enable({"use_reentrant": False})
+            module.activation_checkpointing_enable({"use_reentrant": False})  # type: ignore[operator]
         else:
-            module.activation_checkpointing_disable()
+            module.activation_checkpointing_disable()  # type: ignore[operator]
     elif on:
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        module.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
     else:
-        module.gradient_checkpointing_disable()
+        module.gradient_checkpointing_disable()  # type: ignore[operator]

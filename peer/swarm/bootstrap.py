@@ -20,6 +20,7 @@ import socket
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING, cast
 
 import hivemind
 from hivemind.dht.protocol import DHTProtocol
@@ -30,6 +31,9 @@ from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 
 from shoal.peer.swarm.lifeline import die_with_parent
 from shoal.peer.swarm.relay import RelayServer
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 # the DHT nodes that store each record and announcement (hivemind's default is 5): a run's reads and
 # writes ask only these (shoal.peer.swarm.directory), and each node asked answers with every peer's
@@ -58,7 +62,9 @@ class TetheredDHT(hivemind.DHT):
         # objects (a coordinator link, a test's channels) whose finalizers crash a forked child (a
         # segfault while "Garbage-collecting" in a DHT child, seen in the integration suite)
         gc.freeze()
-        die_with_parent(multiprocessing.parent_process().pid)
+        parent = multiprocessing.parent_process()
+        assert parent is not None and parent.pid is not None  # run() runs in the DHT's own process
+        die_with_parent(parent.pid)
         _trim_found_answers()
         super().run()
 
@@ -243,7 +249,7 @@ class BootstrapNode:
 
     def __init__(self, dht: hivemind.DHT, relay: RelayServer | None = None):
         self.dht, self.relay = dht, relay
-        self._metrics_server = None
+        self._metrics_server: WSGIServer | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-relay", daemon=True)
         self._thread.start()
@@ -311,7 +317,7 @@ class BootstrapNode:
         """A copy of the relay's counters, taken on its loop (for another thread)."""
 
         async def copy() -> dict[str, dict[str, float]]:
-            relay = self.relay
+            relay = cast(RelayServer, self.relay)  # read only for a node that relays (`RelayCollector`)
             return {
                 "sent": dict(relay.sent),
                 "fetched": dict(relay.fetched),
@@ -342,6 +348,7 @@ class BootstrapNode:
         return p2p
 
     async def _stop_relay(self) -> None:
+        assert self.relay is not None and self._p2p is not None  # started: a node that relays
         await self.relay.stop()
         await self._p2p.shutdown()
 

@@ -23,8 +23,9 @@ read: until every compatible peer was in last round.
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from shoal.peer.swarm.names import round_key
 from shoal.peer.swarm.records import Announcement
@@ -46,7 +47,7 @@ class Polls:
     """An unknown peer announced since the peer list was last read."""
     announcements_read: bool = False
     """Whether the announcements were read this round."""
-    strangers: set[bytes] = field(default_factory=set)
+    strangers: set[object] = field(default_factory=set)
     poll_s: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -62,7 +63,7 @@ class Polls:
     def read_records(self) -> None:
         self.records_read, self.unknown = True, False
 
-    def stranger(self, owner: bytes) -> None:
+    def stranger(self, owner: object) -> None:
         """An announcement by a peer not in the peer list: the list is re-read at once, once per peer."""
         self.unknown = self.unknown or owner not in self.strangers
         self.strangers.add(owner)
@@ -176,7 +177,7 @@ class Reads:
                 else:
                     ledger.refuse(owner, reason, self.round_number)
                 continue
-            self.announced[owner] = announcement
+            self.announced[owner] = cast(Announcement, announcement)  # no refusal: not malformed
             self.announced_at[owner] = time.time()
 
 
@@ -231,4 +232,9 @@ def pull_chosen(
     for owner, announcement in chosen.items():
         if owner not in fetches and not stages.server.holds(round_number, announcement.digest):
             fetches[owner] = asyncio.create_task(stages.fetch(round_number, announcement, announced))
-            fetches[owner].add_done_callback(lambda _, owner=owner: pulled_at.__setitem__(owner, time.time()))
+            fetches[owner].add_done_callback(
+                cast(
+                    "Callable[[asyncio.Task], None]",
+                    lambda _, owner=owner: pulled_at.__setitem__(owner, time.time()),
+                )
+            )

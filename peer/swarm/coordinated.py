@@ -162,6 +162,7 @@ class CoordinatedRounds:
             )
         stages.counts.coordinated_rounds += 1
         stages.counts.count_round(max(plan.expected, reported), reported)
+        assert link is not None  # a coordinated plan comes from the link (`plan`), which `_report` called
         link.progress.round, link.progress.exchange_s = number, exchange_s
         with contextlib.suppress(grpc.aio.AioRpcError):
             await link.heartbeat()  # finished: the coordinator may start the next round
@@ -176,6 +177,8 @@ class CoordinatedRounds:
             round=number, digest=mine.digest, size=mine.size, samples=mine.samples, state=mine.state,
             synced=self.stages.standing.synced,
         )  # fmt: skip
+        assert self.link is not None  # a coordinated plan comes from the link (`plan`)
+        report: ReportReply | CallFailed
         if self.stages.isolation.sits_out(number):
             report = ReportReply(included=False)
         else:
@@ -208,7 +211,7 @@ class CoordinatedRounds:
         finished = [started]
         for fetch in fetches:
             fetch.add_done_callback(lambda _task: finished.append(time.time()))
-        pending = set()
+        pending: set[asyncio.Task[None]] = set()
         if fetches:
             _, pending = await asyncio.wait(fetches, timeout=max(0.0, deadline - time.time()))
             stages.counts.rejected["missing"] += len(pending)

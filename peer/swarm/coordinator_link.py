@@ -249,6 +249,7 @@ class CoordinatorLink:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         if self.member:
+            assert self._stub is not None  # a member: it joined through the stub
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self._stub.Leave(
                     pb.LeaveRequest(peer_id=self.peer_id), timeout=1.0, metadata=self._metadata
@@ -284,6 +285,7 @@ class CoordinatorLink:
     async def report(self, request: pb.ReportRequest) -> pb.ReportReply | CallFailed:
         """The coordinator's answer to a ready payload, or why there is none."""
         request.peer_id = self.peer_id
+        assert self._stub is not None  # a coordinated round's: the link is started
         try:
             reply = await self._call(self._stub.ReportReady, request, CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
@@ -295,6 +297,7 @@ class CoordinatorLink:
     async def result(self, round_number: int, deadline: float) -> pb.RoundResultReply | CallFailed:
         """The participant set of a round, waiting for its decision until `deadline` (local time)."""
         timeout = max(0.5, deadline - time.time())
+        assert self._stub is not None  # a coordinated round's: the link is started
         try:
             return await self._call(
                 self._stub.RoundResult, pb.RoundResultRequest(round=round_number), timeout
@@ -312,6 +315,7 @@ class CoordinatorLink:
             min_samples=progress.min_samples,
             exchange_s=progress.exchange_s,
         )
+        assert self._stub is not None  # after a coordinated round, or in the link's task: started
         reply = await self._call(self._stub.Heartbeat, request, CALL_TIMEOUT_S)
         self._heard_at = time.monotonic()
         self.compute_scale = reply.compute_scale
@@ -385,6 +389,7 @@ class CoordinatorLink:
         request = pb.JoinRequest(
             peer_id=self.peer_id, throughput=progress.throughput, min_samples=progress.min_samples
         )
+        assert self._stub is not None  # in the task `start` creates
         reply = await self._call(self._stub.Join, request, CALL_TIMEOUT_S)
         self._heard_at = time.monotonic()
         self._measure(reply.now)
@@ -397,6 +402,7 @@ class CoordinatorLink:
         self.member = True
 
     async def _follow_rounds(self) -> None:
+        assert self._stub is not None  # in the task `start` creates
         stream = self._stub.Rounds(pb.RoundsRequest(peer_id=self.peer_id), metadata=self._metadata)
         async for message in stream:
             self._measure(message.now)

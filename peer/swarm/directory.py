@@ -19,7 +19,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import hivemind
 from hivemind.dht.node import DHTNode
@@ -48,6 +48,9 @@ if TYPE_CHECKING:
     from shoal.peer.swarm.coordinator_link import CoordinatorLink
 
 logger = get_logger(__name__)
+
+# what this peer stores under its subkey: its record (`PeerRecord.dict()`) or an announcement's value
+DHTValue: TypeAlias = dict[str, object] | list[object]
 
 REJOIN_EVERY_S = 10.0  # a peer alone in its run dials its initial peers again at most this often ...
 REJOIN_TIMEOUT_S = 5.0  # ... each for at most this long
@@ -117,7 +120,7 @@ class RunDirectory:
         self._record_expires = -math.inf  # the expiry of this peer's last record written
         self._read_fully = False  # whether the last read asked every replica
         # key: this peer's last write there and the replicas it went to, until a read from every replica
-        self._unconfirmed: dict[str, tuple[dict, float, frozenset[bytes]]] = {}
+        self._unconfirmed: dict[str, tuple[DHTValue, float, frozenset[bytes]]] = {}
 
     @property
     def peer_ids(self) -> dict[bytes, str]:
@@ -152,7 +155,7 @@ class RunDirectory:
         """What the next record write says (progress: throughput, samples)."""
         self.record = self.record.copy(update=fields)
 
-    async def store(self, key: str, value: dict, expiration: float) -> None:
+    async def store(self, key: str, value: DHTValue, expiration: float) -> None:
         """Stores `value` under this peer's subkey, counting its serialized bytes: on the replicas its
         routing table knows, and on any nearer one the next read from every replica finds (`get`)."""
         self.counts.sent["dht"] += len(key) + len(self.owner) + len(MSGPackSerializer.dumps(value))
@@ -164,7 +167,7 @@ class RunDirectory:
             self._unconfirmed[key] = (value, expiration, written)
 
     async def _store_near(
-        self, key: str, value: dict, expiration: float, *, skip: frozenset[bytes]
+        self, key: str, value: DHTValue, expiration: float, *, skip: frozenset[bytes]
     ) -> frozenset[bytes] | None:
         """Stores on the nearest replicas the routing table knows, except those in `skip`; hivemind's
         crawling store instead if one did not take it or the table may have dropped nodes. Returns the
@@ -285,7 +288,7 @@ class RunDirectory:
         found = await self.get(key, every_rounds=ANNOUNCEMENTS_FULLY_EVERY_ROUNDS, nearest=nearest)
         if found is None or not isinstance(found.value, dict):
             return []
-        announcements = []
+        announcements: list[tuple[object, Announcement | MalformedPayloadError]] = []
         for owner, entry in found.value.items():
             try:
                 peer = self._peer_ids.get(owner) if isinstance(owner, bytes) else None
@@ -398,7 +401,7 @@ async def _ping_again(maddrs: tuple[str, ...], _dht: hivemind.DHT, node: DHTNode
 
 
 async def _store_near(
-    key: str, subkey: bytes, value: dict, expiration: float, skip: frozenset[bytes], _dht, node: DHTNode
+    key: str, subkey: bytes, value: DHTValue, expiration: float, skip: frozenset[bytes], _dht, node: DHTNode
 ) -> tuple[list[bytes], bool] | None:
     """In the DHT's process: signs (key, subkey, value) with the node's record validators and stores it
     on the REPLICAS nodes nearest `key` that its routing table knows (itself among them, unless a

@@ -56,7 +56,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, cast
 
 import hivemind
 import torch
@@ -357,7 +357,8 @@ class SwarmExchange(Exchange):
         state: Sequence[torch.Tensor] | None = None,
         plan: Plan | None = None,
     ) -> Gathered:
-        return self._gather(payload, samples, state, None, own_plan(plan))
+        # no pieces: a gathered round
+        return cast(Gathered, self._gather(payload, samples, state, None, own_plan(plan)))
 
     def average(
         self,
@@ -387,12 +388,14 @@ class SwarmExchange(Exchange):
         self.last_round = round_number
         ledgered = self.tokens is not None and pieces is None and state is not None
         if ledgered:
+            assert self.tokens is not None and state is not None  # `ledgered` says so
             lane = None if plan is None else plan.lane
             payload = bytes(payload) + (b"" if lane is None else lane.claim_bytes())
             state = [*state, self.tokens.view_tensor(round_number)]
         self.last_payload_bytes = len(payload)
         snapshot = None if state is None else (StateSnapshot.capture(state, round_number), list(state))
         if coordinated:
+            assert plan is not None  # `coordinated` says so
             outcome = self._call(self.rounds.round(plan, bytes(payload), samples, snapshot, pieces))
         else:
             outcome = self._call(self._uncoordinated(round_number, bytes(payload), samples, snapshot))
@@ -409,7 +412,9 @@ class SwarmExchange(Exchange):
     def _settle_tokens(self, round_number: int, outcome: Outcome) -> list[torch.Tensor] | None:
         """The round's claims, recorded in the token ledger; an adopted state's ledger taken, the rest
         returned for the optimizer."""
-        self.tokens.record_payloads(round_number, {c.sender: c.payload for c in outcome.result})
+        assert self.tokens is not None  # a ledgered round's
+        contributions = cast(list[Contribution], outcome.result)  # ledgered: no pieces, a gathered round
+        self.tokens.record_payloads(round_number, {c.sender: c.payload for c in contributions})
         self.tokens.name(self.directory.peer_ids)
         if outcome.adopted is None:
             return None
@@ -484,7 +489,8 @@ class SwarmExchange(Exchange):
             return None
         sources = [a.peer for owner, a in announced.items() if a.state == agreed and owner != self.owner]
         logger.warning(f"ended the run on another state than {len(sources)} peer(s): re-syncing to theirs")
-        return await self.stages.resync(agreed, sources, like)
+        # `agreed` None (no one announced a state) is a digest no source serves: the re-sync fails
+        return await self.stages.resync(cast(bytes, agreed), sources, like)
 
     def reject(self, contribution: Contribution, reason: str) -> None:
         """Counts and strikes what the optimizer left out: malformed, `config_mismatch`, or screened

@@ -14,6 +14,7 @@ import json
 from collections import Counter
 from collections.abc import Mapping
 from importlib.metadata import version
+from typing import TYPE_CHECKING, TypeAlias
 
 from hivemind.dht.schema import SchemaValidator
 from hivemind.utils.crypto import RSAPrivateKey
@@ -24,25 +25,47 @@ from shoal.peer.swarm.signing import Ed25519RecordValidator, OwnerSubkey, owner_
 
 SHOAL_VERSION = version("shoal")
 
+# pydantic's constrained types: mypy (without pydantic's plugin) takes them as the values they hold
+if TYPE_CHECKING:
+    PeerIdStr: TypeAlias = str
+    VersionStr: TypeAlias = str
+    DeviceStr: TypeAlias = str
+    CoordinatorStr: TypeAlias = str
+    NonNegativeFloat: TypeAlias = float
+    RoundSecondsFloat: TypeAlias = float
+    EpochFloat: TypeAlias = float
+    NonNegativeInt: TypeAlias = int
+    RelayList: TypeAlias = list[str]
+else:
+    PeerIdStr = constr(strict=True, min_length=1, max_length=128)
+    VersionStr = constr(strict=True, max_length=32)
+    DeviceStr = constr(strict=True, max_length=64)
+    CoordinatorStr = constr(strict=True, max_length=256)
+    NonNegativeFloat = confloat(ge=0, strict=True)
+    RoundSecondsFloat = confloat(gt=0, le=86400, strict=True)
+    EpochFloat = confloat(ge=0, le=1e12, strict=True)
+    NonNegativeInt = conint(ge=0, strict=True)
+    RelayList = conlist(constr(strict=True, min_length=1, max_length=128), max_items=4)
+
 
 class PeerRecord(BaseModel):
     """What a peer says about itself, refreshed every round."""
 
-    peer_id: constr(strict=True, min_length=1, max_length=128)  # base58 libp2p peer id, to pull payloads from
-    version: constr(strict=True, max_length=32)  # shoal version; major.minor must match
+    peer_id: PeerIdStr  # base58 libp2p peer id, to pull payloads from
+    version: VersionStr  # shoal version; major.minor must match
     config: dict[StrictStr, StrictStr]  # the configuration itself, to name what differs
-    device: constr(strict=True, max_length=64)  # cpu, cuda:0, mps, ...
-    throughput: confloat(ge=0, strict=True)  # samples per second
-    round: conint(ge=0, strict=True)  # the round this record was written in
-    start_time: confloat(ge=0, strict=True) = 0.0  # the run's round clock: unix time round 0 starts
-    round_seconds: confloat(gt=0, le=86400, strict=True) = 60.0  # and how long a round lasts
-    samples: conint(ge=0, strict=True) = 0  # samples this peer has contributed since it started
-    epoch: confloat(ge=0, le=1e12, strict=True) = 0.0  # the swarm's epoch over its data, with its share done
-    tokens: conint(ge=0, strict=True) = 0  # tokens the swarm consumed since the run began (its token ledger)
-    updated: confloat(ge=0, strict=True) = 0.0  # unix time the record was written
-    coordinator: constr(strict=True, max_length=256) = ""  # the coordinator it follows, as it reaches it
+    device: DeviceStr  # cpu, cuda:0, mps, ...
+    throughput: NonNegativeFloat  # samples per second
+    round: NonNegativeInt  # the round this record was written in
+    start_time: NonNegativeFloat = 0.0  # the run's round clock: unix time round 0 starts
+    round_seconds: RoundSecondsFloat = 60.0  # and how long a round lasts
+    samples: NonNegativeInt = 0  # samples this peer has contributed since it started
+    epoch: EpochFloat = 0.0  # the swarm's epoch over its data, with its share done
+    tokens: NonNegativeInt = 0  # tokens the swarm consumed since the run began (its token ledger)
+    updated: NonNegativeFloat = 0.0  # unix time the record was written
+    coordinator: CoordinatorStr = ""  # the coordinator it follows, as it reaches it
     reachable: StrictBool | None = None  # whether a relay could dial it (None: not checked)
-    relays: conlist(constr(strict=True, min_length=1, max_length=128), max_items=4) = []  # pull through these
+    relays: RelayList = []  # pull through these
 
     @property
     def run_hash(self) -> str:

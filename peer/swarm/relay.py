@@ -158,6 +158,7 @@ class RelayServer:
         else:
             name, inner, limit = handler(request.run, "payload"), request.payload, self.max_payload_bytes
         parts, size = [], 0
+        assert self._p2p is not None  # a request to a handler `start` added
         try:
             stream = await asyncio.wait_for(
                 self._p2p.iterate_protobuf_handler(target, name, inner, PayloadChunk), self.timeout_s
@@ -206,6 +207,7 @@ class RelayServer:
     async def _connected_peers(self) -> dict[PeerID, list[Multiaddr]]:
         read_at, peers = self._connected
         if time.monotonic() - read_at > CONNECTED_TTL_S:
+            assert self._p2p is not None  # for a request to a handler `start` added
             peers = {info.peer_id: info.addrs for info in await self._p2p.list_peers()}
             self._connected = (time.monotonic(), peers)
         return peers

@@ -86,7 +86,7 @@ class Ed25519RecordValidator(RecordValidatorBase):
         return {"key": self._key.private_bytes_raw()}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(Ed25519PrivateKey.from_private_bytes(state["key"]))
+        type(self).__init__(self, Ed25519PrivateKey.from_private_bytes(state["key"]))
 
 
 def _signed_bytes(record: DHTRecord, value: bytes) -> bytes:

@@ -21,6 +21,7 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -253,6 +254,7 @@ class RoundStages:
         other one. With a `tally` (a coordinator that chose the round's payloads itself), `announced`
         holds only the chosen, and the tally is the vote."""
         gather_limit = self.limits.gather_limit
+        voters: dict[bytes, Announcement] | Tally | None
         if tally is not None:
             voters, counted = tally, mine.owner in announced
         else:
@@ -296,7 +298,9 @@ class RoundStages:
             self.counts.rejected["stale_state"] += len(decision.stale)
         adopted = None
         if decision.behind:
-            adopted = await self.resync(decision.agreed, decision.sources, snapshot[1])
+            assert snapshot is not None  # behind only when states are compared
+            # `agreed` None (no one announced a state) is a digest no source serves: the re-sync fails
+            adopted = await self.resync(cast(bytes, decision.agreed), decision.sources, snapshot[1])
         if decision.compared:
             self.standing.synced = not decision.behind or adopted is not None
         return Agreement(decision.counted, adopted)

@@ -22,7 +22,7 @@ import sys
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -147,6 +147,7 @@ async def download(
     times is replaced by the next unused one. Raises StateUnavailable when no source is left before
     every piece is held; what was already verified is never fetched twice.
     """
+    errors: tuple[type[BaseException], ...]
     errors = (MalformedPayloadError, OSError, TimeoutError, asyncio.IncompleteReadError, *transient)
     rejected = rejected if rejected is not None else Counter()
     manifest = None
@@ -161,6 +162,7 @@ async def download(
     if manifest is None:
         raise StateUnavailable(f"none of {len(sources)} sources served the manifest of the state")
     count = len(manifest.chunk_digests)
+    pieces: dict[int, bytes]
     missing, pieces = deque(range(count)), {}
 
     unused = deque(sources)
@@ -249,7 +251,10 @@ def decide(
     if isinstance(voters, Tally):
         agreed = tallied(voters.votes)
         holders = [a.peer for o, a in sorted(announced.items()) if a.state == agreed and o != mine.owner]
-        holders += [p for p in voters.holders.get(agreed, ()) if p not in holders and p != mine.peer]
+        # `agreed` None (no vote for a state) is held by no one
+        holders += [
+            p for p in voters.holders.get(cast(bytes, agreed), ()) if p not in holders and p != mine.peer
+        ]
         synced_vote = any(synced and count > 0 for (_, synced), count in voters.votes.items())
     else:
         ballots = {owner: announced[owner] for owner in held} if voters is None else voters

@@ -32,6 +32,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -114,7 +115,8 @@ class Trial:
     """One dry run: the estimate of a micro-batch, its measured peak and its compute time a round."""
 
     estimate: Estimate
-    measured: int
+    measured: float
+    """Bytes at the peak; inf when the micro-batch ran out of memory."""
     round_s: float
     """Seconds of computation a round asks: DiLoCo's H inner steps, DeMo's one micro-batch."""
     outer_on_host: bool = False
@@ -151,7 +153,10 @@ class Fit:
 
     def lateness(self) -> str:
         """Why this peer will miss its rounds, and what to change (`late`)."""
-        return too_slow(self.name, self.algorithm, self.chosen, self.window_s)
+        # `fit` gives every Fit its algorithm; a late one has a window
+        return too_slow(
+            self.name, cast(AlgorithmConfig, self.algorithm), self.chosen, cast(float, self.window_s)
+        )
 
     def describe(self) -> str:
         trial, estimate = self.chosen, self.chosen.estimate
@@ -222,7 +227,7 @@ def estimate(
     nothing allocated on the device. `precision`: the autocast dtype the peer trains in (None: none),
     traced under the CPU's autocast with it (its casts are the GPU's for the layers that hold memory)."""
     module = loaded.module
-    trainable = [p for p in module.parameters() if p.requires_grad]
+    trainable: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
     parameters = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
     state, step = algorithm_memory(algorithm, trainable, outer_on_host)
     saved, largest = saved_for_backward(loaded, batch_size, checkpointing, precision)
@@ -315,6 +320,8 @@ def measure(
     with torch.random.fork_rng(devices=devices), _checkpointing(module, checkpointing):
         module.to(device)
         trainer = None
+        tracker: contextlib.nullcontext[None] | LiveTensors
+        peak: float
         try:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -338,7 +345,11 @@ def measure(
                 )
                 for _ in range(2):  # the first allocates the algorithm's state, the second is as all others
                     trainer.round()
-            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else tracker.peak
+            peak = (
+                torch.cuda.max_memory_allocated(device)
+                if device.type == "cuda"
+                else cast(LiveTensors, tracker).peak  # not on CUDA: the LiveTensors
+            )
             timed = trainer.round()
             if trainer.batch_size != batch_size:  # it ran out of memory and halved
                 peak = math.inf

@@ -62,6 +62,8 @@ def autocast_for(
 
 def describe(device: torch.device) -> dict[str, object]:
     """Name, total and free memory (bytes) of the device; the CPU's from the OS."""
+    total: int | None
+    free: int | None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         name = torch.cuda.get_device_name(device)

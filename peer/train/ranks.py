@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,7 +59,7 @@ class LocalRanks:
         rank: int,
         world: int,
         device: torch.device,
-        workers: list[subprocess.Popen] = (),
+        workers: Sequence[subprocess.Popen[bytes]] = (),
         store: Path | None = None,
     ):
         self.rank, self.world, self.device = rank, world, device

@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -221,7 +222,7 @@ class Trainer:
         """One round: `inner_steps` steps, the last exchanging. `number`: the round it computes for,
         as its report says (None: the rounds this trainer has done); `plan`: the exchange's plan of
         that round (a swarm peer's RoundPlan), handed to it with the round's payload."""
-        phases: Counter[str] = Counter()
+        phases = cast("dict[str, float]", Counter())  # a Counter of seconds (its update adds)
         before = Counter(self.sync.phase_seconds)
         samples = tokens = 0
         loss_sum = 0.0
@@ -314,7 +315,8 @@ class Trainer:
                                 p.grad.mul_(micro_batches / done)
                         self.cut_short += 1
                         break
-                return total.item() / done, samples, tokens, done
+                # micro_batches >= 1: a loss was summed
+                return cast(torch.Tensor, total).item() / done, samples, tokens, done
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
@@ -325,6 +327,7 @@ class Trainer:
         m-th micro-batch of rank r drawn as the peer's m N + r-th, the gradients averaged. Counts the
         samples and tokens of every rank; the loss is rank 0's."""
         ranks, total, samples, tokens = self.ranks, None, 0, 0
+        assert ranks is not None  # `_accumulate` comes here only with ranks
         for micro in range(micro_batches):
             drawn = [
                 self.batches(self.steps, micro * ranks.world + rank, self.batch_size, plan)
@@ -342,7 +345,7 @@ class Trainer:
             samples += sum(x.shape[0] for x, _ in drawn)
             tokens += sum(y.numel() for _, y in drawn)
         ranks.reduce_gradients(self.model)
-        return total.item() / micro_batches, samples, tokens, micro_batches
+        return cast(torch.Tensor, total).item() / micro_batches, samples, tokens, micro_batches
 
     @property
     def _scale(self) -> float:
