@@ -43,6 +43,7 @@ from shoal.peer.job.assembly import (
     workload_ranks,
 )
 from shoal.peer.job.clock import ClockError, save_clock, saved_clock
+from shoal.peer.job.faults import Faults, from_environment
 from shoal.peer.job.metrics import PeerMetrics, build_info
 from shoal.peer.job.progress import Progress
 from shoal.peer.job.round_reports import tell_alone, tell_isolation, tell_late, tell_ledger, tell_validation
@@ -104,20 +105,22 @@ class Credentials:
     """Whether the coordinator answered the check at the start."""
 
 
-def join(settings: PeerSpec, *, stream: IO[str] | None = None) -> dict:
+def join(settings: PeerSpec, *, stream: IO[str] | None = None, faults: Faults | None = None) -> dict:
     """Runs the peer until it is stopped or its rounds are done; returns the summary it printed.
-    `settings` have passed shoal.peer.config.preflight.check (the CLI runs it before importing torch); raises
-    SettingsError for a setting checked here, JoinError for any other failure the volunteer can fix."""
+    `settings` have passed shoal.peer.config.preflight.check (the CLI runs it before importing torch);
+    `faults`: what the peer does wrong on purpose (None: what SHOAL_FAULTS names, usually nothing:
+    shoal.peer.job.faults). Raises SettingsError for a setting checked here, JoinError for any other
+    failure the volunteer can fix."""
     progress = Progress(
         settings.logging.format, stream or sys.stdout, title=f"shoal · run {settings.run.name}"
     )
     try:
-        return _join(settings, progress)
+        return _join(settings, progress, from_environment() if faults is None else faults)
     finally:
         progress.close()
 
 
-def _join(settings: PeerSpec, progress: Progress) -> dict:
+def _join(settings: PeerSpec, progress: Progress, faults: Faults) -> dict:
     try:
         check_multiaddrs("--initial-peers", settings.network.initial_peers, dialable=True)
         check_multiaddrs("--announce-maddrs", settings.network.announce_maddrs, dialable=False)
@@ -130,12 +133,14 @@ def _join(settings: PeerSpec, progress: Progress) -> dict:
     helpers: list = []
     watchdog = Watchdog(stop, before_exit=lambda: [kill() for kill in helpers])
     try:
-        return _join_until(settings, progress, stop, helpers)
+        return _join_until(settings, progress, stop, helpers, faults)
     finally:
         watchdog.cancel()
 
 
-def _join_until(settings: PeerSpec, progress: Progress, stop: StopRequest, helpers: list) -> dict:
+def _join_until(
+    settings: PeerSpec, progress: Progress, stop: StopRequest, helpers: list, faults: Faults
+) -> dict:
     workload = _workload(settings)
     fitted = None if stop.is_set() else _fit(settings, progress, workload)
     if fitted is not None and fitted.outer_on_host:
@@ -172,7 +177,7 @@ def _join_until(settings: PeerSpec, progress: Progress, stop: StopRequest, helpe
             _write_address(settings.network.address_file, address)
         _announce_address(settings, progress, address, addresses, dht.peer_id.to_base58(), peer.reachability)
         schedule = _discover(settings, progress, dht) if settings.network.initial_peers else None
-        return _train(settings, progress, peer, schedule, workload, credentials, fitted, ranks, stop)
+        return _train(settings, progress, peer, schedule, workload, credentials, fitted, ranks, stop, faults)
 
 
 def _discover(settings: PeerSpec, progress: Progress, dht) -> RoundSchedule | None:
@@ -307,7 +312,16 @@ def _close(ranks: LocalRanks | None) -> None:
 
 
 def _train(
-    settings, progress, peer: SwarmPeer, schedule, workload: Workload, credentials, fitted, ranks, stop
+    settings,
+    progress,
+    peer: SwarmPeer,
+    schedule,
+    workload: Workload,
+    credentials,
+    fitted,
+    ranks,
+    stop,
+    faults,
 ) -> dict:
     if schedule is None:
         schedule = saved_clock(settings, progress) or RoundSchedule(
@@ -327,6 +341,7 @@ def _train(
         workload,
         coordinator=_coordinator_link(settings, credentials, peer.dht.peer_id.to_base58()),
         warn=lambda text: progress.message(f"warning: {text}"),
+        faults=faults,
         ranks=ranks,
     )
     if fitted is not None:
