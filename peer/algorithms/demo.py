@@ -57,6 +57,7 @@ from shoal.compression import DCTTopKCodec, DecodeLimits, MalformedPayloadError,
 from shoal.compression.dct_topk import TopKCoefficients
 from shoal.peer.algorithms.demo_receive import SUM_SLOT, combine, decode, screen
 from shoal.peer.algorithms.exchange import Contribution, Exchange, Plan
+from shoal.peer.algorithms.hooks import NO_HOOKS, Hooks
 from shoal.peer.algorithms.in_flight import InFlight
 from shoal.peer.algorithms.robust import (
     DEMO,
@@ -151,6 +152,9 @@ class DeMo(torch.optim.Optimizer):
             (BENCHMARKS.md). Either way the unsent rest stays in the momentum (error feedback). With
             `carry`, the samples behind the carried work are claimed again with the next payload.
     """
+
+    hooks: Hooks = NO_HOOKS
+    """What a benchmark observes of its rounds (shoal.peer.algorithms.hooks)."""
 
     def __init__(
         self,
@@ -451,16 +455,18 @@ class DeMo(torch.optim.Optimizer):
         reference = None  # under a bounded fan-in only: robust.Reference
         if gathered is not None and gathered.selections and self.exchange.gather_limit > 0:
             reference = Reference(gathered.selections)
+        keys = sender_keys(senders)
         verdict = screen(
             decoded,
             capped_weights(samples, self.robust.sample_ratio),
             slices,
-            sender_keys(senders),
+            keys,
             [float(c.samples) for c in senders],
             reference,
             suspicion=self.suspicion,
             workspace=self.codec.workspace,
         )
+        self.hooks.screened(self, decoded, slices, keys, verdict)
         self.stats.clipped += verdict.clipped
         report(self.exchange, senders, verdict, self.stats.rejected)
         accepted = []

@@ -58,6 +58,7 @@ from shoal.peer.algorithms.butterfly import Pieces
 from shoal.peer.algorithms.configs import outer_settings
 from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, Plan
 from shoal.peer.algorithms.feedback import ErrorFeedback
+from shoal.peer.algorithms.hooks import NO_HOOKS, Hooks
 from shoal.peer.algorithms.in_flight import InFlight
 from shoal.peer.algorithms.robust import (
     DILOCO,
@@ -65,7 +66,6 @@ from shoal.peer.algorithms.robust import (
     Reference,
     Robustness,
     Suspicion,
-    add_screened_mean,
     finite,
     report,
     sender_keys,
@@ -183,6 +183,9 @@ class DiLoCo:
             error feedback, the decoded payloads and their mean; the model's parameters are copied
             there and back once an outer step. None: the parameters' device.
     """
+
+    hooks: Hooks = NO_HOOKS
+    """What a benchmark observes of its rounds (shoal.peer.algorithms.hooks)."""
 
     def __init__(
         self,
@@ -409,7 +412,7 @@ class DiLoCo:
                 self.stats.rejected += 1
                 self.exchange.reject(contribution, error.reason)
         # rank order: the same sums everywhere
-        total, verdict = add_screened_mean(
+        total, verdict = self.hooks.aggregate(self)(
             mean,
             accepted,
             self.suspicion.policy,
@@ -472,6 +475,7 @@ class DiLoCo:
     ) -> None:
         """One outer step of `params` (the global parameters by default) along `direction`, unless it is
         not finite (refused and counted: a sum of huge finite values can overflow)."""
+        self.hooks.outer_direction(self, direction, params is None)
         if not finite(direction):
             self.stats.refused["aggregate_non_finite"] += 1
             self.exchange.refuse("aggregate_non_finite")

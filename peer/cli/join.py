@@ -160,7 +160,6 @@ JOIN_FLAGS = {
     ),
     "seed": ("N", "seed of the initial weights and of the data order"),
     "log_format": ("FORMAT", "human (a live table) or json (one object per line)"),
-    "compute_delay": ("S", "testing: sleep this long in every round's compute phase (a slow peer)"),
 }
 
 

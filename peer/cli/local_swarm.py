@@ -2,10 +2,10 @@
 
 Unless `--no-coordinator`, a `shoal coordinator` process runs the rounds: its first round waits for
 every peer, each round's participant set is exactly the payloads reported in time, and a peer slowed
-on purpose (`--slow-peer I`: it sleeps in every compute phase) is left out as a straggler, told to
-shrink its window, then evicted for a while. The first peer starts the swarm (with a round clock far
-enough ahead for the others to start, used without a coordinator); the others join through the
-address it prints. Every peer writes JSON lines (`--log-format json`); this
+on purpose (`--slow-peer I`: it sleeps before every round's computation, shoal.peer.job.faults) is
+left out as a straggler, told to shrink its window, then evicted for a while. The first peer starts
+the swarm (with a round clock far enough ahead for the others to start, used without a coordinator);
+the others join through the address it prints. Every peer writes JSON lines (`--log-format json`); this
 process merges their rounds into one live table (the mean loss, the swarm's tokens/s, bytes moved)
 and, when every peer has left after the last round, prints a summary: the losses, whether every
 peer ends on the same parameters, and the payload and state bytes each peer served per round (its
@@ -141,11 +141,11 @@ def run(
     targets = TargetsFile(Path(metrics_targets) if metrics_targets else logs / "prometheus-targets.json")
 
     def launch(index: int, *flags: str) -> None:
-        if index == slow_peer:  # sleeps for two rounds' worth in each compute phase
-            flags = (*flags, "--compute-delay", repr(2 * round_seconds))
+        # the slow peer sleeps for two rounds' worth before each round's computation (shoal.peer.job.faults)
+        slow = f"shoal.peer.job.faults:slow={2 * round_seconds!r}" if index == slow_peer else ""
         command = [sys.executable, "-m", "shoal.peer.cli", "join", *common, *flags]
         command += ["--checkpoint-dir", str(logs / f"peer{index}-checkpoints")]
-        processes.append(_start_peer(index, command, logs, threads, events))
+        processes.append(_start_peer(index, command, logs, threads, events, faults=slow))
 
     helpers: list[subprocess.Popen]
     helpers, failed = [], False  # helpers: the coordinator, once started
@@ -218,10 +218,11 @@ def _tear_down(processes: list[subprocess.Popen], targets: "TargetsFile", logs: 
 
 
 def _start_peer(
-    index: int, command: list[str], logs: Path, threads: str, events: queue.Queue
+    index: int, command: list[str], logs: Path, threads: str, events: queue.Queue, *, faults: str = ""
 ) -> subprocess.Popen:
-    """Peer `index`, its JSON lines copied to `events` and its log by a reader thread."""
-    env = {**os.environ, "OMP_NUM_THREADS": threads}
+    """Peer `index`, its JSON lines copied to `events` and its log by a reader thread; `faults`: its
+    SHOAL_FAULTS (shoal.peer.job.faults; empty: none)."""
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "SHOAL_FAULTS": faults}
     # appending, the peer's stderr and the JSON lines copied by _read share the file without
     # overwriting each other
     log = (logs / f"peer{index}.log").open("a")

@@ -221,8 +221,6 @@ class RunSpec(_Section):
     """At most this many payloads count in a round (0: all): a bounded fan-in."""
     seed: int = _setting("seed", _int(0), 0)
     """Seed of the initial weights and of the data order."""
-    compute_delay: float = _setting("compute_delay", _float(0.0, 3600.0), 0.0)
-    """Testing: sleep this long in every round's compute phase (a slow peer)."""
 
     @property
     def window_s(self) -> float:

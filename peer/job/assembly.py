@@ -31,6 +31,7 @@ from shoal.peer.config.spec import MOST_MICRO_BATCHES, PeerSpec
 from shoal.peer.data import RoundSlices, TokenStreams, load_data
 from shoal.peer.data.ledger import Lane, TokenLedger
 from shoal.peer.data.tokenizer import load_tokenizer
+from shoal.peer.job.faults import NO_FAULTS, Faults
 from shoal.peer.job.runtime import SwarmPeer
 from shoal.peer.job.window import AutoWindow
 from shoal.peer.models.loading import LoadedModel, load_model, recompute, recomputing
@@ -163,7 +164,7 @@ def build_peer(
     batches: Batches | None = None,
     fill_window: bool = True,
     warn: Callable[[str], None] | None = None,
-    exchange_type: type[SwarmExchange] | None = None,
+    faults: Faults = NO_FAULTS,
     ranks: LocalRanks | None = None,
     **exchange_options: Any,
 ) -> Trainer:
@@ -171,8 +172,9 @@ def build_peer(
     trainer (also `peer.trainer`). `batches`: the benchmark's own (default: the round's windows of the
     spec's data, `round_batches`); `fill_window` False computes one micro-batch per step instead of
     filling --compute-fraction of each round; `warn` hears of checkpoints that could not be written;
-    `ranks`: the peer's data-parallel ranks, this one rank 0 (shoal.peer.train.ranks); `exchange_options`
-    override SwarmExchange's (a test's fetch timeout or strike limit)."""
+    `ranks`: the peer's data-parallel ranks, this one rank 0 (shoal.peer.train.ranks); `faults`: what it
+    does wrong on purpose (shoal.peer.job.faults: a test's); `exchange_options` override SwarmExchange's
+    (a test's fetch timeout or strike limit)."""
     device, loaded = workload.device, workload.model
     model = loaded.module.to(device)
     numel = loaded.parameters
@@ -183,13 +185,12 @@ def build_peer(
         "rejoin": spec.network.initial_peers,
         "gather_limit": spec.run.gather,
     }
-    exchange_type = exchange_type or SwarmExchange  # the module's: tests.integration.faults replaces it
     config = spec.run_config(data=workload.streams)
     tokens = token_ledger(spec, workload) if batches is None else None
     if tokens is not None:
         options["tokens"] = tokens
         config["ledger"] = tokens.describe()
-    peer.connect(schedule, config, exchange_type=exchange_type, **(options | exchange_options))
+    peer.connect(schedule, config, exchange_type=faults.exchange_type, **(options | exchange_options))
     algorithm = spec.algorithm_config()
     meta = {
         "model": spec.model.name,
@@ -204,7 +205,7 @@ def build_peer(
     return peer.train(
         model,
         algorithm,
-        batches or round_batches(spec, workload, tokens),
+        batches or round_batches(spec, workload, tokens, delay_s=faults.compute_delay_s),
         codec=codec_for(algorithm) if isinstance(algorithm, DiLoCoConfig) else None,
         checkpoints=store,
         checkpoint_every=spec.checkpoint.every,
@@ -241,14 +242,17 @@ def token_ledger(spec: PeerSpec, workload: Workload) -> TokenLedger | None:
     )
 
 
-def round_batches(spec: PeerSpec, workload: Workload, tokens: TokenLedger | None = None) -> Batches:
+def round_batches(
+    spec: PeerSpec, workload: Workload, tokens: TokenLedger | None = None, *, delay_s: float = 0.0
+) -> Batches:
     """A swarm peer's batches: with the token ledger, the round's micro-batches from this peer's lane
     of it (shoal.peer.data.ledger); without, in round r the peer in slot s of the round's peers trains
     on its own windows of the training stream (shoal.peer.data.RoundSlices), DiLoCo's inner steps of
-    one round on successive micro-batch slots. `--compute-delay` sleeps before each round's first
-    one; `--audit-data on` keeps what each lane trained (`Lane.audit`)."""
+    one round on successive micro-batch slots. `delay_s` (a slow peer's fault: shoal.peer.job.faults)
+    is slept before each round's first one; `--audit-data on` keeps what each lane trained
+    (`Lane.audit`)."""
     slices = RoundSlices(seq_len=workload.model.seq_len, stride=spec.model.batch_size, seed=spec.run.seed)
-    train, device, delay = workload.streams.train, workload.device, spec.run.compute_delay
+    train, device, delay = workload.streams.train, workload.device, delay_s
     most, inner_steps = spec.model.max_micro_batches, spec.algorithm_config().inner_steps
     window, audit = workload.model.seq_len + 1, spec.data.audit == "on"
 
@@ -256,7 +260,7 @@ def round_batches(spec: PeerSpec, workload: Workload, tokens: TokenLedger | None
         place, places = plan.slot
         inner = step % inner_steps
         if delay and inner == 0 and micro == 0:
-            time.sleep(delay)  # --compute-delay: a slow peer, on purpose
+            time.sleep(delay)  # a slow peer, on purpose (shoal.peer.job.faults)
         lane = cast("Lane | None", plan.lane)  # the token ledger's (TokenLedger.lane: SwarmPeer.rounds)
         if lane is not None:
             if audit and lane.audit is None:

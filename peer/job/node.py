@@ -46,6 +46,7 @@ from shoal.peer.job.assembly import (
     workload_ranks,
 )
 from shoal.peer.job.clock import ClockError, save_clock, saved_clock
+from shoal.peer.job.faults import Faults, from_environment
 from shoal.peer.job.metrics import PeerMetrics, build_info
 from shoal.peer.job.progress import Progress
 from shoal.peer.job.round_reports import tell_alone, tell_isolation, tell_late, tell_ledger, tell_validation
@@ -107,20 +108,24 @@ class Credentials:
     """Whether the coordinator answered the check at the start."""
 
 
-def join(settings: PeerSpec, *, stream: IO[str] | None = None) -> dict[str, Any]:
+def join(
+    settings: PeerSpec, *, stream: IO[str] | None = None, faults: Faults | None = None
+) -> dict[str, Any]:
     """Runs the peer until it is stopped or its rounds are done; returns the summary it printed.
-    `settings` have passed shoal.peer.config.preflight.check (the CLI runs it before importing torch); raises
-    SettingsError for a setting checked here, JoinError for any other failure the volunteer can fix."""
+    `settings` have passed shoal.peer.config.preflight.check (the CLI runs it before importing torch);
+    `faults`: what the peer does wrong on purpose (None: what SHOAL_FAULTS names, usually nothing:
+    shoal.peer.job.faults). Raises SettingsError for a setting checked here, JoinError for any other
+    failure the volunteer can fix."""
     progress = Progress(
         settings.logging.format, stream or sys.stdout, title=f"shoal · run {settings.run.name}"
     )
     try:
-        return _join(settings, progress)
+        return _join(settings, progress, from_environment() if faults is None else faults)
     finally:
         progress.close()
 
 
-def _join(settings: PeerSpec, progress: Progress) -> dict[str, Any]:
+def _join(settings: PeerSpec, progress: Progress, faults: Faults) -> dict[str, Any]:
     try:
         check_multiaddrs("--initial-peers", settings.network.initial_peers, dialable=True)
         check_multiaddrs("--announce-maddrs", settings.network.announce_maddrs, dialable=False)
@@ -134,13 +139,17 @@ def _join(settings: PeerSpec, progress: Progress) -> dict[str, Any]:
     # what it returns is not read: Watchdog calls it for its effect
     watchdog = Watchdog(stop, before_exit=cast("Callable[[], None]", lambda: [kill() for kill in helpers]))
     try:
-        return _join_until(settings, progress, stop, helpers)
+        return _join_until(settings, progress, stop, helpers, faults)
     finally:
         watchdog.cancel()
 
 
 def _join_until(
-    settings: PeerSpec, progress: Progress, stop: StopRequest, helpers: list[Callable[[], object]]
+    settings: PeerSpec,
+    progress: Progress,
+    stop: StopRequest,
+    helpers: list[Callable[[], object]],
+    faults: Faults,
 ) -> dict[str, Any]:
     workload = _workload(settings)
     fitted = None if stop.is_set() else _fit(settings, progress, workload)
@@ -178,7 +187,7 @@ def _join_until(
             _write_address(settings.network.address_file, address)
         _announce_address(settings, progress, address, addresses, dht.peer_id.to_base58(), peer.reachability)
         schedule = _discover(settings, progress, dht) if settings.network.initial_peers else None
-        return _train(settings, progress, peer, schedule, workload, credentials, fitted, ranks, stop)
+        return _train(settings, progress, peer, schedule, workload, credentials, fitted, ranks, stop, faults)
 
 
 def _discover(settings: PeerSpec, progress: Progress, dht: hivemind.DHT) -> RoundSchedule | None:
@@ -322,6 +331,7 @@ def _train(
     fitted: Fit | None,
     ranks: LocalRanks | None,
     stop: StopRequest,
+    faults: Faults,
 ) -> dict[str, Any]:
     if schedule is None:
         schedule = saved_clock(settings, progress) or RoundSchedule(
@@ -341,6 +351,7 @@ def _train(
         workload,
         coordinator=_coordinator_link(settings, credentials, peer.dht.peer_id.to_base58()),
         warn=lambda text: progress.message(f"warning: {text}"),
+        faults=faults,
         ranks=ranks,
     )
     assert peer.exchange is not None  # build_peer connected it (SwarmPeer.connect)

@@ -50,40 +50,39 @@ def sketch(decoded, slices, device) -> torch.Tensor:
 
 
 def observe() -> None:
-    """Wraps DeMo's screening so that this peer logs every sender's figures each round."""
-    from shoal.peer.algorithms import demo
+    """Hooks DeMo's screening (shoal.peer.algorithms.hooks) so that this peer logs every sender's
+    figures each round."""
+    from shoal.peer.algorithms.demo import DeMo
+    from shoal.peer.algorithms.hooks import Hooks
 
-    original_screen, original_accept = demo.screen, demo.DeMo._accept
     recent: dict[bytes, deque] = {}
     agreed: dict[bytes, list[float]] = {}
-    own: list[bytes] = [b""]
 
-    def accept(self, contributions, slices, gathered=None):
-        own[0] = getattr(self.exchange, "owner", b"")
-        return original_accept(self, contributions, slices, gathered)
+    class Scoring(Hooks):
+        def screened(self, optimizer, decoded, slices, senders, verdict):
+            own = getattr(optimizer.exchange, "owner", b"")
+            if len(decoded) >= 3:
+                log(own, decoded, slices, senders, verdict)
 
-    def screen(decoded, weights, slices, senders, claims, reference=None, **kwargs):
-        verdict = original_screen(decoded, weights, slices, senders, claims, reference, **kwargs)
-        if len(decoded) >= 3:
-            rows = sketch(decoded, slices, decoded[0][0].values.device)
-            deviations = rows - rows.median(dim=0).values
-            units = deviations / deviations.norm(dim=1, keepdim=True).clamp(min=1e-30)
-            for sender, unit, cosine in zip(senders, units, verdict.cosines, strict=True):
-                recent.setdefault(sender, deque(maxlen=WINDOW)).append(unit)
-                if cosine is not None:
-                    agreed.setdefault(sender, []).append(cosine)
-            figures = {
-                sender.hex(): {
-                    "score": float(torch.stack(list(recent[sender])).mean(dim=0).norm()),
-                    "agreement": sum(agreed.get(sender, [0.0])) / max(len(agreed.get(sender, [])), 1),
-                }
-                for sender in senders
+    def log(own: bytes, decoded, slices, senders, verdict) -> None:
+        rows = sketch(decoded, slices, decoded[0][0].values.device)
+        deviations = rows - rows.median(dim=0).values
+        units = deviations / deviations.norm(dim=1, keepdim=True).clamp(min=1e-30)
+        for sender, unit, cosine in zip(senders, units, verdict.cosines, strict=True):
+            recent.setdefault(sender, deque(maxlen=WINDOW)).append(unit)
+            if cosine is not None:
+                agreed.setdefault(sender, []).append(cosine)
+        figures = {
+            sender.hex(): {
+                "score": float(torch.stack(list(recent[sender])).mean(dim=0).norm()),
+                "agreement": sum(agreed.get(sender, [0.0])) / max(len(agreed.get(sender, [])), 1),
             }
-            with open(os.environ[SCORES], "a") as log:
-                log.write(json.dumps({"pid": os.getpid(), "own": own[0].hex(), "senders": figures}) + "\n")
-        return verdict
+            for sender in senders
+        }
+        with open(os.environ[SCORES], "a") as out:
+            out.write(json.dumps({"pid": os.getpid(), "own": own.hex(), "senders": figures}) + "\n")
 
-    demo.screen, demo.DeMo._accept = screen, accept
+    DeMo.hooks = Scoring()  # every DeMo this process builds
 
 
 def spread(values: list[float]) -> str:
@@ -143,6 +142,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["join"]:  # a peer of the run
         from shoal.peer import cli
 
-        observe()
+        if not os.environ.get("SHOAL_FAULTS"):  # the honest peers score; attackers share the command
+            observe()
         sys.exit(cli.main(sys.argv[1:]))
     sys.exit(main())

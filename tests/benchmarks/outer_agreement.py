@@ -17,6 +17,7 @@ import json
 import torch
 
 from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.algorithms.hooks import NO_HOOKS, Hooks
 from shoal.peer.bench import converge
 from shoal.peer.data import stdlib_corpus
 
@@ -37,18 +38,17 @@ def main() -> None:
     if args.batch_size:
         config = dataclasses.replace(config, batch_size=args.batch_size)
     directions: list[torch.Tensor] = []
-    apply = DiLoCo._apply
 
-    def recording(self, direction, params=None, optimizer=None):
-        if params is None and self.exchange.rank == 0:  # the mean each standard outer step applies
-            directions.append(torch.cat([d.detach().flatten().float().cpu() for d in direction]))
-        return apply(self, direction, params, optimizer)
+    class Recording(Hooks):  # shoal.peer.algorithms.hooks
+        def outer_direction(self, optimizer, direction, global_step):
+            if global_step and optimizer.exchange.rank == 0:  # the mean each standard outer step applies
+                directions.append(torch.cat([d.detach().flatten().float().cpu() for d in direction]))
 
-    DiLoCo._apply = recording
+    DiLoCo.hooks = Recording()
     try:
         result = converge.run_method("diloco_standard", config, stdlib_corpus())
     finally:
-        DiLoCo._apply = apply
+        DiLoCo.hooks = NO_HOOKS
     cosines = [
         torch.nn.functional.cosine_similarity(a, b, dim=0).item() for a, b in itertools.pairwise(directions)
     ]

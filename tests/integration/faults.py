@@ -1,12 +1,13 @@
 """The one failure injector of the integration tests: named faults, each from a given round, `KIND@ROUND`.
 
 A test peer (tests/integration/swarm_peer.py) takes them as `--fault KIND@ROUND` (repeatable); a real
-`shoal join` as `SHOAL_FAULTS="KIND@ROUND ..."`, run through this module:
+`shoal join` reads them from the environment, this module being its registry (shoal.peer.job.faults):
 
-    SHOAL_FAULTS=sign_flip@0 python -m tests.integration.faults join ARGS...
+    SHOAL_FAULTS="tests.integration.faults:sign_flip@0" shoal join ARGS...
 
-Either way the peer's exchange is a `FaultyExchange` (`exchange_type(faults)`): the peer trains
-honestly, and the exchange carries the faults out from the round it plans (`plan_round`).
+Either way they reach `build_peer` as a `Faults` value whose exchange is a `FaultyExchange`
+(`exchange_type(faults)`): the peer trains honestly, and the exchange carries the faults out from the
+round it plans (`plan_round`).
 
 The process:
 - `exit@r`: the peer kills itself (-9) as round r's computation starts: a crash, a machine switched off.
@@ -47,7 +48,6 @@ import dataclasses
 import hashlib
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -57,6 +57,7 @@ import torch
 import zstandard
 
 from shoal.peer.bench import hostile
+from shoal.peer.job.faults import Faults
 from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.server import PayloadServer
 from shoal.peer.swarm.stages import RoundStages
@@ -288,10 +289,7 @@ def gone(faults: Sequence[Fault]) -> bool:
     return any(f.kind in ("exit", "hang", "vanish") for f in faults)
 
 
-if __name__ == "__main__":
-    from shoal.peer import cli
-    from shoal.peer.job import assembly
-
-    # every peer `shoal join` assembles (shoal.peer.job.assembly.build_peer) gets the faults
-    assembly.SwarmExchange = exchange_type(Fault.parse_all(os.environ.get("SHOAL_FAULTS", "")))
-    sys.exit(cli.main(sys.argv[1:]))
+def faults(spec: str) -> Faults:
+    """The registry `shoal join` reads (shoal.peer.job.faults): `SHOAL_FAULTS=tests.integration.faults:SPEC`,
+    SPEC the faults `KIND@ROUND ...`; ValueError naming what it cannot parse."""
+    return Faults(exchange_type=exchange_type(Fault.parse_all(spec)))

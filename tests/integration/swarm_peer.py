@@ -23,6 +23,7 @@ from shoal.peer.algorithms.configs import DEFAULTS
 from shoal.peer.config.spec import PeerSpec
 from shoal.peer.data import stdlib_corpus
 from shoal.peer.job.assembly import PeerSummary, Workload, build_peer, start_peer
+from shoal.peer.job.faults import Faults
 from shoal.peer.models.loading import load_model
 from shoal.peer.swarm.exchange import RoundSchedule
 from shoal.peer.train.stopping import stop_on_signals
@@ -132,7 +133,7 @@ def build(peer, spec: PeerSpec, schedule, workload: Workload, fault_list=(), str
         schedule,
         workload,
         fill_window=False,
-        exchange_type=faults.exchange_type(fault_list),
+        faults=Faults(exchange_type=faults.exchange_type(fault_list)),
         fetch_timeout=timedelta(seconds=5),
         max_payload_bytes=MAX_PAYLOAD_BYTES,
         strike_limit=strike_limit,

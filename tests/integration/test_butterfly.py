@@ -5,7 +5,6 @@ pieces out of bounds get nothing."""
 
 import json
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -21,7 +20,7 @@ from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.server import MAX_PIECES, PARTS_QUIET_S
 from shoal.protocol import Payload
 from shoal.protocol.swarm_pb2 import PayloadRequest
-from tests.integration.harness import events, free_port, kill, shoal, spawn, start, swarm, wait_for
+from tests.integration.harness import events, free_port, kill, shoal, start, swarm, wait_for
 
 
 def int8_payload_bytes() -> int:
@@ -67,13 +66,9 @@ def test_a_peer_serving_a_garbage_mean_is_struck_and_its_piece_averaged_by_the_o
     processes = [coordinator]
 
     def join(name: str, *flags: str, liar: bool = False) -> None:
-        command = [sys.executable, "-m", "tests.integration.faults", "join"] if liar else None
         out, err = (tmp_path / f"{name}.jsonl").open("w"), (tmp_path / f"{name}.log").open("w")
-        if command is None:
-            processes.append(start("join", *common, *flags, stdout=out, stderr=err))
-        else:
-            fault = {"SHOAL_FAULTS": "butterfly_lie@0"}
-            processes.append(spawn([*command, *common, *flags], env=fault, stdout=out, stderr=err, text=True))
+        fault = {"SHOAL_FAULTS": "tests.integration.faults:butterfly_lie@0"} if liar else None
+        processes.append(start("join", *common, *flags, env=fault, stdout=out, stderr=err))
 
     try:
         # all leave after round 7: in that last round the honest peers average the liar's piece from

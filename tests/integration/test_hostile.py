@@ -21,7 +21,6 @@ from tests.integration.harness import events, free_port, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 HONEST = [sys.executable, "-m", "shoal.peer.cli"]
-ATTACKER = [sys.executable, "-m", "tests.integration.faults"]
 # round 0 starts this long after the first peer is launched: forked from the zygote that has imported
 # torch and hivemind (tests.integration.launcher), the joiners, launched once it listens, are ready
 # about 8 s after it on two busy cores (measured), so every peer trains every round. A joiner that came
@@ -59,12 +58,12 @@ def swarm(
 
     def start(i: int, extra: list[str]) -> None:
         fault = attacks[i - (peers - attackers)] if i >= peers - attackers else None
-        command, env = (ATTACKER, {"SHOAL_FAULTS": f"{fault}@0"}) if fault else (HONEST, None)
+        env = {"SHOAL_FAULTS": f"tests.integration.faults:{fault}@0"} if fault else None
         if fault == "collude":  # the attackers' side channel (tests.integration.faults)
             collusion.mkdir(exist_ok=True)
             env["SHOAL_COLLUSION"] = f"{collusion}:{i - (peers - attackers)}"
         with logs[i].open("w") as out, (tmp_path / f"{name}-{i}.err").open("w") as err:
-            processes.append(spawn([*command, *common, *extra], env=env, stdout=out, stderr=err))
+            processes.append(spawn([*HONEST, *common, *extra], env=env, stdout=out, stderr=err))
 
     try:
         if coordinated:

@@ -17,8 +17,9 @@ def test_a_peer_late_round_after_round_is_counted_and_told_why(tmp_path):
     out = tmp_path / "peer.jsonl"
     flags = ["--host", "127.0.0.1", "--run", "late", "--log-format", "json", "--discover-seconds", "0"]
     flags += ["--algorithm", "diloco-standard", "--inner-steps", "2", "--round-seconds", "1"]
-    flags += ["--compute-delay", "1.6", "--max-rounds", "5", "--metrics-port", "0"]
-    peer = start("join", *flags, stdout=out.open("w"), stderr=subprocess.DEVNULL)
+    flags += ["--max-rounds", "5", "--metrics-port", "0"]
+    slow = {"SHOAL_FAULTS": "shoal.peer.job.faults:slow=1.6"}  # it computes past every round's deadline
+    peer = start("join", *flags, env=slow, stdout=out.open("w"), stderr=subprocess.DEVNULL)
     try:
         summary = wait_for(out, lambda e: e.get("event") == "summary", 90)
         assert peer.wait(timeout=30) == 0

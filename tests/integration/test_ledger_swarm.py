@@ -90,9 +90,10 @@ def test_a_churning_swarm_trains_every_window_of_its_first_epoch_once(tmp_path):
         common += ["--round-seconds", "2", "--max-micro-batches", "2", "--batch-size", "4"]
         common += ["--validate-every", "0"]
 
-        def join(name: str, *flags: str) -> None:
+        def join(name: str, *flags: str, faults: str = "") -> None:
             with (tmp_path / f"{name}.jsonl").open("w") as out, (tmp_path / f"{name}.err").open("w") as err:
-                processes[name] = start(*common, *flags, stdout=out, stderr=err)
+                env = {"SHOAL_FAULTS": faults}
+                processes[name] = start(*common, *flags, env=env, stdout=out, stderr=err)
 
         def log(name: str) -> list[dict]:
             return events(tmp_path / f"{name}.jsonl")
@@ -102,7 +103,7 @@ def test_a_churning_swarm_trains_every_window_of_its_first_epoch_once(tmp_path):
         _wait(lambda: (tmp_path / "address").exists(), "the first peer's address", processes, tmp_path)
         joined = ["--initial-peers", (tmp_path / "address").read_text().strip()]
         join("leaves", *joined)
-        join("straggles", *joined, "--compute-delay", "1.6")
+        join("straggles", *joined, faults="shoal.peer.job.faults:slow=1.6")  # a slow peer
 
         def progress() -> float:
             settled = [e for e in log("stays") if e["event"] == "ledger"]
