@@ -24,8 +24,8 @@ class Seen:
         return {b"me", *(bytes([i]) for i in range(self.others))}
 
     @property
-    def directory(self) -> "Seen":  # its RunDirectory's `coordinators`
-        return self
+    def coordinators_seen(self) -> dict[bytes, str]:
+        return self.coordinators
 
 
 def test_most_peers_following_a_coordinator_refuse_a_peer_without_one():

@@ -287,7 +287,7 @@ def test_a_checkpoint_carries_the_token_ledger(tmp_path):
     from shoal.peer.data.ledger import TokenLedger
 
     peer = trainer(checkpoints=CheckpointStore(tmp_path))
-    peer.exchange.tokens = ledger = TokenLedger(100, 4, seed=1)
+    peer.ledger = ledger = TokenLedger(100, 4, seed=1)
     lane = ledger.lane(0, 0, 1)
     lane.windows = 12
     ledger.record(0, {b"me": lane.claim()})
@@ -295,7 +295,7 @@ def test_a_checkpoint_carries_the_token_ledger(tmp_path):
     peer.round()
     peer.save()
     restarted = trainer(checkpoints=CheckpointStore(tmp_path))
-    restarted.exchange.tokens = fresh = TokenLedger(100, 4, seed=1)
+    restarted.ledger = fresh = TokenLedger(100, 4, seed=1)
     assert restarted.resume()
     assert fresh.to_bytes() == ledger.to_bytes() and fresh.progress()[2] == 12
 
@@ -321,14 +321,17 @@ def test_a_stop_that_comes_after_a_rounds_checkpoint_ends_the_next_round_with_on
     from types import SimpleNamespace
 
     from shoal.peer.job.runtime import SwarmPeer
-    from shoal.peer.swarm.records import RoundPlan
+    from shoal.peer.swarm.records import RoundPlan, RoundStatus
     from shoal.peer.train.stopping import StopRequest
 
     saved, rounds = [], iter(range(10))
-    counts = SimpleNamespace(bytes_sent=0, bytes_received=0)
+    status = RoundStatus(
+        round=None, needed=None, shared=False, late=0, isolated=False, peers_seen=1, stragglers=0,
+        clocks_adopted=0, resyncs=0, payload_bytes=0, bytes_sent=0, bytes_received=0, round_seconds=1.0,
+        ledger=None,
+    )  # fmt: skip
     exchange = SimpleNamespace(
-        counts=counts,
-        tokens=None,
+        status=lambda: status,
         last_round=None,
         next_round=0,
         coordinator=None,
