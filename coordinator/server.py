@@ -445,7 +445,7 @@ class Coordinator:
                 ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
                 # every peer holds two streams at once (its `Rounds` and, after reporting, a waiting
                 # `RoundResult`); grpc's aio server applies this limit to the whole server, and calls
-                # beyond it wait (1,000 stalled every call of 600 peers for 2.5 s, mid-round)
+                # beyond it wait: too low a limit stalls every call of a large swarm, mid-round
                 ("grpc.max_concurrent_streams", 4 * self.policy.max_members + 100),
                 ("grpc.so_reuseport", 0),  # a second coordinator on a port in use must fail, not share it
                 # small calls: no bandwidth-estimation pings (peer/swarm/coordinator_link.py)

@@ -18,14 +18,11 @@ no history, only the round's candidates:
 - the candidates are the announcers on the round's majority state whose claim is believable
   (`eligible`): a contribution computed on another state, or claiming beyond belief (`overclaims`),
   cannot count, so it takes no slot;
-- nothing a peer says about itself enters the choice. An earlier rule chose the largest sample claims
-  (capped at 4x the median claim), and a peer that claimed 2^40 samples then won a slot every round:
-  with `--gather 2` it carried two thirds of every round's weight (+52% loss for DiLoCo, +31% for
-  DeMo, issue 47). Claims now only weigh a contribution in its round's mean, capped there at 2x the
-  median (shoal.peer.algorithms.robust), and a claim beyond belief strikes its sender, every round it
-  is announced: 2 of 8 claiming 2^40 samples at `--gather 2` took slots they could not use until
-  their three strikes came from the rounds they were chosen in, 12 rounds, and again after each ban
-  (DiLoCo +3.5% over 24 rounds).
+- nothing a peer says about itself enters the choice: a rule that chose the largest sample claims
+  gave a peer claiming 2^40 samples a slot every round (docs/ROBUSTNESS.md). Claims only weigh a
+  contribution in its round's mean, capped there at 2x the median (shoal.peer.algorithms.robust), and
+  a claim beyond belief strikes its sender, every round it is announced, so that it cannot hold slots
+  until its strikes come from the rounds it was chosen in.
 
 A peer whose payload did not count keeps its work only as the optimizers keep it: DeMo's unsent
 momentum stays in its momentum; DiLoCo's pseudo-gradient is dropped unless `carry=True` sends it again
@@ -129,8 +126,8 @@ def eligible(
     majority's state (`majority`), all of them when no one announced one, less those whose claim in
     `claims` is beyond belief among them (`overclaims`). Neither contribution could count, so its
     announcer takes no slot from one that can: two of six peers announcing a random digest under
-    `--gather 2` held a third of the slots, unstruck, for as long as they liked (issue 47; an honest
-    peer out of sync announces another state too, and is not struck for it)."""
+    `--gather 2` could otherwise hold a third of the slots, unstruck, for as long as they liked (an
+    honest peer out of sync announces another state too, and is not struck for it)."""
     agreed = majority(dict(states))
     keys = sorted(key for key, (state, _) in states.items() if agreed is None or state == agreed)
     if not claims:

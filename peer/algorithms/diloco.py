@@ -28,7 +28,7 @@ Each round's contributions are screened (shoal.peer.algorithms.robust: sample we
 by the median's, directions opposed to the others dropped); malformed and opposed ones are left out and
 reported to the exchange, which strikes their senders. A round that counts nothing leaves the
 parameters and the outer momentum as they were; a pseudo-gradient of this participant's or a round's
-mean with NaN or infinite values is refused and counted, never applied nor encoded (issue 47).
+mean with NaN or infinite values is refused and counted, never applied nor encoded.
 
 In delayed and eager mode the exchange runs on a background thread owned by this object while the
 next inner phase computes; `stats` records how long it took and how long the caller waited for it.

@@ -449,7 +449,7 @@ def _spawn(command: list[str], log: IO[str], env: dict[str, str] | None = None) 
 def _ends_with(parent: int):
     """A `preexec_fn` that has the kernel kill the child when this process dies, however it dies (Linux;
     elsewhere None: the demo's own signal handlers stop its children). SIGKILL, not SIGTERM: a peer
-    stops on SIGTERM at its round's end, after its checkpoint, which took over 10 s on a loaded machine
+    stops on SIGTERM at its round's end, after its checkpoint, which can take long on a loaded machine
     with nobody left to escalate; what a peer started ends with it (its DHT process, and p2pd in that
     process's group, watch their parent: shoal.peer.swarm.lifeline)."""
     if not sys.platform.startswith("linux"):
@@ -465,8 +465,7 @@ def _ends_with(parent: int):
 
 def _stop(processes: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM to every process group (each peer's DHT and p2pd too) at once, then SIGKILL to what is
-    left after `grace_s`: one at a time, a loaded machine's peers took their graces in turn, and a
-    stopped demo left processes running 10 s after its signal."""
+    left after `grace_s`: one at a time, a loaded machine's peers would take their graces in turn."""
     for process in processes:
         if process.poll() is None:
             with contextlib.suppress(ProcessLookupError):

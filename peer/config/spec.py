@@ -331,8 +331,7 @@ class ModelSpec(_Section):
     """Samples per micro-batch to start with (halved if the device runs out of memory)."""
     max_micro_batches: int = _setting("max_micro_batches", _int(1, MOST_MICRO_BATCHES), MOST_MICRO_BATCHES)
     """Most micro-batches this peer accumulates per step: by default enough that a fast device fills
-    its compute window (at 64, the default until 2026-12-06, DeMo on the tiny GPT computed 1.3 s of a
-    30 s round on a 2-core CPU). This peer's own: not part of the run's configuration."""
+    its compute window. This peer's own: not part of the run's configuration."""
     precision: str = _setting("precision", _choice(("auto", "fp32", "bf16", "fp16")), "auto")
     """auto (bf16 autocast on GPUs that have it, fp32 elsewhere), fp32, bf16 autocast anywhere, or fp16
     autocast with dynamic loss scaling (shoal.peer.train.hardware.LossScale)."""

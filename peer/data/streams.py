@@ -77,7 +77,7 @@ STDLIB_EXCLUDED = frozenset({"site-packages", "dist-packages", "test", "tests", 
 def stdlib_files() -> list[Path]:
     """The standard library's `.py` sources, test suites and site-packages excluded."""
     root, found = Path(sysconfig.get_paths()["stdlib"]), []
-    # the excluded folders are never walked: site-packages alone (torch's tree among them) took 1.8 s
+    # the excluded folders are never walked: site-packages alone (torch's tree among them) takes seconds
     for folder, folders, files in os.walk(root):
         folders[:] = [name for name in folders if name not in STDLIB_EXCLUDED]
         found += [Path(folder, name) for name in files if name.endswith(".py")]

@@ -44,17 +44,15 @@ LINK_MBIT = 10.0
 PEERS = 4
 """The swarm a first peer assumes: each peer pulls the payloads of the others (at most --gather)."""
 EXCHANGE_LATENCY_S = 1.3
-"""An exchange's cost beyond its transfer: a DeMo peer of `--model small` at 10 Mbit/s idled 1.6-1.8 s
-a round for 0.34 s of pulls (BENCHMARKS.md, the utilization a default swarm gets)."""
+"""An exchange's cost beyond its transfer: the announcement's store, a poll's wait, the pulls' round
+trips (as measured: BENCHMARKS.md, the utilization a default swarm gets)."""
 OVERLAP_SHARE = 0.5
-"""The share of a round an algorithm that computes through its exchange is planned to spend on it. A
-whole round (as before) left no slack: eager DiLoCo of `--model small` at 10 Mbit/s chose 10 s rounds
-for 9.5 s of pulls, and 26 of 28 peer-rounds did not count (payloads late, then full-state re-syncs:
-BENCHMARKS.md)."""
+"""The share of a round an algorithm that computes through its exchange is planned to spend on it: the
+rest is slack for a slow pull, whose payload would otherwise be late (BENCHMARKS.md)."""
 IDLE_SHARE = 0.05
-"""The share of a round an algorithm that idles for its exchange is planned to spend on it. Half the 10%
-that 90% of plain torch's tokens/s leaves: a DeMo peer of `--model small` idled 2.4-3.0 s of a 20-second
-round, not the 1.6 s estimated, as its window also keeps the pulls' slack and a margin (BENCHMARKS.md)."""
+"""The share of a round an algorithm that idles for its exchange is planned to spend on it: half the 10%
+that 90% of plain torch's tokens/s leaves, as the window also keeps the pulls' slack and a margin
+(BENCHMARKS.md)."""
 
 
 def round_seconds_for(payload_bytes: int | None, *, overlapped: bool, gather: int = 0) -> float:

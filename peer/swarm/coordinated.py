@@ -427,7 +427,7 @@ def measured_exchange(started: float, now: float, last_pulled: float, missing: b
     wait, so that the window grows until they fit. Missing because every source failed (a peer nobody
     can reach, a relay gone): only the time until the last payload it did get, 0 (no measurement) if none,
     so that payloads that never arrive do not stretch every round by the headroom, up to the
-    coordinator's longest window (seen: 7, 12, 21, 35, 40 s)."""
+    coordinator's longest window."""
     if not missing or slow:
         return now - started
     return last_pulled - started

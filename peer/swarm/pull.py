@@ -10,9 +10,8 @@
   the others); every wait is bounded by `timeout_s`.
 - Why a byte budget: small payloads (DeMo's, kilobytes) are pulled side by side, so that a round costs
   one round trip, not one per peer. Large ones (DiLoCo's, megabytes) one after the other: each fills
-  the link alone, and several at once overfill a slow link's queue. Measured with `shoal bench wan`
-  at 10 Mbit/s, 4 peers, 2.8 MB payloads: three pulls at once had TCP resend 15% of what a peer sent
-  (a capture); one at a time took the wire overhead from +6.8% to +3.1% (BENCHMARKS.md).
+  the link alone, and several at once overfill a slow link's queue, so that TCP resends part of what
+  a peer sends (`shoal bench wan`: BENCHMARKS.md).
 - It is accepted only if its size and SHA-256 match the announcement; a source that sends other
   bytes is struck (the exchange's `strike`) and not asked again for it.
 - A piece of a butterfly round, or an owner's mean of one, is pulled from the one peer that serves

@@ -4,7 +4,7 @@ the bounds that make every stop end.
 A flag, not a `threading.Event`: `Event.set` takes a lock, and a signal handler runs on the main
 thread between any two bytecodes, possibly while that thread is inside the same lock (in
 `Event.wait`, or in a first handler interrupted by a second signal). A `shoal join` that received two
-SIGTERMs in a row hung that way for good (issue 47: a demo killed with SIGKILL left one). Setting and
+SIGTERMs in a row could hang that way for good. Setting and
 reading plain attributes takes no lock.
 
 A stop has a budget (`grace_s`, counted from the first signal): the round in progress ends, is
