@@ -55,6 +55,7 @@ from torch import nn
 
 from shoal.compression import Codec, DCTTopKCodec, DecodeLimits, MalformedPayloadError, decode_tensor
 from shoal.peer.algorithms.butterfly import Pieces
+from shoal.peer.algorithms.canonical import NesterovSGD
 from shoal.peer.algorithms.configs import outer_settings
 from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, Plan
 from shoal.peer.algorithms.feedback import ErrorFeedback
@@ -226,13 +227,14 @@ class DiLoCo:
         if robust is None:
             robust = DILOCO_SPARSE if isinstance(self.feedback.codec, DCTTopKCodec) else DILOCO
         self.suspicion = Suspicion(robust)
-        self.outer_optimizer = torch.optim.SGD(self.global_params, **settings)
+        # the outer steps are the shared state's: the same bits on every device (canonical)
+        self.outer_optimizer = NesterovSGD(self.global_params, **settings)
         # what every participant holds alike: theta itself, except in eager mode (module docstring)
         self.consensus_params = self.global_params
         self.consensus_optimizer = self.outer_optimizer
         if mode == "eager":
             self.consensus_params = [p.detach().clone() for p in self.global_params]
-            self.consensus_optimizer = torch.optim.SGD(self.consensus_params, **settings)
+            self.consensus_optimizer = NesterovSGD(self.consensus_params, **settings)
         self.pieces: Pieces | None = None
         if butterfly:
             device = self.global_params[0].device if self.params else "cpu"

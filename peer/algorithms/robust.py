@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
+from shoal.peer.algorithms import canonical
 from shoal.protocol.rules import overclaims
 
 if TYPE_CHECKING:
@@ -396,14 +397,9 @@ def screen(
         if by_reference
         else list(contributions)
     )
-    gram = torch.zeros(len(rows), len(rows), device=rows[0][0].device if rows[0] else "cpu")
-    for parts in zip(*rows, strict=True):  # a tensor at a time: N copies of the largest at most
-        stacked = torch.stack([t.reshape(-1).float() for t in parts])  # (N, numel)
-        if judging:
-            gram += stacked @ stacked.T
-        else:
-            gram += torch.diag(stacked.square().sum(dim=1))
-    return judged(gram.tolist(), weights, policy, suspicion, senders, samples, judging, by_reference)
+    # in a fixed order, so that every device decides alike and scales by the same factors
+    gram = canonical.gram(rows, diagonal_only=not judging)
+    return judged(gram, weights, policy, suspicion, senders, samples, judging, by_reference)
 
 
 def judged(
@@ -473,7 +469,7 @@ def add_screened_mean(
         for (tensors, _), factor in zip(contributions, verdict.factors, strict=True):
             if factor:
                 for m, t in zip(into, tensors, strict=True):
-                    m.add_(t, alpha=factor / total)
+                    canonical.add_scaled_(m, t, factor / total)  # no fused multiply-add
     return total, verdict
 
 

@@ -1,0 +1,116 @@
+"""Two volunteers' machines on one: two `shoal join` peers of the embedded tiny GPT on 127.0.0.1, the
+first on torch's plain CPU kernels (ATEN_CPU_CAPABILITY=default, 1 thread), the joiner on its best
+vectorized ones (AVX2 or AVX-512, 2 threads). Counts, per algorithm, the rounds after the joiner's
+first in which both peers' payloads counted together (`shared`), the state re-syncs and the bytes they
+moved, and whether both end on one parameter hash (issue 76). Prints a table and a JSON line.
+
+    python -m tests.benchmarks.mixed_kernels                                # DiLoCo eager and DeMo
+    python -m tests.benchmarks.mixed_kernels --algorithms diloco-standard --rounds 12
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BEST = torch.backends.cpu.get_cpu_capability().lower()
+
+
+def _join(
+    folder: Path, name: str, capability: str, threads: int, *args: str
+) -> tuple[subprocess.Popen, Path]:
+    out = folder / f"{name}.jsonl"
+    command = [sys.executable, "-m", "shoal.peer.cli", "join", "--model", "tiny", "--host", "127.0.0.1"]
+    command += ["--log-format", "json", *args]
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": str(threads)}
+    with (folder / f"{name}.err").open("w") as err:
+        process = subprocess.Popen(command, stdout=out.open("w"), stderr=err, env=env, start_new_session=True)
+    return process, out
+
+
+def _events(path: Path) -> list[dict]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def _wait_for(path: Path, predicate, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = next((event for event in _events(path) if predicate(event)), None)
+        if found is not None:
+            return found
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing in {path} within {timeout_s} s")
+
+
+def run(algorithm: str, rounds: int, round_seconds: float, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory(prefix="shoal-mixed-kernels-") as name:
+        folder = Path(name)
+        common = ["--run", "mixed", "--algorithm", algorithm, "--until-round", str(rounds - 1), *extra]
+        first, first_out = _join(
+            folder, "first", "default", 1, *common, "--round-seconds", str(round_seconds)
+        )
+        processes = [first]
+        try:
+            address = _wait_for(first_out, lambda e: e.get("event") == "started", 120)["initial_peers"][0]
+            joiner, joiner_out = _join(folder, "joiner", BEST, 2, *common, "--initial-peers", address)
+            processes.append(joiner)
+            deadline = time.monotonic() + 180 + 2 * rounds * round_seconds
+            for process in processes:
+                process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+        logs = {"first": _events(first_out), "joiner": _events(joiner_out)}
+    summaries = {who: next(e for e in events if e.get("event") == "summary") for who, events in logs.items()}
+    joined = [e["round"] for e in logs["joiner"] if e.get("event") == "round"]
+    after = set(joined[1:])  # the joiner's first round re-syncs it
+    together = {
+        who: sum(1 for e in events if e.get("event") == "round" and e["round"] in after and e.get("shared"))
+        for who, events in logs.items()
+    }
+    return {
+        "algorithm": algorithm,
+        "kernels": f"default/1 thread + {BEST}/2 threads",
+        "rounds_after_join": len(after),
+        "together_first": together["first"],
+        "together_joiner": together["joiner"],
+        "resyncs_first": summaries["first"]["resyncs"],
+        "resyncs_joiner": summaries["joiner"]["resyncs"],
+        "bytes_received_joiner": summaries["joiner"]["bytes_received"],
+        "same_hash": summaries["first"]["param_hash"] == summaries["joiner"]["param_hash"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--algorithms", default="diloco-eager,demo")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--round-seconds", type=float, default=8.0)
+    parser.add_argument("--inner-steps", type=int, default=4, help="DiLoCo's (the issue's setting)")
+    args = parser.parse_args()
+    results = []
+    for algorithm in args.algorithms.split(","):
+        extra = ["--inner-steps", str(args.inner_steps)] if algorithm.startswith("diloco") else []
+        results.append(run(algorithm, args.rounds, args.round_seconds, extra))
+        row = results[-1]
+        print(
+            f"{algorithm:>16}: together {row['together_first']}/{row['rounds_after_join']} (first), "
+            f"{row['together_joiner']}/{row['rounds_after_join']} (joiner); re-syncs {row['resyncs_first']} "
+            f"+ {row['resyncs_joiner']}; joiner received {row['bytes_received_joiner']:,} B; "
+            f"one hash: {row['same_hash']}",
+            flush=True,
+        )
+    print(json.dumps({"results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The shared-state step gives the same bits on every kernel set (shoal.peer.algorithms.canonical): the
+screened weighted mean of a round and DiLoCo's outer Nesterov step, run in fresh processes under each
+CPU kernel set torch has here (ATEN_CPU_CAPABILITY) and thread count, as two volunteers' machines would
+run them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shoal.peer.algorithms import canonical
+
+# three rounds of a DiLoCo outer step over five contributions (one to be clipped), digests printed
+PROBE = """
+import hashlib, json, sys
+import numpy as np, torch
+from shoal.peer.algorithms import canonical, robust
+
+fused = sys.argv[1] == "fused"
+rng = np.random.default_rng(7)
+shapes = [(257, 129), (1031,), (64, 3, 3)]
+def tensor(shape):
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+params = [tensor(s) for s in shapes]
+rounds = [[([tensor(s) for s in shapes], int(rng.integers(1, 100))) for _ in range(5)] for _ in range(3)]
+if fused:  # torch's own kernels: fused multiply-adds, reductions in the kernel's order
+    optimizer = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+else:
+    optimizer = canonical.NesterovSGD(params, lr=0.7, momentum=0.9, nesterov=True)
+factors = []
+for contributions in rounds:
+    contributions[4] = ([t * 40 for t in contributions[4][0]], contributions[4][1])
+    mean = [torch.zeros_like(p) for p in params]
+    if fused:
+        total = float(sum(s for _, s in contributions))
+        for tensors, samples in contributions:
+            for m, t in zip(mean, tensors):
+                m.add_(t, alpha=samples / total)
+        factors.append([float(torch.cat([t.reshape(-1) for t in ts]).norm()) for ts, _ in contributions])
+    else:
+        total, verdict = robust.add_screened_mean(mean, contributions, robust.DILOCO)
+        factors.append(verdict.factors)
+    for p, m in zip(params, mean):
+        p.grad = m
+    optimizer.step()
+state = [*params, *(optimizer.state[p]["momentum_buffer"] for p in params)]
+digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in state)).hexdigest()
+capability = torch.backends.cpu.get_cpu_capability()
+print(json.dumps({"digest": digest, "factors": factors, "capability": capability}))
+"""
+
+
+def kernel_sets() -> list[str]:
+    """The CPU kernel sets torch can use on this machine, plainest first."""
+    best = torch.backends.cpu.get_cpu_capability().lower()
+    ladder = ["default", "avx2", "avx512"]
+    return ladder[: ladder.index(best) + 1] if best in ladder else ["default", best]
+
+
+def probe(capability: str, threads: int, mode: str = "canonical") -> dict:
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def test_the_shared_step_gives_the_same_bits_on_every_kernel_set_and_thread_count():
+    sets = kernel_sets()
+    runs = {(capability, threads): probe(capability, threads) for capability in sets for threads in (1, 2)}
+    assert {run["capability"].lower() for run in runs.values()} == set(sets)  # each ran where asked
+    assert len({run["digest"] for run in runs.values()}) == 1, runs
+    assert len({json.dumps(run["factors"]) for run in runs.values()}) == 1
+    if "avx2" in sets:  # and the probe can tell: torch's fused kernels differ between these two
+        assert probe("default", 1, "fused")["digest"] != probe("avx2", 2, "fused")["digest"]
+
+
+def test_the_tree_sum_is_exact_where_every_partial_sum_is():
+    values = torch.arange(1, 1002, dtype=torch.float32)  # sums of integers below 2^24: exact
+    assert float(canonical.tree_sum_(values.clone())) == 1001 * 1002 / 2
+    assert float(canonical.tree_sum_(torch.tensor([3.0]))) == 3.0
+
+
+def test_the_gram_matrix_is_symmetric_and_matches_torchs():
+    generator = torch.Generator().manual_seed(1)
+    rows = [[torch.randn(33, 7, generator=generator), torch.randn(5, generator=generator)] for _ in range(3)]
+    gram = canonical.gram(rows)
+    flat = torch.stack([torch.cat([t.reshape(-1) for t in row]) for row in rows]).double()
+    torch.testing.assert_close(torch.tensor(gram, dtype=torch.float64), flat @ flat.T, rtol=1e-5, atol=1e-4)
+    diagonal = canonical.gram(rows, diagonal_only=True)
+    assert [diagonal[i][i] for i in range(3)] == [gram[i][i] for i in range(3)]
+    assert diagonal[0][1] == 0.0
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_nesterov_sgd_steps_as_torchs_sgd_and_shares_its_state(nesterov):
+    generator = torch.Generator().manual_seed(2)
+    start = [torch.randn(40, generator=generator), torch.randn(3, 5, generator=generator)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(4)]
+    ours = [p.clone() for p in start]
+    theirs = [p.clone() for p in start]
+    canonical_sgd = canonical.NesterovSGD(ours, lr=0.5, momentum=0.9, nesterov=nesterov)
+    torch_sgd = torch.optim.SGD(theirs, lr=0.5, momentum=0.9, nesterov=nesterov)
+    for step in grads:
+        for params, optimizer in ((ours, canonical_sgd), (theirs, torch_sgd)):
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.clone()
+            optimizer.step()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # a checkpoint of either loads into the other (the outer state of checkpoints written before)
+    torch_sgd.load_state_dict(canonical_sgd.state_dict())
+    canonical_sgd.load_state_dict(torch_sgd.state_dict())
+    assert canonical_sgd.state[ours[0]]["momentum_buffer"].shape == (40,)
