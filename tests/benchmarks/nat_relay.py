@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from shoal.peer.bench.netlab import NetLab
-from tests.integration.harness import SHOAL, events, metrics, wait_for
+from tests.integration.harness import SHOAL, events, metrics, wait_for, wait_until
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per peer, as the tests run them
 
@@ -31,18 +31,24 @@ def measure(topology: str, args: argparse.Namespace, scratch: Path) -> dict:
     homes = range(1, args.peers + 1) if topology == "nat" else ()
     with NetLab(args.peers + 1, None, homes=homes) as lab:
         boot_out, address_file = scratch / "boot.out", scratch / "boot.address"
-        lab.popen(
+        boot = lab.popen(
             0,
             [*SHOAL, "bootstrap", "--host", lab.address(0), "--public", "--metrics-port", "0",
              "--address-file", str(address_file)],
             stdout=boot_out.open("w"), stderr=subprocess.STDOUT, env=ENV,
         )  # fmt: skip
-        url = None
-        for _ in range(120):
-            url = re.search(r"(http://\S+/metrics)", boot_out.read_text())
-            if url and address_file.exists() and address_file.read_text().strip():
-                break
-            time.sleep(0.5)
+        url = wait_until(
+            lambda: (
+                address_file.exists()
+                and address_file.read_text().strip()
+                and re.search(r"(http://\S+/metrics)", boot_out.read_text())
+            ),
+            60,
+            "the bootstrap node's address and metrics",
+            processes=[boot],
+            logs=[boot_out],
+            interval_s=0.5,
+        )
         address, url = address_file.read_text().strip(), url.group(1)
         flags = ["--run", "bench", "--model", "tiny", "--algorithm", args.algorithm, "--log-format", "json"]
         flags += ["--round-seconds", str(args.round_seconds), "--until-round", str(args.rounds)]

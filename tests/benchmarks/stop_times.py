@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from shoal.peer.job.node import stop_budget
+from tests.integration.harness import wait_for
 from tests.integration.test_stops import _descendants, _gone, _running
 
 WAYS = ("main", "group", "every", "twice")
@@ -39,26 +40,20 @@ def _join(folder: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path]:
     return process, out
 
 
-def _wait_for(path: Path, predicate, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in path.read_text().splitlines() if path.exists() else []:
-            if line.startswith("{") and predicate(event := json.loads(line)):
-                return event
-        time.sleep(0.2)
-    raise TimeoutError(f"nothing in {path} within {timeout_s} s")
-
-
 def one(way: str, round_seconds: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="shoal-stop-times-") as name:
         folder = Path(name)
         first, first_out = _join(folder, "first", "--round-seconds", str(round_seconds), "--port", "0")
         joiner = None
         try:
-            address = _wait_for(first_out, lambda e: e.get("event") == "started", 120)["initial_peers"][0]
+            started = wait_for(first_out, lambda e: e.get("event") == "started", 120, processes=[first])
+            address = started["initial_peers"][0]
             joiner, out = _join(folder, "joiner", "--initial-peers", address)
-            shared = _wait_for(
-                out, lambda e: e.get("event") == "round" and e.get("shared"), 10 * round_seconds
+            shared = wait_for(
+                out,
+                lambda e: e.get("event") == "round" and e.get("shared"),
+                10 * round_seconds,
+                processes=[first, joiner],
             )
             time.sleep(random.uniform(0, round_seconds))  # anywhere in its next round
             tree = _descendants(joiner.pid)

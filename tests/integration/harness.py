@@ -11,8 +11,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -92,14 +93,102 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def wait_for(path: Path, predicate, timeout_s: float) -> dict:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        for event in events(path):
-            if predicate(event):
-                return event
-        time.sleep(0.5)
-    raise TimeoutError(f"no matching event in {path}: {path.read_text()[-2000:] if path.exists() else ''}")
+TAIL_CHARS = 3000
+"""How much of the end of each log a failed wait shows."""
+
+T = TypeVar("T")
+Processes = Sequence[subprocess.Popen] | Mapping[str, subprocess.Popen]
+
+
+class WaitTimeout(AssertionError, TimeoutError):
+    """A `wait_until` whose condition did not hold in time: a failed test (AssertionError) and a
+    TimeoutError, as the waits it replaced raised one or the other."""
+
+
+def wait_until(
+    condition: Callable[[], T],
+    timeout_s: float,
+    what: str,
+    *,
+    processes: Processes = (),
+    logs: Iterable[Path | Callable[[], str]] = (),
+    interval_s: float = 0.25,
+) -> T:
+    """The first truthy value of `condition()`, called every `interval_s` for at most `timeout_s`
+    (at least once). What every test waits for (an event in a log, a file, a metric, a process
+    state) is waited for here, never guessed with a sleep.
+
+    Fails at once (AssertionError), naming it and its exit status, if one of `processes` (a mapping:
+    by name, read again at each poll) has exited while the condition does not hold; after `timeout_s`,
+    raises WaitTimeout. Either message says `what` was awaited, and ends with each of `logs`: a file's
+    last TAIL_CHARS characters, or a callable's text (a process's captured errors, the last state
+    seen)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        exited = _exited(processes)
+        if exited:
+            value = condition()  # what it did just before it exited
+            if value:
+                return value
+            raise AssertionError(f"{exited} while waiting for {what}{_tails(logs)}")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WaitTimeout(f"timed out after {timeout_s:g} s waiting for {what}{_tails(logs)}")
+        time.sleep(min(interval_s, left))
+
+
+def _exited(processes: Processes) -> str:
+    """Those of `processes` that have exited, with their exit status; empty if none has."""
+    named = processes.items() if isinstance(processes, Mapping) else ((None, p) for p in processes)
+    return ", ".join(
+        f"{name or _command(process)} exited with {process.returncode}"
+        for name, process in named
+        if process.poll() is not None
+    )
+
+
+def _command(process: subprocess.Popen) -> str:
+    args = process.args if isinstance(process.args, list | tuple) else [process.args or ""]
+    shown = " ".join(str(arg) for arg in args)[:200]
+    return f"process {process.pid}" + (f" ({shown})" if shown else "")
+
+
+def _tails(logs: Iterable[Path | Callable[[], str]]) -> str:
+    said = []
+    for log in logs:
+        if isinstance(log, Path):
+            text = log.read_text(errors="replace")[-TAIL_CHARS:] if log.exists() else "(not written)"
+            said.append(f"\n--- the end of {log}:\n{text}")
+        elif text := log():
+            said.append(f"\n--- {text}")
+    return "".join(said)
+
+
+def wait_for(path: Path, predicate, timeout_s: float, *, processes: Processes = ()) -> dict:
+    """The first event of the JSON-lines log `path` that `predicate` accepts, within `timeout_s`
+    (wait_until: `processes` must not exit meanwhile)."""
+    return wait_until(
+        lambda: next((event for event in events(path) if predicate(event)), None),
+        timeout_s,
+        f"a matching event in {path}",
+        processes=processes,
+        logs=[path],
+        interval_s=0.5,
+    )
+
+
+def listening(namespace: str, port: int) -> bool:
+    """Whether a TCP socket listens on `port` in the network namespace `namespace` (the kernel's socket
+    tables, read from inside it)."""
+    tables = subprocess.run(
+        ["ip", "netns", "exec", namespace, "cat", "/proc/net/tcp", "/proc/net/tcp6"],
+        capture_output=True, text=True, timeout=30,
+    ).stdout  # fmt: skip
+    rows = (line.split() for line in tables.splitlines())  # state 0A: LISTEN
+    return any(len(row) > 3 and row[1].endswith(f":{port:04X}") and row[3] == "0A" for row in rows)
 
 
 def metrics(lab, url: str) -> dict[str, float]:

@@ -11,6 +11,7 @@ from shoal.peer.swarm import channels as swarm_channels
 from shoal.peer.swarm.channels import HEADER_BYTES, MAX_REQUEST_BYTES, Channels, ChannelServer
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest
+from tests.integration.harness import wait_until
 
 PROTOCOL = "shoal.test.payloads"
 
@@ -64,7 +65,13 @@ def test_pulls_reuse_one_channel_and_recover_when_the_server_closed_it():
             assert both == [big, big] and channels.opened == 2
             # the server closes its channels (as on its idle timeout): the next pull opens a fresh one
             channel_server.close()
-            await asyncio.sleep(0.5)
+            await asyncio.to_thread(
+                wait_until,
+                lambda: not channel_server.open,
+                10,
+                "the server's channels closed",
+                interval_s=0.05,
+            )
             assert (
                 await channels.pull(peer, PayloadRequest(round=9, digest=b"a" * 32), 10_000) == b"x" * 9_400
             )
@@ -116,16 +123,21 @@ def test_hostile_requests_and_replies_are_refused_and_counted(monkeypatch):
             _, _, other_writer = await client.call_binary_stream_handler(server.peer_id, PROTOCOL)
             other_writer.write(b"\x00")  # the stream reaches the server with its first bytes
             await other_writer.drain()
-            await asyncio.sleep(0.5)
+            await asyncio.to_thread(
+                wait_until,
+                lambda: channel_server.open[client.peer_id] == 2,
+                10,
+                "the server holding both channels open",
+                interval_s=0.05,
+            )
             assert await raw(len(body).to_bytes(HEADER_BYTES, "big") + body) == b""
             assert rejected["channels"] == 1
             writer.close()
             other_writer.close()
-            for _ in range(100):  # the server sees both closed (else it refuses the next channel as a third)
-                if not channel_server.open:
-                    break
-                await asyncio.sleep(0.1)
-            assert not channel_server.open
+            # the server sees both closed (else it refuses the next channel as a third)
+            await asyncio.to_thread(
+                wait_until, lambda: not channel_server.open, 10, "both channels closed", interval_s=0.1
+            )
 
             # a server that sends more than the puller expects: rejected as too large, channel dropped
             channels = Channels(client, PROTOCOL, timeout_s=10)

@@ -4,12 +4,12 @@ good checkpoint stays intact), and a truncated newest checkpoint (named, moved a
 round really resumed is the one said)."""
 
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
 import signal
 import subprocess
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +18,7 @@ import pytest
 
 from shoal.peer.checkpoint import CheckpointStore
 from tests.integration import harness
-from tests.integration.harness import events, kill
+from tests.integration.harness import events, kill, wait_until
 
 COMMON = [
     "join",
@@ -37,16 +37,9 @@ def start(output: Path, *args: str) -> subprocess.Popen:
     return harness.start(*COMMON, *args, stdout=output.open("w"), stderr=subprocess.STDOUT)
 
 
-def wait_for(
-    output: Path, peer: subprocess.Popen, found: Callable[[list[dict]], bool], timeout_s: float
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if found(events(output)):
-            return
-        assert peer.poll() is None, f"the peer exited ({peer.returncode}): {output.read_text()[-3000:]}"
-        time.sleep(0.3)
-    raise TimeoutError(f"not seen within {timeout_s} s: {output.read_text()[-3000:]}")
+def watch(output: Path, peer: subprocess.Popen) -> Callable[..., object]:
+    """wait_until for this peer's test: fails at once if the peer exits, and shows the end of its output."""
+    return functools.partial(wait_until, processes=[peer], logs=[output], interval_s=0.3)
 
 
 def texts(seen: list[dict]) -> list[str]:
@@ -94,13 +87,14 @@ def test_a_folder_made_read_only_mid_run_is_a_counted_warning_and_loses_no_check
     folder, output = tmp_path / "checkpoints", tmp_path / "peer.jsonl"
     peer = start(output, "--run", "read-only", "--checkpoint-dir", str(folder), "--metrics-port", "0")
     try:
-        wait_for(output, peer, lambda seen: len(CheckpointStore(folder).rounds()) >= 2, 90)
+        wait = watch(output, peer)
+        wait(lambda: len(CheckpointStore(folder).rounds()) >= 2, 90, "two checkpoints")
         with read_only(folder):
             before = {p.name: digest(p) for p in folder.glob("round-*.safetensors")}
             newest = CheckpointStore(folder).rounds()[-1]
-            wait_for(output, peer, lambda seen: any("could not write" in t for t in texts(seen)), 30)
+            wait(lambda: any("could not write" in t for t in texts(events(output))), 30, "the warning")
             trained = rounds(events(output))
-            wait_for(output, peer, lambda seen: rounds(seen) >= trained + 3, 30)  # training went on
+            wait(lambda: rounds(events(output)) >= trained + 3, 30, "3 more rounds")  # training went on
             warning = next(t for t in texts(events(output)) if "could not write" in t)
             assert str(folder) in warning and "--checkpoint-dir" in warning and "training goes on" in warning
             assert f"round-{newest}.safetensors is the newest intact one" in warning
@@ -132,7 +126,7 @@ def test_a_truncated_newest_checkpoint_is_named_moved_aside_and_not_kept(tmp_pat
     folder, first, second = tmp_path / "checkpoints", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     peer = start(first, "--run", "damaged", "--checkpoint-dir", str(folder))
     try:
-        wait_for(first, peer, lambda seen: len(CheckpointStore(folder).rounds()) >= 3, 90)
+        watch(first, peer)(lambda: len(CheckpointStore(folder).rounds()) >= 3, 90, "three checkpoints")
         peer.send_signal(signal.SIGTERM)
         assert peer.wait(timeout=60) == 0, first.read_text()[-3000:]
     finally:

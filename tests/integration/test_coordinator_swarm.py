@@ -14,7 +14,7 @@ import pytest
 
 from shoal.coordinator.policy import Policy
 from shoal.protocol import coordinator_pb2, coordinator_pb2_grpc
-from tests.integration.harness import events, free_port, kill, shoal, start, wait_for
+from tests.integration.harness import events, free_port, kill, shoal, start, wait_for, wait_until
 
 GRACE_S = Policy().report_grace_s  # the coordinator's, with the defaults the demo keeps
 
@@ -106,7 +106,12 @@ def test_coordinator_killed_and_restarted_mid_run(tmp_path):
                     "join", *common, "--initial-peers", first, stdout=out, stderr=subprocess_log(f"p{index}")
                 )
             )
-        before = wait_until(lambda: (s := swarm_status(address)) is not None and s.round >= 5 and s, 120)
+        before = wait_until(
+            lambda: (s := swarm_status(address)) is not None and s.round >= 5 and s,
+            120,
+            "round 5 at the coordinator",
+            interval_s=0.5,
+        )
         kill(server)  # SIGKILL: no goodbye, mid-round
         killed_at = time.time()
         # coordinated peers announce their payloads only to the coordinator: joining without it is
@@ -115,11 +120,26 @@ def test_coordinator_killed_and_restarted_mid_run(tmp_path):
         lost = shoal("join", *alone, "--initial-peers", first, timeout=90)
         assert lost.returncode == 1, lost.stderr[-2000:]
         assert f"follow a coordinator (they reach it as {address})" in lost.stderr
-        time.sleep(max(0.0, killed_at + 4 - time.time()))  # the peers notice and train on uncoordinated
+        # the peers notice and train on uncoordinated: each finishes the round in flight without it and
+        # one more after it
+        outs = [tmp_path / f"p{i}.jsonl" for i in range(3)]
+        wait_until(
+            lambda: all(
+                sum(e.get("event") == "round" and e["time"] >= killed_at for e in events(out)) >= 2
+                for out in outs
+            ),
+            60,
+            "every peer training two rounds without the coordinator",
+            logs=outs,
+            interval_s=0.5,
+        )
         restarted_at = time.time()
         server = coordinator("restarted")
         after = wait_until(
-            lambda: (s := swarm_status(address)) is not None and s.round > before.round + 2 and s, 120
+            lambda: (s := swarm_status(address)) is not None and s.round > before.round + 2 and s,
+            120,
+            f"round {before.round + 3} at the restarted coordinator",
+            interval_s=0.5,
         )
         assert len(after.members) == 3  # membership survived the restart
         codes = [peer.wait(timeout=150) for peer in peers]
@@ -137,13 +157,3 @@ def test_coordinator_killed_and_restarted_mid_run(tmp_path):
     assert numbers == sorted(set(numbers))  # numbering only grows
     resumed = [r for r in rounds if r[1] >= restarted_at]
     assert resumed and min(r[0] for r in resumed) > before.round  # continued after the rounds before the kill
-
-
-def wait_until(predicate, timeout_s: float):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise TimeoutError("condition not met in time")

@@ -21,7 +21,7 @@ import pytest
 from shoal.coordinator.auth import Tokens
 from shoal.coordinator.server import Coordinator
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
-from tests.integration.harness import free_port
+from tests.integration.harness import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SWARM_TOKEN, A_TOKEN = "swarm-token-0123456789", "peer-a-token-0123456789"
@@ -99,10 +99,14 @@ def test_a_token_refused_once_the_coordinator_comes_up_stops_the_peer(tmp_path):
     with out.open("w") as stdout, (tmp_path / "peer.err").open("w") as stderr:
         peer = subprocess.Popen(command, cwd=ROOT, stdout=stdout, stderr=stderr, start_new_session=True)
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while '"started"' not in out.read_text():
-            assert peer.poll() is None and time.monotonic() < deadline, (tmp_path / "peer.err").read_text()
-            time.sleep(0.5)
+        wait_until(
+            lambda: '"started"' in out.read_text(),
+            TIMEOUT_S,
+            "the peer to start",
+            processes=[peer],
+            logs=[tmp_path / "peer.err"],
+            interval_s=0.5,
+        )
         with coordinator(tmp_path, f"127.0.0.1:{port}"):
             assert peer.wait(timeout=60) == 2
         said = (tmp_path / "peer.err").read_text()
@@ -177,12 +181,15 @@ def test_a_coordinator_that_never_answers_stops_the_link_and_one_that_answered_o
             assert await once.wait_connected(datetime.timedelta(seconds=10))
             await server.stop(grace_s=0)
             deadline = time.monotonic() + 15
-            while never.refusal is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await asyncio.to_thread(
+                wait_until, lambda: never.refusal is not None, 15, "the refusal", interval_s=0.05
+            )
             assert never.refusal is not None and "--coordinator-wait" in never.refusal
             assert not never.answered and not never.connected
-            while once.connected and time.monotonic() < deadline:  # the outage is seen...
-                await asyncio.sleep(0.05)
+            left = max(0.0, deadline - time.monotonic())
+            await asyncio.to_thread(  # the outage is seen...
+                wait_until, lambda: not once.connected, left, "the outage seen", interval_s=0.05
+            )
             ridden_out = time.monotonic() + 2 * once.first_contact_s
             while time.monotonic() < ridden_out:  # ...and outlasts the first-contact bound, harmlessly
                 await asyncio.sleep(0.05)

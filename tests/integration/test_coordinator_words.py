@@ -14,15 +14,17 @@ from shoal.coordinator.policy import Policy
 from shoal.coordinator.server import Coordinator
 from shoal.peer.swarm.coordinator_link import IN_WORDS, CallFailed, CoordinatorLink
 from shoal.protocol import coordinator_pb2 as pb
+from tests.integration.harness import wait_until
 
 FIRST, JOINER = (f"12D3KooW{c * 44}" for c in "AB")
 CODE_NAMES = re.compile("|".join(code.name for code in grpc.StatusCode))
 
 
 async def wait_for_round(link: CoordinatorLink, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while link.latest is None:
-            await asyncio.sleep(0.05)
+    """Until `link` has heard of a round (polled off the event loop, which goes on serving it)."""
+    await asyncio.to_thread(
+        wait_until, lambda: link.latest is not None, timeout_s, "a round announced", interval_s=0.05
+    )
 
 
 @pytest.mark.timeout(30)

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import hivemind
 import pytest
@@ -23,9 +24,25 @@ from shoal.peer.bench.swarm_local import loopback_tx_bytes
 from shoal.peer.swarm.bootstrap import start_dht
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.server import PayloadServer
-from tests.integration.harness import ROOT
+from tests.integration.harness import ROOT, wait_until
 
 NEIGHBOURS = 6
+QUIET_S = 0.5
+
+
+def quiet(since: int | None = None) -> Callable[[], bool]:
+    """A condition: the loopback has sent more than `since` bytes (None: whatever it has), then nothing
+    for QUIET_S. The daemons send what a change makes them send at once (within 0.05 s, measured), and
+    nothing else crosses this namespace's loopback while the peers are idle."""
+    last = [loopback_tx_bytes(), time.monotonic()]
+
+    def quiet_now() -> bool:
+        sent = loopback_tx_bytes()
+        if sent != last[0]:
+            last[:] = [sent, time.monotonic()]
+        return (since is None or sent > since) and time.monotonic() - last[1] >= QUIET_S
+
+    return quiet_now
 
 
 def _exit_bytes(shoal_way: bool) -> int:
@@ -43,13 +60,14 @@ def _exit_bytes(shoal_way: bool) -> int:
         server = PayloadServer(
             run="exit", counts=SwarmCounters(), max_payload_bytes=1 << 20, keep_states=1, timeout_s=5.0
         )
+        added = loopback_tx_bytes()
         loop.run_until_complete(server.start(p2p))
-        time.sleep(2)  # the pushes of the handlers added are out
+        wait_until(quiet(since=added), 20, "the pushes of the handlers added to be out", interval_s=0.05)
         before = loopback_tx_bytes()
         loop.run_until_complete(server.stop(p2p, unregister=not shoal_way))
         loop.run_until_complete(p2p.shutdown())
         leaving.shutdown()
-        time.sleep(1)
+        wait_until(quiet(), 20, "the exit's bytes to be out", interval_s=0.05)
         return loopback_tx_bytes() - before
     finally:
         loop.close()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import events, free_port, spawn
+from tests.integration.harness import events, free_port, spawn, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 HONEST = [sys.executable, "-m", "shoal.peer.cli"]
@@ -71,13 +71,14 @@ def swarm(
             with (tmp_path / f"{name}-coordinator.log").open("w") as log:
                 coordinator = spawn([*server, "--min-peers", str(peers)], stdout=log, stderr=log)
         start(0, ["--start-time", str(time.time() + startup_s)])
-        deadline = time.time() + 60
-        while not any(e.get("event") == "started" for e in events(logs[0])):
-            assert time.time() < deadline and processes[0].poll() is None, (
-                tmp_path / f"{name}-0.err"
-            ).read_text()
-            time.sleep(0.5)
-        address = next(e for e in events(logs[0]) if e.get("event") == "started")["address"]
+        address = wait_until(
+            lambda: next((e for e in events(logs[0]) if e.get("event") == "started"), None),
+            60,
+            "the first peer's address",
+            processes=processes[:1],
+            logs=[tmp_path / f"{name}-0.err"],
+            interval_s=0.5,
+        )["address"]
         for i in range(1, peers):
             start(i, ["--initial-peers", address])
         for i, process in enumerate(processes):

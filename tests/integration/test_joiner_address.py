@@ -5,7 +5,6 @@ joins the swarm through it (real `shoal join` processes on 127.0.0.1, OS-chosen 
 import json
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,14 @@ def start(out: Path, *args: str) -> subprocess.Popen:
 
 
 def wait_for(out: Path, find, timeout_s: float):
-    """The first non-None `find(text of out)` within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = find(out.read_text())
-        if found is not None:
-            return found
-        time.sleep(0.5)
-    raise TimeoutError(f"{out}: {out.read_text()[-2000:]}\n{out.with_suffix('.err').read_text()[-2000:]}")
+    """The first truthy `find(text of out)` within `timeout_s`."""
+    return harness.wait_until(
+        lambda: find(out.read_text()),
+        timeout_s,
+        f"what is looked for in {out}",
+        logs=[out, out.with_suffix(".err")],
+        interval_s=0.5,
+    )
 
 
 def event(name: str, predicate=lambda e: True):

@@ -8,7 +8,6 @@ trained twice or never."""
 import json
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -17,21 +16,15 @@ import pytest
 
 from shoal.peer.data.ledger import TokenLedger
 from shoal.peer.data.streams import stdlib_files
-from tests.integration.harness import events, kill, spawn, start
+from tests.integration.harness import events, kill, spawn, start, wait_until
 
 TIMEOUT_S = 240
 
 
 def _wait(predicate, what: str, processes: dict[str, subprocess.Popen], logs: Path) -> None:
-    deadline = time.monotonic() + TIMEOUT_S - 30
-    while not predicate():
-        for name, process in processes.items():
-            if process.poll() not in (None, 0):
-                raise AssertionError(
-                    f"{name} exited {process.returncode}: {(logs / f'{name}.err').read_text()[-3000:]}"
-                )
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+    """wait_until `predicate()`, failing at once if one of the named `processes` exits."""
+    errors = [logs / f"{name}.err" for name in processes]
+    wait_until(predicate, TIMEOUT_S - 30, what, processes=processes, logs=errors, interval_s=0.2)
 
 
 CLASSES = 2

@@ -3,15 +3,15 @@ read from /proc (the DHT process and p2pd), the peer alone SIGKILLed, and every 
 within seconds (shoal.peer.swarm.lifeline)."""
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.integration.harness import wait_for, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 GONE_WITHIN_S = 10
@@ -46,17 +46,6 @@ def alive(pid: int) -> bool:
     return stat is not None and stat[0] not in ("Z", "X")  # a zombie has died; it waits to be reaped
 
 
-def wait_for_started(output: Path, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"the peer exited early: {output.read_text()[-2000:]}"
-        lines = output.read_text().splitlines()
-        if any(line.startswith("{") and json.loads(line).get("event") == "started" for line in lines):
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"the peer did not start: {output.read_text()[-2000:]}")
-
-
 @pytest.mark.timeout(120)
 def test_kill_9_of_a_peer_ends_its_dht_process_and_p2pd(tmp_path):
     output = tmp_path / "peer.jsonl"
@@ -71,16 +60,19 @@ def test_kill_9_of_a_peer_ends_its_dht_process_and_p2pd(tmp_path):
     )
     children: set[int] = set()
     try:
-        wait_for_started(output, peer, timeout_s=90)
+        wait_for(output, lambda e: e.get("event") == "started", 90, processes=[peer])
         children = descendants(peer.pid)
         names = {Path(f"/proc/{pid}/exe").resolve().name for pid in children}
         assert len(children) >= 2 and "p2pd" in names, f"expected the DHT process and p2pd, found {names}"
         peer.send_signal(signal.SIGKILL)  # the peer alone, not its process group: no cleanup runs
         peer.wait(timeout=10)
-        deadline = time.monotonic() + GONE_WITHIN_S
-        while time.monotonic() < deadline and any(alive(pid) for pid in children):
-            time.sleep(0.2)
-        assert not [pid for pid in children if alive(pid)], "the peer's helpers outlived it"
+        wait_until(
+            lambda: not [pid for pid in children if alive(pid)],
+            GONE_WITHIN_S,
+            "the peer's helpers to end with it",
+            logs=[lambda: f"the peer's helpers outlived it: {[pid for pid in children if alive(pid)]}"],
+            interval_s=0.2,
+        )
     finally:
         for pid in [peer.pid, *children]:
             with contextlib.suppress(ProcessLookupError):

@@ -12,14 +12,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import free_port
+from tests.integration.harness import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -131,19 +130,19 @@ def monitored_demo(tmp_path, short_tmp):
         _kill_leftovers(str(scratch))
 
 
-def _wait_for(check, timeout_s: float, what: str, interval_s: float = 2.0):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
+def _wait_for(check, timeout_s: float, what: str, interval_s: float = 2.0) -> None:
+    """wait_until `check()` returns True; anything else it returns (or raises, while a server is not up)
+    is what it still lacks, and the last of it is said on failure."""
+    last: list[object] = [None]
+
+    def done() -> bool:
         try:
-            last = check()
+            last[0] = check()
         except (OSError, ValueError, KeyError) as error:  # not up yet
-            last = error
-        else:
-            if last is True:
-                return
-        time.sleep(interval_s)
-    raise AssertionError(f"{what} within {timeout_s:.0f} s; last: {last}")
+            last[0] = error
+        return last[0] is True
+
+    wait_until(done, timeout_s, what, logs=[lambda: f"last: {last[0]}"], interval_s=interval_s)
 
 
 def test_prometheus_scrapes_a_demo_every_dashboard_query_returns_data_and_promtool_passes(monitored_demo):

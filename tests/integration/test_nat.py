@@ -20,7 +20,7 @@ import pytest
 
 from shoal.peer.bench import netlab
 from shoal.peer.bench.netlab import NetLab
-from tests.integration.harness import ROOT, SHOAL, events, metrics, wait_for
+from tests.integration.harness import ROOT, SHOAL, events, listening, metrics, wait_for, wait_until
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # as harness.spawn: two torch threads per peer on 2 cores
 # oversubscribe them (compute phases of 25 s in a 5 s window were seen)
@@ -34,20 +34,23 @@ def start_bootstrap(lab: NetLab, tmp_path: Path, *extra: str, name: str = "boots
     out = tmp_path / f"{name}.out"
     host = lab.address(0)
     argv = [*SHOAL, "bootstrap", "--host", host, "--public", "--metrics-port", "0"]
-    lab.popen(
+    node = lab.popen(
         0,
         [*argv, "--address-file", str(address_file), *extra],
         stdout=out.open("w"),
         stderr=subprocess.STDOUT,
         env=ENV,
     )
-    deadline = time.time() + 60
-    while time.time() < deadline:
+
+    def started() -> tuple[str, str] | None:
         found = re.search(r"(http://\S+/metrics)", out.read_text()) if out.exists() else None
         if found and address_file.exists() and address_file.read_text().strip():
             return address_file.read_text().strip(), found.group(1)
-        time.sleep(0.3)
-    raise TimeoutError(f"the bootstrap node did not start: {out.read_text()[-2000:]}")
+        return None
+
+    return wait_until(
+        started, 60, "the bootstrap node's address and metrics", processes=[node], logs=[out], interval_s=0.3
+    )
 
 
 def join(lab: NetLab, node: int, tmp_path: Path, address: str, *flags: str) -> Path:
@@ -233,7 +236,12 @@ def test_netlab_homes_cannot_be_dialed_but_dial_out(tmp_path):
         dial += "    print('open')\nexcept OSError as e:\n    print('closed')\n"
         server = lab.popen(0, ["python3", "-c", listen], stdout=subprocess.PIPE, text=True)
         home = lab.popen(1, ["python3", "-c", listen], stdout=subprocess.PIPE, text=True)
-        time.sleep(1)
+        wait_until(
+            lambda: listening(lab.namespace(0), 7000) and listening(lab.namespace(1), 7000),
+            20,
+            "the listeners of nodes 0 and 1",
+            processes=[server, home],
+        )
         outward = subprocess.run(
             ["ip", "netns", "exec", lab.namespace(2), "python3", "-c", dial, lab.address(0)],
             capture_output=True,
@@ -347,9 +355,13 @@ def test_a_peer_behind_nat_that_says_it_can_be_dialed_is_counted_and_reached_thr
                 node, argv, cwd=ROOT, env={**ENV, "PYTHONPATH": str(ROOT)},
                 stdout=(tmp_path / f"peer{node}.out").open("w"), stderr=subprocess.STDOUT,
             )  # fmt: skip
-        deadline = time.time() + 150
-        while not all(report.exists() for report in reports) and time.time() < deadline:
-            time.sleep(1)
+        wait_until(
+            lambda: all(report.exists() for report in reports),
+            150,
+            "both peers' reports",
+            logs=[tmp_path / f"peer{node}.out" for node in (1, 2)],
+            interval_s=1,
+        )
         honest, liar = (json.loads(report.read_text()) for report in reports)
         assert honest["rejected"].get("false_reachable") == 1, honest
         assert "says it can be dialed, but it could not be" in (tmp_path / "peer1.out").read_text()

@@ -19,6 +19,7 @@ from shoal.protocol.swarm_pb2 import (
     RelayRequest,
     StateRequest,
 )
+from tests.integration.harness import wait_until
 
 GOOD = b"the payload of round 3" * 100
 
@@ -55,7 +56,9 @@ def test_the_relay_checks_caches_and_refuses_what_it_must(monkeypatch):
             liar = await behind(initial, b"not what was announced", liar_calls)
             asker = await P2P.create(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
             try:
-                await asyncio.sleep(1.5)  # the relay's list of connected peers is read again
+                await asyncio.to_thread(  # the relay is connected to the two peers behind it, and the asker
+                    wait_until, lambda: node.connections() >= 3, 30, "three peers connected to the relay"
+                )
                 digest = hashlib.sha256(GOOD).digest()
                 wanted = PayloadRequest(round=3, digest=digest)
                 get = RelayRequest(run="r", peer=honest.peer_id.to_base58(), payload=wanted)

@@ -77,7 +77,7 @@ def test_peers_that_started_a_run_on_two_clocks_converge_on_the_earlier_one():
         return exchange.gather(bytes([exchanges.index(exchange), r]) * 1000, samples=1)
 
     with swarm([SwarmExchange] * 2, schedules=[later, earlier]) as (exchanges, _):
-        time.sleep(max(0.0, now + 3.8 - time.time()))
+        time.sleep(max(0.0, later.start_time + 0.1 - time.time()))  # both clocks' round 0 has begun
         rounds = []
         with ThreadPoolExecutor(2) as pool:
             for r in range(4):

@@ -5,6 +5,7 @@
 checkpoint, and none of its processes (the DHT's, p2pd, torch's shared-memory manager) left behind.
 Real `shoal join` processes on 127.0.0.1."""
 
+import contextlib
 import os
 import signal
 import time
@@ -14,7 +15,7 @@ import pytest
 
 from shoal.peer.checkpoint import CheckpointStore
 from shoal.peer.job.node import DRAIN_MAX_S
-from tests.integration.harness import events, kill, start, wait_for
+from tests.integration.harness import events, kill, start, wait_for, wait_until
 
 COMMON = ["--model", "tiny", "--run", "stops", "--host", "127.0.0.1", "--log-format", "json"]
 COMMON += ["--max-micro-batches", "4", "--validate-every", "0"]
@@ -55,9 +56,9 @@ def _running(pids: set[int]) -> set[int]:
 
 
 def _gone(pids: set[int], timeout_s: float) -> set[int]:
-    deadline = time.monotonic() + timeout_s
-    while _running(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    """Those of `pids` still running once all have ended, or `timeout_s` has passed."""
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: not _running(pids), timeout_s, "the processes to end", interval_s=0.1)
     return _running(pids)
 
 

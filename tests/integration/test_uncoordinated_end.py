@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import events, kill, spawn
+from tests.integration.harness import events, kill, spawn, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = 4
@@ -22,17 +22,6 @@ ROUND_SECONDS = 3.0
 # the joiners, forked from the zygote (tests.integration.launcher), start a DHT before round 0; with the
 # other xdist worker's swarm on the two cores, a peer took over 8 s to print its address (2026-12-01)
 STARTUP_S = 20.0
-
-
-def wait_for_address(path: Path, process: subprocess.Popen, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and process.poll() is None:
-        for event in events(path):
-            if event.get("event") == "started":
-                return event["initial_peers"][0]
-        time.sleep(0.3)
-    log = path.read_text()[-2000:] if path.exists() else ""
-    raise TimeoutError(f"the first peer printed no address: {log}")
 
 
 @pytest.mark.timeout(150)
@@ -51,7 +40,10 @@ def test_uncoordinated_eager_diloco_ends_on_one_model_after_the_same_rounds(tmp_
 
     try:
         launch(0, "--start-time", repr(time.time() + STARTUP_S))
-        address = wait_for_address(tmp_path / "peer0.jsonl", processes[0], 60)
+        started = wait_for(
+            tmp_path / "peer0.jsonl", lambda e: e.get("event") == "started", 60, processes=processes
+        )
+        address = started["initial_peers"][0]
         for index in range(1, PEERS):
             launch(index, "--initial-peers", address)
         for index, process in enumerate(processes):

@@ -6,17 +6,20 @@ failure inside the lab), and that a swarm method trains over the shaped links wi
 the namespaces' interfaces.
 """
 
+import contextlib
+import functools
 import os
 import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 
 from shoal.peer.bench import netlab
 from shoal.peer.bench.netlab import NetLab
 from shoal.peer.bench.wan import WanConfig, run
+from tests.integration.harness import listening, wait_until
 
 reason = netlab.available()
 pytestmark = pytest.mark.skipif(reason is not None, reason=reason or "")
@@ -49,10 +52,25 @@ def ours() -> list[str]:
     return [name for name in netlab.namespaces() if name.startswith(f"shl{os.getpid()}-")]
 
 
+def workers(prefix: str) -> list[int]:
+    """The bench's workers (`python -m shoal.peer.bench.wan_worker`) running in namespaces named `prefix*`
+    (once `ip netns exec` has become the worker)."""
+    found = []
+    for namespace in netlab.namespaces():
+        if namespace.startswith(prefix):
+            pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
+            for pid in pids.split():
+                with contextlib.suppress(OSError):
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    if argv[1:3] == [b"-m", b"shoal.peer.bench.wan_worker"]:
+                        found.append(int(pid))
+    return found
+
+
 def bulk_transfer(lab: NetLab, size: int) -> tuple[float, int, int]:
     """Seconds to send `size` bytes from node 1 to node 0, and node 1's (sent, received) bytes."""
     server = lab.popen(0, [sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.5)
+    wait_until(lambda: listening(lab.namespace(0), 5001), 20, "the server listening", processes=[server])
     before = lab.counters(1)
     client = lab.popen(
         1, [sys.executable, "-c", CLIENT, lab.address(0), str(size)], stdout=subprocess.PIPE, text=True
@@ -109,13 +127,16 @@ def test_sigterm_stops_the_benchmark_and_removes_its_namespaces(tmp_path):
     command += ["--steps", "50", "--batch-size", "4", "--bandwidth", "1mbit"]
     bench = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     prefix = f"shl{bench.pid}-"
+    until = functools.partial(
+        wait_until,
+        processes={"shoal bench wan": bench},
+        logs=[lambda: bench.stderr.read() if bench.poll() is not None else ""],  # read once it has exited
+        interval_s=0.2,
+    )
     try:
-        deadline = time.monotonic() + 60
-        while not any(n.startswith(prefix) for n in netlab.namespaces()):
-            assert time.monotonic() < deadline and bench.poll() is None, bench.stderr.read()
-            time.sleep(0.2)
-        time.sleep(5)  # the workers are importing torch or training
-        bench.send_signal(signal.SIGTERM)
+        until(lambda: any(n.startswith(prefix) for n in netlab.namespaces()), 60, "its namespaces")
+        until(lambda: len(workers(prefix)) == 2, 30, "its 2 workers running")
+        bench.send_signal(signal.SIGTERM)  # the workers are importing torch or training
         assert bench.wait(timeout=40) == 130
     finally:
         if bench.poll() is None:
