@@ -297,7 +297,7 @@ class LoopbackExchange(Exchange):
         total = sum(w for _, w in entries)
         result = torch.zeros_like(tensor)
         for value, w in entries:  # rank order: the same float sum on every worker
-            result.add_(value, alpha=w / total)
+            result.add_(value * (w / total))  # rounded, then added: the same bits on every device
         return result
 
 
@@ -317,7 +317,7 @@ def mean_by_gather(
         except MalformedPayloadError as error:
             rejected[error.reason] += 1
             continue
-        result.add_(other.to(result.device), alpha=other_weight)
+        result.add_(other.to(result.device) * other_weight)  # not fused: the same bits on every device
         total += other_weight
     return (result / max(total, 1e-30)).to(tensor.dtype)
 

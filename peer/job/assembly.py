@@ -340,7 +340,7 @@ class PeerSummary:
             param_hash=param_hash(trainer.model),
             finite=finite(list(trainer.model.parameters())),
             payload_bytes=trainer.sync.bytes_sent / max(1, len(reports)),
-            counts=_counted(exchange, trainer),
+            counts=_counted(exchange, trainer, peer.together),
             round_clock=(exchange.schedule.start_time, exchange.schedule.round_seconds),
             final_resync=final_resync,
             stopped=peer.stopped,
@@ -385,7 +385,7 @@ class PeerSummary:
         return f"{ending}: {self.rounds} rounds, {losses}{validation}, parameters {self.param_hash}"
 
 
-def _counted(exchange: SwarmExchange, trainer: Trainer) -> dict[str, Any]:
+def _counted(exchange: SwarmExchange, trainer: Trainer, peer_together: int) -> dict[str, Any]:
     """The counters of a peer's summary, by the names its event gives them."""
     counts = exchange.counts
     return {
@@ -393,7 +393,10 @@ def _counted(exchange: SwarmExchange, trainer: Trainer) -> dict[str, Any]:
         "bytes_received": counts.bytes_received,
         "via_relay": dict(counts.via_relay),
         "dht_stores": counts.dht_stores,
+        # rounds in which this peer's payload counted with another's: its work reached the swarm
+        "trained_together": peer_together,
         "resyncs": counts.resyncs,
+        "resync_bytes": counts.received["state"],
         "coordinated_rounds": counts.coordinated_rounds,
         "butterfly_rounds": counts.butterfly_rounds,
         "pieces_recomputed": counts.pieces_recomputed,

@@ -56,6 +56,11 @@ class PeerMetrics:
         Info("shoal_build", "Versions, device and run of this peer (value 1).", registry=r).info(info)
         self.round = Gauge("shoal_round", "The swarm round this peer finished last.", registry=r)
         self.rounds = Counter("shoal_rounds", "Rounds this peer finished.", registry=r)
+        self.rounds_together = Counter(
+            "shoal_rounds_trained_together",
+            "Rounds in which this peer's payload counted together with another peer's.",
+            registry=r,
+        )
         self.loss = Gauge("shoal_training_loss", "Mean training loss of the last round.", registry=r)
         self.validation_loss = Gauge(
             "shoal_validation_loss",
@@ -103,11 +108,21 @@ class PeerMetrics:
         self._data_gauges(r)
 
     def observe_round(
-        self, report: "RoundReport", *, wall_s: float, payload_bytes: int, peers_seen: int, stragglers: int
+        self,
+        report: "RoundReport",
+        *,
+        wall_s: float,
+        payload_bytes: int,
+        peers_seen: int,
+        stragglers: int,
+        shared: bool = False,
     ) -> None:
-        """One finished round: `report` is the trainer's RoundReport (shoal.peer.train.trainer)."""
+        """One finished round: `report` is the trainer's RoundReport (shoal.peer.train.trainer); `shared`:
+        whether this peer's payload counted together with another's."""
         self.round.set(report.round)
         self.rounds.inc()
+        if shared:
+            self.rounds_together.inc()
         if math.isfinite(report.loss):
             self.loss.set(report.loss)
         self.tokens.inc(report.tokens)

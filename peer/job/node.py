@@ -49,7 +49,14 @@ from shoal.peer.job.clock import ClockError, save_clock, saved_clock
 from shoal.peer.job.faults import Faults, from_environment
 from shoal.peer.job.metrics import PeerMetrics, build_info
 from shoal.peer.job.progress import Progress
-from shoal.peer.job.round_reports import tell_alone, tell_isolation, tell_late, tell_ledger, tell_validation
+from shoal.peer.job.round_reports import (
+    tell_alone,
+    tell_isolation,
+    tell_late,
+    tell_ledger,
+    tell_resyncs,
+    tell_validation,
+)
 from shoal.peer.job.runtime import SwarmPeer
 from shoal.peer.job.window import round_seconds_for
 from shoal.peer.swarm.bootstrap import BootstrapError, best_address, check_multiaddrs, private_only
@@ -57,6 +64,7 @@ from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink,
 from shoal.peer.swarm.exchange import Abandoned, RoundSchedule, SwarmExchange
 from shoal.peer.swarm.identity import IdentityError, keygen, load_identity
 from shoal.peer.swarm.membership import SHOAL_VERSION
+from shoal.peer.swarm.records import RoundStatus
 from shoal.peer.swarm.relay import Reachability
 from shoal.peer.swarm.server import ask_runs
 from shoal.peer.train.fit import Fit
@@ -407,6 +415,8 @@ def _loop(
     crowd = 1  # the most participants of a round so far
     told = -1  # the last round the token ledger settled, as logged
     late = (0, 0)  # (rounds missed so far, of them in a row)
+    resyncing = 0  # rounds in a row re-synced
+    last_status: RoundStatus | None = None  # the round before's
     senders = [exchange.owner.hex(), exchange.peer_id.encode().hex()]  # this peer, as ledger events name it
     for done in peer.rounds(
         until_round=settings.run.until_round, max_rounds=settings.run.max_rounds, stop=stop
@@ -418,6 +428,8 @@ def _loop(
             alone = not alone
             tell_alone(progress, alone, report, status.peers_seen)
         late = tell_late(progress, status.late, late, report, cast(float, settings.run.round_seconds))
+        resyncing = tell_resyncs(progress, status, last_status, resyncing, report)
+        last_status = status
         if status.isolated != isolated:
             isolated = status.isolated
             tell_isolation(progress, isolated, report.round, peer.reachability)
@@ -428,6 +440,7 @@ def _loop(
                 payload_bytes=status.payload_bytes,
                 peers_seen=status.peers_seen,
                 stragglers=status.stragglers,
+                shared=status.shared,
             )
         progress.round(
             {
@@ -436,6 +449,7 @@ def _loop(
                 "tokens_per_s": report.tokens / max(done.wall_s, 1e-9),
                 "participants": report.participants,
                 "shared": status.shared,
+                "together": f"{peer.together}/{len(reports)}",
                 "micro_batches": f"{report.micro_batches}x{report.batch_size}",
                 "bytes_up": done.bytes_up,
                 "bytes_down": done.bytes_down,

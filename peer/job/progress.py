@@ -19,6 +19,7 @@ COLUMNS = {
     "loss": ("loss", "{:.4f}"),
     "tokens_per_s": ("tokens/s", "{:,.0f}"),
     "participants": ("peers", "{:d}"),
+    "together": ("together", "{}"),
     "micro_batches": ("micro-batches", "{}"),
     "bytes_up": ("up", "{}"),
     "bytes_down": ("down", "{}"),

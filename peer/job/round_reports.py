@@ -12,7 +12,7 @@ from shoal.peer.job.metrics import PeerMetrics
 from shoal.peer.job.progress import Progress
 from shoal.peer.swarm.directory import REJOIN_EVERY_S
 from shoal.peer.swarm.isolation import ISOLATED_AFTER
-from shoal.peer.swarm.records import RoundPlan
+from shoal.peer.swarm.records import RoundPlan, RoundStatus
 from shoal.peer.swarm.relay import Reachability
 from shoal.peer.train.trainer import RoundReport
 
@@ -97,6 +97,8 @@ def tell_validation(
 
 
 LATE_TOLD = 3
+RESYNCS_TOLD = 3
+"""Rounds in a row a peer re-syncs before it is told why (`tell_resyncs`)."""
 """Rounds in a row a peer's payloads miss before it is told (one is bad luck: a busy machine)."""
 
 
@@ -121,6 +123,33 @@ def tell_late(
         progress.message(f"this peer's payload made its round again (round {report.round})")
         progress.event("late", late=False, round=report.round, missed=missed)
     return missed, streak
+
+
+def tell_resyncs(
+    progress: Progress, status: RoundStatus, before: RoundStatus | None, streak: int, report: RoundReport
+) -> int:
+    """A peer whose state was replaced by the swarm's RESYNCS_TOLD rounds in a row is told why, by the
+    cause it can see: its payloads came late (the others moved on without it), or, on time, its device
+    computes the shared step to other bits than the others' (shoal.peer.algorithms.canonical keeps
+    those the same; a build of shoal or torch other than theirs may not). `before`: the status of the
+    round before (None: none yet); returns the rounds in a row re-synced so far."""
+    resynced = before is not None and status.resyncs > before.resyncs
+    streak = streak + 1 if resynced else 0
+    if streak == RESYNCS_TOLD:
+        late = before is not None and status.late > before.late
+        cause = (
+            "its payloads came after the round's deadline, so the others moved on without them"
+            if late
+            else "this device computes the shared step to other bits than the others' devices (a shoal "
+            "or torch version other than theirs?)"
+        )
+        progress.message(
+            f"warning: this peer's state differed from the swarm's after each of the last {streak} rounds "
+            f"and was replaced by theirs ({status.resync_bytes:,} state bytes pulled so far): {cause}. "
+            "Its payloads do not count while its state differs."
+        )
+        progress.event("resyncing", round=report.round, streak=streak, late=late, bytes=status.resync_bytes)
+    return streak
 
 
 def tell_alone(progress: Progress, alone: bool, report: RoundReport, peers_seen: int = 1) -> None:

@@ -67,6 +67,8 @@ class SwarmPeer:
         self.trainer: Trainer | None = None
         self.stopped = False
         """Whether the loop ended on a stop (a signal): the peer leaves alone, after a checkpoint."""
+        self.together = 0
+        """Rounds in which this peer's payload counted together with another peer's (`shared`)."""
         self.abandoned = False
         """Whether the stop gave up a round in flight (its time spent, or a second signal): no new
         checkpoint, the last complete one stands."""
@@ -193,6 +195,7 @@ class SwarmPeer:
             trainer.end_round(stopping)  # waits for the next round's end, which then saves it
             self._encode_s = report.phases["encode"]
             status = exchange.status()
+            self.together += status.shared
             if self.window is not None and plan.compute_seconds is None:
                 self.window.observe(status.needed, self._encode_s)
             wall = time.perf_counter() - started

@@ -309,6 +309,7 @@ class SwarmExchange(Exchange):
             stragglers=counts.round_stragglers,
             clocks_adopted=counts.clocks_adopted,
             resyncs=counts.resyncs,
+            resync_bytes=counts.received["state"],
             payload_bytes=self.last_payload_bytes,
             bytes_sent=counts.bytes_sent,
             bytes_received=counts.bytes_received,

@@ -214,6 +214,8 @@ class RoundStatus:
     """Times this peer took the run's round clock from peers that started with it."""
     resyncs: int
     """Times its shared state was replaced by the majority's."""
+    resync_bytes: int
+    """State bytes pulled for those re-syncs, so far."""
     payload_bytes: int
     """This peer's payload in the last round."""
     bytes_sent: int

@@ -1,8 +1,10 @@
 """Two volunteers' machines on one: two `shoal join` peers of the embedded tiny GPT on 127.0.0.1, the
 first on torch's plain CPU kernels (ATEN_CPU_CAPABILITY=default, 1 thread), the joiner on its best
 vectorized ones (AVX2 or AVX-512, 2 threads). Counts, per algorithm, the rounds after the joiner's
-first in which both peers' payloads counted together (`shared`), the state re-syncs and the bytes they
-moved, and whether both end on one parameter hash (issue 76). Prints a table and a JSON line.
+first two (it computes the first on its own initial state, and takes the swarm's in the second) in
+which both peers' payloads counted together (`shared`), the state re-syncs (the joiner's first
+included) and the bytes the joiner received, and whether both end on one parameter hash (issue 76).
+Prints a table and a JSON line.
 
     python -m tests.benchmarks.mixed_kernels                                # DiLoCo eager and DeMo
     python -m tests.benchmarks.mixed_kernels --algorithms diloco-standard --rounds 12
@@ -49,9 +51,12 @@ def _wait_for(path: Path, predicate, timeout_s: float) -> dict:
     raise TimeoutError(f"nothing in {path} within {timeout_s} s")
 
 
-def run(algorithm: str, rounds: int, round_seconds: float, extra: list[str]) -> dict:
+def run(
+    algorithm: str, rounds: int, round_seconds: float, extra: list[str], *, same: bool, keep: str | None
+) -> dict:
     with tempfile.TemporaryDirectory(prefix="shoal-mixed-kernels-") as name:
-        folder = Path(name)
+        folder = Path(keep or name) / algorithm
+        folder.mkdir(parents=True, exist_ok=True)
         common = ["--run", "mixed", "--algorithm", algorithm, "--until-round", str(rounds - 1), *extra]
         first, first_out = _join(
             folder, "first", "default", 1, *common, "--round-seconds", str(round_seconds)
@@ -59,7 +64,8 @@ def run(algorithm: str, rounds: int, round_seconds: float, extra: list[str]) -> 
         processes = [first]
         try:
             address = _wait_for(first_out, lambda e: e.get("event") == "started", 120)["initial_peers"][0]
-            joiner, joiner_out = _join(folder, "joiner", BEST, 2, *common, "--initial-peers", address)
+            kernels = ("default", 1) if same else (BEST, 2)
+            joiner, joiner_out = _join(folder, "joiner", *kernels, *common, "--initial-peers", address)
             processes.append(joiner)
             deadline = time.monotonic() + 180 + 2 * rounds * round_seconds
             for process in processes:
@@ -71,14 +77,15 @@ def run(algorithm: str, rounds: int, round_seconds: float, extra: list[str]) -> 
         logs = {"first": _events(first_out), "joiner": _events(joiner_out)}
     summaries = {who: next(e for e in events if e.get("event") == "summary") for who, events in logs.items()}
     joined = [e["round"] for e in logs["joiner"] if e.get("event") == "round"]
-    after = set(joined[1:])  # the joiner's first round re-syncs it
+    # its first round computes on its own initial state, its second takes the swarm's (a re-sync)
+    after = set(joined[2:])
     together = {
         who: sum(1 for e in events if e.get("event") == "round" and e["round"] in after and e.get("shared"))
         for who, events in logs.items()
     }
     return {
-        "algorithm": algorithm,
-        "kernels": f"default/1 thread + {BEST}/2 threads",
+        "algorithm": algorithm + (f" {' '.join(extra[2:])}" if extra[2:] else ""),
+        "kernels": "default/1 thread, both" if same else f"default/1 thread + {BEST}/2 threads",
         "rounds_after_join": len(after),
         "together_first": together["first"],
         "together_joiner": together["joiner"],
@@ -95,11 +102,18 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--round-seconds", type=float, default=8.0)
     parser.add_argument("--inner-steps", type=int, default=4, help="DiLoCo's (the issue's setting)")
+    parser.add_argument("--compression", default=None, help="DiLoCo's --compression (int8, sparse)")
+    parser.add_argument("--same-kernels", action="store_true", help="the control: both peers on default")
+    parser.add_argument("--keep", default=None, help="keep the peers' logs in this folder")
     args = parser.parse_args()
     results = []
     for algorithm in args.algorithms.split(","):
         extra = ["--inner-steps", str(args.inner_steps)] if algorithm.startswith("diloco") else []
-        results.append(run(algorithm, args.rounds, args.round_seconds, extra))
+        if args.compression and algorithm.startswith("diloco"):
+            extra += ["--compression", args.compression]
+        results.append(
+            run(algorithm, args.rounds, args.round_seconds, extra, same=args.same_kernels, keep=args.keep)
+        )
         row = results[-1]
         print(
             f"{algorithm:>16}: together {row['together_first']}/{row['rounds_after_join']} (first), "

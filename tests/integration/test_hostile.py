@@ -163,20 +163,18 @@ GATHER_2 = ["--gather", "2"]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    ("algorithm", "reasons"),
-    [([*DILOCO, *GATHER_2], ["overclaim"]), ([*DEMO, *GATHER_2], ["overclaim"])],
-    ids=["diloco", "demo"],
-)
-def test_under_gather_2_the_largest_claim_buys_no_slot(tmp_path, tmp_path_factory, algorithm, reasons):
+def test_under_gather_2_the_largest_claim_buys_no_slot(tmp_path, tmp_path_factory):
     """Issue 47's back door: one attacker of four flips its update and claims 2^40 samples under
     `--gather 2`. The old fan-in chose it every round (+52% loss for DiLoCo, +31% DeMo, 0 strikes);
     now a claim beyond belief takes no slot and is struck (`overclaim`) every round it is announced,
-    until the strikes ban it. (The sign flip alone, judged against each peer's own update in a round
-    of two: tests/unit/test_robust.py, and `shoal bench hostile --gather 2`.)"""
+    until the strikes ban it. The fan-in's choice and the strike are the exchange's, the same for
+    either algorithm (shoal.protocol.rules.eligible), so DiLoCo alone runs it here; DeMo's capped
+    weights and its screening of a round of two: tests/unit/test_robust.py, tests/unit/test_demo.py,
+    and `shoal bench hostile --gather 2`."""
+    algorithm = [*DILOCO, *GATHER_2]
     attacked = swarm(tmp_path, "attacked", algorithm, "sample_lie", ROUNDS)
     honest = attacked[:3]
-    check(honest, clean(tmp_path_factory, algorithm), *reasons)
+    check(honest, clean(tmp_path_factory, algorithm), "overclaim")
     for summary in honest:  # the honest share the slots: G / 3 of the rounds, a turn missed allowed
         counted = summary["rounds"] - summary["left_out_rounds"]
         assert counted >= ROUNDS * 2 // 3 - 1, summary

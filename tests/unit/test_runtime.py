@@ -327,8 +327,8 @@ def test_a_stop_that_comes_after_a_rounds_checkpoint_ends_the_next_round_with_on
     saved, rounds = [], iter(range(10))
     status = RoundStatus(
         round=None, needed=None, shared=False, late=0, isolated=False, peers_seen=1, stragglers=0,
-        clocks_adopted=0, resyncs=0, payload_bytes=0, bytes_sent=0, bytes_received=0, round_seconds=1.0,
-        ledger=None,
+        clocks_adopted=0, resyncs=0, resync_bytes=0, payload_bytes=0, bytes_sent=0, bytes_received=0,
+        round_seconds=1.0, ledger=None,
     )  # fmt: skip
     exchange = SimpleNamespace(
         status=lambda: status,
