@@ -421,6 +421,8 @@ def _row(number: int, peers: dict[int, dict]) -> dict:
         "loss": fmean(r["loss"] for r in rows),
         "tokens_per_s": sum(r["tokens_per_s"] for r in rows),
         "participants": max(r["participants"] for r in rows),
+        # the peers whose payload counted together with another's in the round
+        "together": f"{sum(bool(r.get('shared')) for r in rows)}/{len(rows)}",
         "micro_batches": "/".join(str(r["micro_batches"]).split("x")[0] for r in rows),
         "bytes_up": sum(r["bytes_up"] for r in rows),
         "bytes_down": sum(r["bytes_down"] for r in rows),
