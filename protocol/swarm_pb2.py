@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashoal/protocol/swarm.proto\x12\x08shoal.v1\"_\n\x0ePayloadRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\r\n\x05shard\x18\x03 \x01(\r\x12\x0e\n\x06shards\x18\x04 \x01(\r\x12\x0f\n\x07reduced\x18\x05 \x01(\x08\"\x1c\n\x0cPayloadChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"X\n\rStateManifest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x15\n\rchunk_digests\x18\x04 \x03(\x0c\">\n\x0cStateRequest\x12\r\n\x05state\x18\x01 \x01(\x0c\x12\x10\n\x08manifest\x18\x02 \x01(\x08\x12\r\n\x05\x63hunk\x18\x03 \x01(\r\"\x1c\n\x0cProbeRequest\x12\x0c\n\x04size\x18\x01 \x01(\r\"\x8a\x01\n\x0cRelayRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0c\n\x04peer\x18\x02 \x01(\t\x12+\n\x07payload\x18\x03 \x01(\x0b\x32\x18.shoal.v1.PayloadRequestH\x00\x12\'\n\x05state\x18\x04 \x01(\x0b\x32\x16.shoal.v1.StateRequestH\x00\x42\t\n\x07request\"\x1d\n\x0cReachRequest\x12\r\n\x05ports\x18\x01 \x03(\r\"B\n\nReachReply\x12\x10\n\x08observed\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\x0f\n\x07\x63hecked\x18\x03 \x01(\x08\"\x19\n\nRunRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\"\x17\n\x08RunReply\x12\x0b\n\x03run\x18\x01 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashoal/protocol/swarm.proto\x12\x08shoal.v1\"_\n\x0ePayloadRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\r\n\x05shard\x18\x03 \x01(\r\x12\x0e\n\x06shards\x18\x04 \x01(\r\x12\x0f\n\x07reduced\x18\x05 \x01(\x08\"\x1c\n\x0cPayloadChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"X\n\rStateManifest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x15\n\rchunk_digests\x18\x04 \x03(\x0c\"M\n\x0cStateRequest\x12\r\n\x05state\x18\x01 \x01(\x0c\x12\x10\n\x08manifest\x18\x02 \x01(\x08\x12\r\n\x05\x63hunk\x18\x03 \x01(\r\x12\r\n\x05steps\x18\x04 \x01(\x08\"N\n\x0e\x43ountedPayload\x12\r\n\x05owner\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\"U\n\tStateStep\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x62\x65\x66ore\x18\x02 \x01(\x0c\x12)\n\x07\x63ounted\x18\x03 \x03(\x0b\x32\x18.shoal.v1.CountedPayload\"0\n\nStateSteps\x12\"\n\x05steps\x18\x01 \x03(\x0b\x32\x13.shoal.v1.StateStep\"\x1c\n\x0cProbeRequest\x12\x0c\n\x04size\x18\x01 \x01(\r\"\x8a\x01\n\x0cRelayRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0c\n\x04peer\x18\x02 \x01(\t\x12+\n\x07payload\x18\x03 \x01(\x0b\x32\x18.shoal.v1.PayloadRequestH\x00\x12\'\n\x05state\x18\x04 \x01(\x0b\x32\x16.shoal.v1.StateRequestH\x00\x42\t\n\x07request\"\x1d\n\x0cReachRequest\x12\r\n\x05ports\x18\x01 \x03(\r\"B\n\nReachReply\x12\x10\n\x08observed\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\x0f\n\x07\x63hecked\x18\x03 \x01(\x08\"\x19\n\nRunRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\"\x17\n\x08RunReply\x12\x0b\n\x03run\x18\x01 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,17 +38,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATEMANIFEST']._serialized_start=167
   _globals['_STATEMANIFEST']._serialized_end=255
   _globals['_STATEREQUEST']._serialized_start=257
-  _globals['_STATEREQUEST']._serialized_end=319
-  _globals['_PROBEREQUEST']._serialized_start=321
-  _globals['_PROBEREQUEST']._serialized_end=349
-  _globals['_RELAYREQUEST']._serialized_start=352
-  _globals['_RELAYREQUEST']._serialized_end=490
-  _globals['_REACHREQUEST']._serialized_start=492
-  _globals['_REACHREQUEST']._serialized_end=521
-  _globals['_REACHREPLY']._serialized_start=523
-  _globals['_REACHREPLY']._serialized_end=589
-  _globals['_RUNREQUEST']._serialized_start=591
-  _globals['_RUNREQUEST']._serialized_end=616
-  _globals['_RUNREPLY']._serialized_start=618
-  _globals['_RUNREPLY']._serialized_end=641
+  _globals['_STATEREQUEST']._serialized_end=334
+  _globals['_COUNTEDPAYLOAD']._serialized_start=336
+  _globals['_COUNTEDPAYLOAD']._serialized_end=414
+  _globals['_STATESTEP']._serialized_start=416
+  _globals['_STATESTEP']._serialized_end=501
+  _globals['_STATESTEPS']._serialized_start=503
+  _globals['_STATESTEPS']._serialized_end=551
+  _globals['_PROBEREQUEST']._serialized_start=553
+  _globals['_PROBEREQUEST']._serialized_end=581
+  _globals['_RELAYREQUEST']._serialized_start=584
+  _globals['_RELAYREQUEST']._serialized_end=722
+  _globals['_REACHREQUEST']._serialized_start=724
+  _globals['_REACHREQUEST']._serialized_end=753
+  _globals['_REACHREPLY']._serialized_start=755
+  _globals['_REACHREPLY']._serialized_end=821
+  _globals['_RUNREQUEST']._serialized_start=823
+  _globals['_RUNREQUEST']._serialized_end=848
+  _globals['_RUNREPLY']._serialized_start=850
+  _globals['_RUNREPLY']._serialized_end=873
 # @@protoc_insertion_point(module_scope)

@@ -39,14 +39,44 @@ class StateManifest(_message.Message):
     def __init__(self, round: _Optional[int] = ..., size: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("state", "manifest", "chunk")
+    __slots__ = ("state", "manifest", "chunk", "steps")
     STATE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     state: bytes
     manifest: bool
     chunk: int
-    def __init__(self, state: _Optional[bytes] = ..., manifest: _Optional[bool] = ..., chunk: _Optional[int] = ...) -> None: ...
+    steps: bool
+    def __init__(self, state: _Optional[bytes] = ..., manifest: _Optional[bool] = ..., chunk: _Optional[int] = ..., steps: _Optional[bool] = ...) -> None: ...
+
+class CountedPayload(_message.Message):
+    __slots__ = ("owner", "digest", "samples", "size")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    owner: bytes
+    digest: bytes
+    samples: int
+    size: int
+    def __init__(self, owner: _Optional[bytes] = ..., digest: _Optional[bytes] = ..., samples: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class StateStep(_message.Message):
+    __slots__ = ("round", "before", "counted")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    before: bytes
+    counted: _containers.RepeatedCompositeFieldContainer[CountedPayload]
+    def __init__(self, round: _Optional[int] = ..., before: _Optional[bytes] = ..., counted: _Optional[_Iterable[_Union[CountedPayload, _Mapping]]] = ...) -> None: ...
+
+class StateSteps(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StateStep]
+    def __init__(self, steps: _Optional[_Iterable[_Union[StateStep, _Mapping]]] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("size",)

@@ -44,9 +44,10 @@ Pseudo-gradients travel exactly (float32, the default) or through a codec of sho
     diloco.close()
 """
 
+import copy
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -66,6 +67,7 @@ from shoal.peer.algorithms.robust import (
     DILOCO_SPARSE,
     Reference,
     Robustness,
+    Screened,
     Suspicion,
     finite,
     report,
@@ -211,7 +213,7 @@ class DiLoCo:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
         if not 0 <= error_decay <= 1:
             raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
-        settings = outer_settings(mode, outer_lr, outer_momentum, nesterov)
+        settings = self._outer_settings = outer_settings(mode, outer_lr, outer_momentum, nesterov)
         self.carry = carry
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner_optimizer = inner_optimizer
@@ -246,6 +248,8 @@ class DiLoCo:
         self._in_flight: InFlight[_RoundResult] = InFlight("diloco-exchange")
         self._last_sent: _Sent | None = None
         self._carried: _Carried | None = None  # bounded fan-in: the work not counted yet (`_carry`)
+        if self.pieces is None:  # (a butterfly round's mean comes piece by piece: not replayed)
+            exchange.replays_with(self.replay)
 
     def step(self, *, samples: int = 1, plan: Plan | None = None) -> None:
         """One inner step (the inner optimizer's, then zero_grad); an outer step every `inner_steps`.
@@ -404,24 +408,11 @@ class DiLoCo:
             self.stats.phase_seconds["decode"] += end - gathered
             self.stats.exchange_s += end - start
             return _RoundResult(mean, float(max(averaged.samples, 1)), adopted)
-        mean = [torch.zeros_like(p, dtype=torch.float32) for p in self.global_params]
-        accepted, senders = [], []
-        for contribution in contributions:
-            try:
-                accepted.append((self._decode(contribution), contribution.samples))
-                senders.append(contribution)
-            except MalformedPayloadError as error:
-                self.stats.rejected += 1
-                self.exchange.reject(contribution, error.reason)
-        # rank order: the same sums everywhere
-        total, verdict = self.hooks.aggregate(self)(
-            mean,
-            accepted,
-            self.suspicion.policy,
-            self.suspicion,
-            sender_keys(senders),
-            Reference(sent.decoded) if self.exchange.gather_limit > 0 else None,  # robust.Reference
-        )
+        reference = Reference(sent.decoded) if self.exchange.gather_limit > 0 else None  # robust.Reference
+        mean, total, verdict, senders, malformed = self._aggregate(contributions, self.suspicion, reference)
+        for contribution, reason in malformed:
+            self.stats.rejected += 1
+            self.exchange.reject(contribution, reason)
         own = [f for c, f in zip(senders, verdict.factors, strict=True) if c.payload == sent.payload]
         self.stats.clipped += verdict.clipped
         report(self.exchange, senders, verdict, self.stats.screened)
@@ -430,6 +421,49 @@ class DiLoCo:
         self.stats.exchange_s += end - start
         share = own[0] / total if own and total > 0 else 0.0
         return _RoundResult(mean, total, adopted, own_share=share, counted=counted)
+
+    def _aggregate(
+        self, contributions: Sequence[Contribution], suspicion: Suspicion, reference: Reference | None
+    ) -> tuple[list[torch.Tensor], float, Screened, list[Contribution], list[tuple[Contribution, str]]]:
+        """The round's screened, weighted mean of the contributions (rank order: the same sums
+        everywhere): (mean, total weight, the verdict, the contributions decoded, the malformed with
+        their reason)."""
+        mean = [torch.zeros_like(p, dtype=torch.float32) for p in self.global_params]
+        accepted, senders, malformed = [], [], []
+        for contribution in contributions:
+            try:
+                accepted.append((self._decode(contribution), contribution.samples))
+                senders.append(contribution)
+            except MalformedPayloadError as error:
+                malformed.append((contribution, error.reason))
+        total, verdict = self.hooks.aggregate(self)(
+            mean, accepted, suspicion.policy, suspicion, sender_keys(senders), reference
+        )
+        return mean, total, verdict, senders, malformed
+
+    @torch.no_grad()
+    def replay(
+        self, state: list[torch.Tensor], contributions: list[Contribution]
+    ) -> tuple[list[torch.Tensor], list[bytes]] | None:
+        """A round applied to a shared state handed in (`shared_state`'s form), as `outer_step` applies
+        it to the consensus: the next shared state, on new tensors, and the senders rejected
+        (shoal.peer.algorithms.exchange.Replay; a peer behind the swarm catches up so). Screening
+        weighs the senders on a copy of this participant's record of them, and with no reference of
+        its own (it sent nothing in that round): where that decides otherwise than the round did, the
+        result differs from the swarm's, and the exchange downloads the state instead."""
+        count = len(self.consensus_params)
+        if [t.shape for t in state] != [p.shape for p in self.consensus_params] * 2:
+            return None
+        like = self.consensus_params
+        params = [t.to(p.device, p.dtype, copy=True) for t, p in zip(state[:count], like, strict=True)]
+        optimizer = NesterovSGD(params, **self._outer_settings)
+        for p, momentum in zip(params, state[count:], strict=True):
+            optimizer.state[p]["momentum_buffer"] = momentum.to(p.device, p.dtype, copy=True)
+        mean, total, _, _, malformed = self._aggregate(contributions, copy.deepcopy(self.suspicion), None)
+        if total > 0 and finite(mean):
+            self._outer(mean, params, optimizer)
+        momenta = [optimizer.state[p]["momentum_buffer"] for p in params]
+        return [*params, *momenta], [c.sender for c, _ in malformed]
 
     def _decode(self, contribution: Contribution) -> list[torch.Tensor]:
         if contribution.samples <= 0:
@@ -483,12 +517,18 @@ class DiLoCo:
             self.exchange.refuse("aggregate_non_finite")
             return
         started = time.perf_counter()
-        params, optimizer = params or self.global_params, optimizer or self.outer_optimizer
+        self._outer(direction, params or self.global_params, optimizer or self.outer_optimizer)
+        self.stats.phase_seconds["apply"] += time.perf_counter() - started
+
+    @staticmethod
+    def _outer(
+        direction: list[torch.Tensor], params: list[torch.Tensor], optimizer: torch.optim.Optimizer
+    ) -> None:
+        """The outer step itself: `params` moved along `direction` by `optimizer`."""
         for start, d in zip(params, direction, strict=True):
             start.grad = d.to(start.dtype)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self.stats.phase_seconds["apply"] += time.perf_counter() - started
 
     @torch.no_grad()
     def finish(self) -> None:

@@ -60,6 +60,12 @@ class Contribution:
     """The round it was sent for, for exchanges that number rounds (the swarm); -1: unnumbered."""
 
 
+Replay = Callable[[list[torch.Tensor], list[Contribution]], "tuple[list[torch.Tensor], list[bytes]] | None"]
+"""replay(shared state, a round's contributions in rank order) -> (the shared state after the round,
+as the optimizer computes it when it takes part, on new tensors; the senders whose contributions it
+rejected), or None if it cannot replay that round; the state handed in is left as it is."""
+
+
 @dataclass(frozen=True, slots=True)
 class Gathered(Sequence[Contribution]):
     """What a round's `gather` returns: its contributions, in rank order (it is a sequence of them),
@@ -172,6 +178,12 @@ class Exchange(ABC):
         exchange that can average it piece by piece returns the mean; others (this default) the
         contributions."""
         return Averaged.gathered(self.gather(payload, samples, state, plan))
+
+    def replays_with(self, replay: "Replay") -> None:
+        """How the caller applies a round to a shared state it is handed (`Replay`): an exchange that
+        compares states may rebuild the majority's that way, for a participant a few rounds behind
+        (shoal.peer.swarm.replay). This default, for exchanges that compare none, ignores it."""
+        return None
 
     def reject(self, contribution: Contribution, reason: str) -> None:
         """The caller dropped `contribution` of the last gather (malformed, or an outlier)."""

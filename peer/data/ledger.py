@@ -298,6 +298,20 @@ class TokenLedger:
         """Loads the view an adopted state of round `round_number` holds; ValueError if it is none."""
         self.load(view_bytes(tensor, self.size_bytes), round_number)
 
+    def twin(self, view: torch.Tensor) -> "TokenLedger":
+        """A ledger of the same corpus and run holding a state's `view`, apart from this one: to replay
+        rounds on (shoal.peer.swarm.replay). ValueError if the view is not one of this run's."""
+        twin = TokenLedger(
+            self.windows,
+            self.stride,
+            seed=self.seed,
+            lag=self.classes - 1,
+            most_places=self.most_places,
+            seq_len=self.seq_len,
+        )
+        twin.load(view_bytes(view, self.size_bytes))
+        return twin
+
     def reject(self, round_number: int, sender: bytes) -> None:
         """A contribution the optimizer left out: its claim is not credited."""
         with self._lock:

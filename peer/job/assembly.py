@@ -397,6 +397,10 @@ def _counted(exchange: SwarmExchange, trainer: Trainer, peer_together: int) -> d
         "trained_together": peer_together,
         "resyncs": counts.resyncs,
         "resync_bytes": counts.received["state"],
+        # states rebuilt by replaying the steps since one this peer held, and the bytes pulled for them
+        "replays": counts.replays,
+        "replay_bytes": counts.replay_bytes,
+        "replayed_state_bytes": counts.replayed_state_bytes,  # what downloads would have pulled instead
         "coordinated_rounds": counts.coordinated_rounds,
         "butterfly_rounds": counts.butterfly_rounds,
         "pieces_recomputed": counts.pieces_recomputed,

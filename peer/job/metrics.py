@@ -32,12 +32,13 @@ if TYPE_CHECKING:  # torch: not loaded for the metrics alone
 REJECTION_REASONS = (
     "aggregate_non_finite", "bad_announcement", "bad_block", "bad_request", "bad_chunk", "bad_dtype",
     "bad_indices", "bad_index_bits",
-    "bad_index_coding", "bad_manifest", "bad_record", "bad_samples", "bad_scale", "bad_shape", "bad_topk",
+    "bad_index_coding", "bad_manifest", "bad_record", "bad_samples", "bad_scale", "bad_shape", "bad_steps",
+    "bad_topk",
     "bad_zstd", "banned", "channel_request", "channels", "config_mismatch", "digest_mismatch",
     "duplicate", "false_reachable", "length_mismatch", "missing", "non_finite", "opposed", "other_run",
-    "outlier", "overclaim", "own_non_finite", "probe_rate", "replayed",
-    "resync_failed", "stale_state", "too_large", "unknown_codec", "unknown_value_encoding", "unparsable",
-    "unserved",
+    "outlier", "overclaim", "own_non_finite", "probe_rate", "replay_mismatch", "replay_unavailable",
+    "replayed", "resync_failed", "stale_state", "too_large", "unknown_codec", "unknown_value_encoding",
+    "unparsable", "unserved",
     "value_out_of_range", "wrong_structure",
 )  # fmt: skip
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -205,7 +206,9 @@ SCALARS = (
     ("shoal_strikes", "counter", "Strikes given to misbehaving peers.", "strikes"),
     ("shoal_banned_peers", "gauge", "Peers whose announcements are ignored now.", "banned"),
     ("shoal_refused_peers", "gauge", "Peers of the run refused for another configuration.", "refused"),
-    ("shoal_state_resyncs", "counter", "Times this peer replaced its state with the majority's.", "resyncs"),
+    ("shoal_state_resyncs", "counter", "Times this peer downloaded the majority's state.", "resyncs"),
+    ("shoal_state_replays", "counter", "Times this peer rebuilt the majority's state by replay.", "replays"),
+    ("shoal_state_replay_bytes", "counter", "Bytes this peer pulled to replay steps.", "replay_bytes"),
     ("shoal_state_in_sync", "gauge", "1 if it held or adopted the majority's state last round.", "synced"),
     ("shoal_stragglers", "counter", "Expected peers whose payload missed a round, seen here.", "stragglers"),
     ("shoal_late_rounds", "counter", "Rounds its payload missed, late for their deadline.", "late"),
@@ -223,7 +226,7 @@ SCALARS = (
 class SwarmCollector(Collector):
     """The SwarmExchange's running counters (`SwarmExchange.counters()`), read at scrape time."""
 
-    KINDS = ("payload", "state", "probe", "dht")
+    KINDS = ("payload", "state", "replay", "probe", "dht")
 
     def __init__(self, counters: Callable[[], dict[str, Any]]):
         self.counters = counters

@@ -128,13 +128,17 @@ def tell_late(
 def tell_resyncs(
     progress: Progress, status: RoundStatus, before: RoundStatus | None, streak: int, report: RoundReport
 ) -> int:
-    """A peer whose state was replaced by the swarm's RESYNCS_TOLD rounds in a row is told why, by the
+    """A peer whose state was replaced by the swarm's (a download, or a replay: an event each) RESYNCS_TOLD
+    rounds in a row is told why, by the
     cause it can see: its payloads came late (the others moved on without it), or, on time, its device
     computes the shared step to other bits than the others' (shoal.peer.algorithms.canonical keeps
     those the same; a build of shoal or torch other than theirs may not). `before`: the status of the
     round before (None: none yet); returns the rounds in a row re-synced so far."""
+    replayed = before is not None and status.replays > before.replays
+    if replayed:  # caught up without a download (shoal.peer.swarm.replay)
+        progress.event("replayed", round=report.round, replays=status.replays, bytes=status.replay_bytes)
     resynced = before is not None and status.resyncs > before.resyncs
-    streak = streak + 1 if resynced else 0
+    streak = streak + 1 if resynced or replayed else 0
     if streak == RESYNCS_TOLD:
         late = before is not None and status.late > before.late
         cause = (
@@ -145,7 +149,8 @@ def tell_resyncs(
         )
         progress.message(
             f"warning: this peer's state differed from the swarm's after each of the last {streak} rounds "
-            f"and was replaced by theirs ({status.resync_bytes:,} state bytes pulled so far): {cause}. "
+            f"and was replaced by theirs ({status.resync_bytes:,} state bytes pulled so far, "
+            f"{status.replays} time(s) by replay): {cause}. "
             "Its payloads do not count while its state differs."
         )
         progress.event("resyncing", round=report.round, streak=streak, late=late, bytes=status.resync_bytes)

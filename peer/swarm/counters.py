@@ -11,10 +11,11 @@ class SwarmCounters:
     threads by `SwarmExchange.counters()`."""
 
     sent: Counter[str] = field(default_factory=Counter)
-    """Bytes this peer sent, by kind: payload and state (its handlers served them), probe (bandwidth
+    """Bytes this peer sent, by kind: payload, state and replay (its handlers served them), probe (bandwidth
     measurements it answered), dht (the serialized records and announcements it stored)."""
     received: Counter[str] = field(default_factory=Counter)
-    """Bytes this peer received, by kind: payload, state, dht (the serialized values of its reads)."""
+    """Bytes this peer received, by kind: payload, state, replay (steps to replay), dht (the serialized
+    values of its reads)."""
     via_relay: Counter[str] = field(default_factory=Counter)
     """Of `received`, the bytes that came through a relay (shoal.peer.swarm.relay), by kind."""
     rejected: Counter[str] = field(default_factory=Counter)
@@ -27,7 +28,14 @@ class SwarmCounters:
     dht_reads: int = 0
     """Reads of records or announcements this peer made."""
     resyncs: int = 0
-    """Times this peer's shared state differed from the majority's and was replaced."""
+    """Times this peer's shared state differed from the majority's and was replaced by a download."""
+    replays: int = 0
+    """Times it was rebuilt instead, by replaying the steps since a state this peer held
+    (shoal.peer.swarm.replay)."""
+    replay_bytes: int = 0
+    """Bytes pulled to replay (the steps, the payloads this peer lacked), those that failed too."""
+    replayed_state_bytes: int = 0
+    """The state bytes the replays did not download: what they cost the other way."""
     stragglers: int = 0
     """Peers expected in a round (by the coordinator, or compatible and seen) whose payload missed it."""
     round_stragglers: int = 0
@@ -72,6 +80,9 @@ class SwarmCounters:
         totals = {
             "strikes": self.strikes_total,
             "resyncs": self.resyncs,
+            "replays": self.replays,
+            "replay_bytes": self.replay_bytes,
+            "replayed_state_bytes": self.replayed_state_bytes,
             "stragglers": self.stragglers,
             "late": self.late,
             "coordinated_rounds": self.coordinated_rounds,
@@ -88,9 +99,9 @@ class SwarmCounters:
     @property
     def bytes_sent(self) -> int:
         """Payload, state and probe bytes this peer's handlers served (the DHT's not included)."""
-        return self.sent["payload"] + self.sent["state"] + self.sent["probe"]
+        return self.sent["payload"] + self.sent["state"] + self.sent["replay"] + self.sent["probe"]
 
     @property
     def bytes_received(self) -> int:
         """Payload and state bytes this peer pulled (the DHT's not included)."""
-        return self.received["payload"] + self.received["state"]
+        return self.received["payload"] + self.received["state"] + self.received["replay"]

@@ -23,7 +23,10 @@ round. At the deadline the majority state is chosen (`state.majority`); contribu
 another state are left out (`stale_state`), and a participant whose own state differs downloads the
 majority's from the peers that hold it (several at once, 1 MiB pieces checked against a manifest,
 another source taking over a lost one's pieces) and hands it to its optimizer (`Gathered.adopted`), which
-loads it before applying the round. A new peer joins the same way: its first round re-syncs it.
+loads it before applying the round. A new peer joins the same way: its first round re-syncs it. A peer
+one or a few rounds behind rebuilds the majority's state instead, when that pulls fewer bytes: from a
+state it still holds, by replaying the steps since with its optimizer's own transition (`replays_with`;
+shoal.peer.swarm.replay), checked against the majority's digest.
 
 Hostile peers: announcements are validated and size-capped before any download; replays, copies,
 payloads that fail their announcement and contributions the optimizer drops (`reject`) are refused
@@ -64,7 +67,15 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import get_logger
 
 from shoal.peer.algorithms.butterfly import Pieces
-from shoal.peer.algorithms.exchange import Averaged, Contribution, Exchange, Gathered, Plan, mean_by_gather
+from shoal.peer.algorithms.exchange import (
+    Averaged,
+    Contribution,
+    Exchange,
+    Gathered,
+    Plan,
+    Replay,
+    mean_by_gather,
+)
 from shoal.peer.swarm.channels import Channels
 from shoal.peer.swarm.coordinated import CoordinatedRounds
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
@@ -85,6 +96,7 @@ from shoal.peer.swarm.records import (
     SharedLedger,
 )
 from shoal.peer.swarm.relay import UNCHECKED, Reachability
+from shoal.peer.swarm.replay import Step
 from shoal.peer.swarm.server import PayloadServer
 from shoal.peer.swarm.stages import Outcome, RoundLimits, RoundStages, Snapshot
 from shoal.peer.swarm.state import StateSnapshot, majority
@@ -217,6 +229,36 @@ class SwarmExchange(Exchange):
         self.rounds = CoordinatedRounds(self.stages, self.clock, coordinator)
         """The rounds under a coordinator (shoal.peer.swarm.coordinated)."""
 
+    def replays_with(self, replay: Replay) -> None:
+        self.stages.transition = functools.partial(self._transition, replay)
+
+    def _transition(
+        self, replay: Replay, state: list[torch.Tensor], step: Step, payloads: list[bytes], starts: int
+    ) -> list[torch.Tensor] | None:
+        """A step replayed (shoal.peer.swarm.stages.Transition): the optimizer's, and the token ledger's
+        on a twin of the state's, settled as the round's was (the claims that counted, less those the
+        optimizer rejected)."""
+        contributions = [
+            Contribution(rank, payload, counted.samples, sender=counted.owner, round=step.round)
+            for rank, (counted, payload) in enumerate(zip(step.counted, payloads, strict=True))
+        ]
+        if self.tokens is None:
+            result = replay(state, contributions)
+            return None if result is None else result[0]
+        *model, view = state
+        result = replay(model, contributions)
+        if result is None:
+            return None
+        after, rejected = result
+        try:
+            ledger = self.tokens.twin(view)
+        except ValueError:
+            return None
+        ledger.record_payloads(step.round, {c.sender: c.payload for c in contributions})
+        for sender in rejected:
+            ledger.reject(step.round, sender)
+        return [*after, ledger.view_tensor(starts)]
+
     def counters(self) -> dict:
         """A consistent copy of the counters, for another thread (the metrics endpoint)."""
         return self.counts.snapshot(
@@ -310,6 +352,8 @@ class SwarmExchange(Exchange):
             clocks_adopted=counts.clocks_adopted,
             resyncs=counts.resyncs,
             resync_bytes=counts.received["state"],
+            replays=counts.replays,
+            replay_bytes=counts.replay_bytes,
             payload_bytes=self.last_payload_bytes,
             bytes_sent=counts.bytes_sent,
             bytes_received=counts.bytes_received,

@@ -30,7 +30,7 @@ import hashlib
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
@@ -41,6 +41,7 @@ from shoal.peer.swarm.channels import Channels
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.names import handler
 from shoal.peer.swarm.records import Announcement
+from shoal.peer.swarm.replay import MAX_STEPS_BYTES, Counted
 from shoal.peer.swarm.state import MAX_CHUNK_BYTES, StateUnavailable, download, restore, state_size
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.swarm_pb2 import PayloadChunk, PayloadRequest, RelayRequest, StateRequest
@@ -244,9 +245,36 @@ class Puller:
         logger.info(f"re-synced {len(data)} bytes of state from {len(sources)} peers in {elapsed:.1f} s")
         return state
 
-    async def state_piece(self, source: str, request: StateRequest) -> bytes:
+    async def steps(self, digest: bytes, source: str) -> bytes:
+        """The steps `source` took to the state `digest` (shoal.peer.swarm.replay), unparsed; empty if it
+        keeps none, or cannot be reached."""
+        try:
+            return await self.state_piece(source, StateRequest(state=digest, steps=True), MAX_STEPS_BYTES)
+        except ConnectionError:
+            return b""
+
+    async def kept(self, round_number: int, counted: Counted, sources: Sequence[str]) -> bytes | None:
+        """A payload that counted in an earlier round (a replay's), from the first of `sources` (or
+        their relays) that still holds it, checked against its digest; None if none does."""
+        request = PayloadRequest(round=round_number, digest=counted.digest)
+        for source in sources:
+            announcement = Announcement(counted.owner, source, counted.digest, counted.size, counted.samples)
+            for relay in (None, *self.relays_of(source)):
+                try:
+                    data = await self._checked(source, announcement, request, relay)
+                except MalformedPayloadError as error:
+                    self.rejected[error.reason] += 1
+                    break
+                except (NotHeld, *TRANSIENT):
+                    continue
+                self.received["payload"] += len(data)
+                return data
+        return None
+
+    async def state_piece(
+        self, source: str, request: StateRequest, limit: int = MAX_CHUNK_BYTES + CHUNK_BYTES
+    ) -> bytes:
         """A piece of a state from `source`, or through the relays it names (it may be behind NAT)."""
-        limit = MAX_CHUNK_BYTES + CHUNK_BYTES
         try:
             data = await self.pull(source, self.state_handler, request, limit)
         except TRANSIENT:

@@ -157,6 +157,10 @@ class SharedLedger(Protocol):
 
     def adopt_tensor(self, tensor: torch.Tensor, round_number: int) -> None: ...
 
+    def twin(self, view: torch.Tensor) -> "SharedLedger":
+        """A ledger of the same run holding `view`, to replay rounds on apart from this one."""
+        ...
+
     seq_len: int
     """Tokens of one window, less the target's."""
 
@@ -216,6 +220,10 @@ class RoundStatus:
     """Times its shared state was replaced by the majority's."""
     resync_bytes: int
     """State bytes pulled for those re-syncs, so far."""
+    replays: int = 0
+    """Times its state was rebuilt by replaying the steps since a state it held, instead."""
+    replay_bytes: int = 0
+    """Bytes pulled to replay, so far."""
     payload_bytes: int
     """This peer's payload in the last round."""
     bytes_sent: int

@@ -1,8 +1,9 @@
 """PayloadServer: what a peer serves its swarm (a part of SwarmExchange, shoal.peer.swarm.exchange).
 
-- Its payloads, and those it pulled, of this round and the last (`held`): on payload channels
+- Its payloads, and those it pulled, of its last `KEEP_STEPS` rounds (`held`): on payload channels
   (shoal.peer.swarm.channels) and on one-off streams, for hivemind's own clients. An empty answer
-  means "I do not hold it".
+  means "I do not hold it". The older rounds' serve peers that catch up by replay
+  (shoal.peer.swarm.replay), with the steps that led to its recent states (`steps`).
 - In a butterfly round (shoal.peer.algorithms.butterfly), on request: a piece of its own payload
   (cut once per piece count, at most MAX_CUT_COUNTS counts per round), and the mean of the piece it
   owns (`reduced`), once it has it (a request waits MEAN_WAIT_S for it).
@@ -36,6 +37,7 @@ from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.names import RUN_HANDLER, check_run_name, handler
 from shoal.peer.swarm.pull import chunks
 from shoal.peer.swarm.records import Announcement
+from shoal.peer.swarm.replay import KEEP_STEPS, Steps, encode
 from shoal.peer.swarm.state import StateSnapshot, Tally
 from shoal.protocol import Payload, parse_message
 from shoal.protocol.swarm_pb2 import PayloadRequest, ProbeRequest, RunReply, RunRequest, StateRequest
@@ -69,7 +71,9 @@ class PayloadServer:
         self.keep_states, self.timeout_s = keep_states, timeout_s
         self.run = run
         self.held: dict[tuple[int, bytes], bytes] = {}
-        """(round, digest): payload, this peer's and those it pulled, of this round and the last."""
+        """(round, digest): payload, this peer's and those it pulled, of its last KEEP_STEPS rounds."""
+        self.steps = Steps()
+        """The steps that led to its recent states, for peers that replay them."""
         self.states: dict[bytes, StateSnapshot] = {}
         self.mine: tuple[int, bytes] | None = None
         """(round, digest) of this peer's last payload."""
@@ -121,14 +125,15 @@ class PayloadServer:
 
     def hold(self, round_number: int, payload: bytes, snapshot: StateSnapshot | None) -> bytes:
         """Serves this peer's payload of `round_number` (and its state snapshot) from now, and forgets
-        what is older than the last round (kept for late pullers). Returns the payload's digest."""
+        what is older than KEEP_STEPS rounds (kept for late pullers and replays). Returns the payload's
+        digest."""
         digest = hashlib.sha256(payload).digest()
         if snapshot is not None:
             self.keep_state(snapshot)
         self.held[(round_number, digest)] = payload
         self.mine, self.pullers = (round_number, digest), set()
         self.expect_pulls(set(), 0)
-        for key in [k for k in self.held if k[0] < round_number - 1]:
+        for key in [k for k in self.held if k[0] < round_number - KEEP_STEPS]:
             del self.held[key]
         return digest
 
@@ -222,6 +227,11 @@ class PayloadServer:
         return pieces[request.shard]
 
     async def serve_state(self, request: StateRequest, _context: P2PContext):
+        if request.steps:
+            for chunk in chunks(encode(self.steps.chain(request.state)) if request.state else b""):
+                self.counts.sent["replay"] += len(chunk.data)
+                yield chunk
+            return
         snapshot = self.states.get(request.state)
         if snapshot is not None:
             for chunk in chunks(snapshot.manifest if request.manifest else snapshot.chunk(request.chunk)):

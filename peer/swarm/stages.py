@@ -6,7 +6,9 @@ A round is five stages:
 3. collect the others' announcements and pull the chosen payloads until the deadline
    (shoal.peer.swarm.collect; under a coordinator, the decided set's payloads);
 4. settle: the chosen payloads held, one per distinct payload (`settle`);
-5. agree: the state vote, and a re-sync to the majority's state when this peer's differs (`agree`).
+5. agree: the state vote, and a re-sync to the majority's state when this peer's differs (`agree`):
+   by replaying the steps that led there from a state it holds, when that costs fewer bytes
+   (shoal.peer.swarm.replay), or else by downloading it.
 
 The parts are explicit: what the peer serves (`server`), its view of the run in the DHT (`directory`),
 what it holds against the others (`ledger`), its downloads (`puller`), whether it reaches anyone
@@ -19,11 +21,12 @@ Runs on the exchange's event loop thread.
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
+from hivemind.utils.logging import get_logger
 
 from shoal.peer.algorithms.exchange import Averaged, Contribution
 from shoal.peer.swarm.collect import Polls, Pulls, Reads, needed, pull_chosen, strike_unserved
@@ -34,12 +37,22 @@ from shoal.peer.swarm.ledger import Ledger
 from shoal.peer.swarm.names import round_key
 from shoal.peer.swarm.pull import Puller, abandon
 from shoal.peer.swarm.records import Announcement, RoundSchedule
+from shoal.peer.swarm.replay import Counted, Step, parse_steps, plan_replay
+from shoal.peer.swarm.replay import Plan as ReplayPlan
 from shoal.peer.swarm.server import PayloadServer, round_pullers
-from shoal.peer.swarm.state import StateSnapshot, Tally, decide
+from shoal.peer.swarm.state import StateSnapshot, Tally, decide, restore, state_size
+from shoal.protocol import MalformedPayloadError
 from shoal.protocol.rules import choose, eligible
 
 Snapshot = tuple[StateSnapshot, list[torch.Tensor]] | None
 """A round's state: its digest and manifest, and the tensors (None: no state compared)."""
+
+logger = get_logger(__name__)
+
+Transition = Callable[[list[torch.Tensor], Step, list[bytes], int], list[torch.Tensor] | None]
+"""transition(state, step, the step's payloads in order, the round the result starts) -> the state
+after the step, computed as the round computed it (SwarmExchange's, from its optimizer's
+`Exchange.replay`); None: it cannot be replayed here."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,8 @@ class Agreement:
     """The owners whose contributions count, in key order."""
     adopted: list[torch.Tensor] | None
     """The majority's state, when this peer's differed and it could be pulled."""
+    agreed: bytes | None = None
+    """The majority's state digest (None: states not compared)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +131,9 @@ class RoundStages:
         self.counts, self.limits = counts, limits
         self.isolation = Isolation()
         self.standing = Standing()
+        self.transition: Transition | None = None
+        """How this peer replays a step (None: it re-syncs by download only)."""
+        self._step: Step | None = None  # the last round's step, recorded against the state it led to
 
     async def uncoordinated(
         self, number: int, payload: bytes, samples: int, snapshot: Snapshot, schedule: RoundSchedule
@@ -148,6 +166,9 @@ class RoundStages:
         data slots, and rewriting it and an announcement every round was most of a small payload's
         wire traffic (BENCHMARKS.md)."""
         digest = self.server.hold(number, payload, None if snapshot is None else snapshot[0])
+        if snapshot is not None and self._step is not None and self.standing.synced:
+            self.server.steps.record(snapshot[0].digest, self._step)
+        self._step = None
         state = b"" if snapshot is None else snapshot[0].digest
         self.ledger.new_round(number)
         self.puller.new_round(number)
@@ -273,6 +294,12 @@ class RoundStages:
         served = self.counts.sent["payload"] + self.counts.sent["state"]
         self.isolation.observe(len(announced.keys() - {mine.owner}), len(set(held) - {mine.owner}), served)
         agreement = await self.agree({owner: announced[owner] for owner in held}, mine, snapshot, voters)
+        if agreement.agreed is not None and self.standing.synced:
+            step = tuple(
+                Counted(owner, announced[owner].digest, announced[owner].samples, announced[owner].size)
+                for owner in agreement.counted
+            )
+            self._step = Step(number, agreement.agreed, step)
         self.server.expect_pulls(*round_pullers(mine.owner, announced, voters))
         payloads = [self.server.held[(number, announced[owner].digest)] for owner in agreement.counted]
         contributions = [
@@ -300,10 +327,88 @@ class RoundStages:
         if decision.behind:
             assert snapshot is not None  # behind only when states are compared
             # `agreed` None (no one announced a state) is a digest no source serves: the re-sync fails
-            adopted = await self.resync(cast(bytes, decision.agreed), decision.sources, snapshot[1])
+            agreed = cast(bytes, decision.agreed)
+            adopted = await self.replay(snapshot[0].round, agreed, decision.sources, snapshot[1])
+            if adopted is None:
+                adopted = await self.resync(agreed, decision.sources, snapshot[1])
         if decision.compared:
             self.standing.synced = not decision.behind or adopted is not None
-        return Agreement(decision.counted, adopted)
+        return Agreement(decision.counted, adopted, decision.agreed if self.standing.synced else None)
+
+    async def replay(
+        self, number: int, digest: bytes, sources: list[str], like: list[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
+        """The majority's state `digest` of round `number`, rebuilt from a state this peer holds and
+        the steps since (shoal.peer.swarm.replay), when that pulls fewer bytes than the state; None
+        (told why, where it is news) if it cannot be, or must not."""
+        if self.transition is None or not sources:
+            return None
+        counts, limits = self.counts, self.limits
+        for source in sources[:2]:
+            data = await self.puller.steps(digest, source)
+            counts.received["replay"] += len(data)
+            counts.replay_bytes += len(data)
+            try:
+                chain = parse_steps(data, limits.max_payload_bytes) if data else []
+            except MalformedPayloadError as error:
+                counts.rejected[error.reason] += 1
+                continue
+            plan = plan_replay(chain, self.server.states.keys(), self.server.holds)
+            if plan is None:
+                continue
+            if plan.bytes + len(data) >= state_size(like):
+                logger.info(
+                    f"the swarm's state is cheaper to download than {len(plan.steps)} steps to replay"
+                )
+                return None
+            return await self._replay(number, digest, plan, sources, like)
+        counts.rejected["replay_unavailable"] += 1
+        logger.info(
+            "no peer keeps the steps from a state this peer holds to the swarm's: downloading the state"
+        )
+        return None
+
+    async def _replay(
+        self, number: int, digest: bytes, plan: ReplayPlan, sources: list[str], like: list[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
+        counts, transition = self.counts, cast(Transition, self.transition)
+        pulled = 0
+        for round_number, counted in plan.missing:
+            data = await self.puller.kept(round_number, counted, sources)
+            if data is None:
+                counts.rejected["replay_unavailable"] += 1
+                logger.info(f"a payload of round {round_number} is kept by no peer: downloading the state")
+                return None
+            self.server.held[(round_number, counted.digest)] = data
+            pulled += len(data)
+        counts.replay_bytes += pulled
+        try:
+            state = restore(self.server.states[plan.start].data, like)
+        except (KeyError, MalformedPayloadError):  # (gone meanwhile: kept states turn over)
+            return None
+        for index, step in enumerate(plan.steps):
+            starts = plan.steps[index + 1].round if index + 1 < len(plan.steps) else number
+            payloads = [self.server.held.get((step.round, c.digest)) for c in step.counted]
+            if any(p is None for p in payloads):  # dropped from `held` meanwhile
+                return None
+            after = await asyncio.to_thread(transition, state, step, cast(list[bytes], payloads), starts)
+            if after is None:
+                return None
+            state = after
+        if StateSnapshot.capture(state, number).digest != digest:
+            counts.rejected["replay_mismatch"] += 1
+            logger.warning(
+                f"replaying {len(plan.steps)} step(s) did not give the swarm's state (this device may "
+                "compute the shared step differently, or a peer sent false steps): downloading it"
+            )
+            return None
+        counts.replays += 1
+        counts.replayed_state_bytes += state_size(like)
+        logger.info(
+            f"caught up by replaying {len(plan.steps)} step(s): {pulled:,} payload bytes pulled, "
+            f"where the state is {state_size(like):,}"
+        )
+        return state
 
     async def resync(self, digest: bytes, sources: list[str], like: list[torch.Tensor]) -> list | None:
         """The majority's state, pulled from `sources`; None (counted) if it could not be had."""

@@ -52,6 +52,8 @@ def _counters() -> dict:
         "banned": 0,
         "refused": 0,
         "resyncs": 0,
+        "replays": 1,
+        "replay_bytes": 300,
         "synced": True,
         "stragglers": 2,
         "late": 0,
@@ -312,6 +314,7 @@ def test_metric_names_follow_prometheus_conventions():
         "shoal_rejected_payloads_total",
         "shoal_strikes_total",
         "shoal_state_resyncs_total",
+        "shoal_state_replays_total",
         "shoal_checkpoint_age_seconds",
         "shoal_checkpoint_write_failures_total",
         "shoal_device_memory_used_bytes",
@@ -336,7 +339,7 @@ def test_peer_metrics_values_follow_the_round():
     sent = {
         s.labels["kind"]: s.value for s in families["shoal_sent_bytes"].samples if s.name.endswith("_total")
     }
-    assert sent == {"payload": 10, "state": 0, "probe": 0, "dht": 3}
+    assert sent == {"payload": 10, "state": 0, "replay": 0, "probe": 0, "dht": 3}
     rejected = {s.labels["reason"]: s.value for s in families["shoal_rejected_payloads"].samples}
     assert rejected["digest_mismatch"] == 1 and set(REJECTION_REASONS) <= rejected.keys()
     phases = {s.labels["phase"] for s in families["shoal_round_phase_duration_seconds"].samples}

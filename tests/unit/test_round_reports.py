@@ -45,3 +45,19 @@ def test_late_resyncs_name_the_lateness_and_a_break_starts_the_count_again():
     assert "came after the round's deadline" in next(e for e in late if e["event"] == "message")["text"]
     broken = told([(0, 0), (1, 0), (2, 0), (2, 0), (3, 0), (4, 0)])  # two, a round in sync, two
     assert not [e for e in broken if e["event"] == "message"]
+
+
+def test_each_replay_is_an_event_and_replays_count_in_the_streak():
+    stream = io.StringIO()
+    progress = Progress("json", stream)
+    before, streak = None, 0
+    for number, (resyncs, replays) in enumerate([(0, 0), (0, 1), (1, 1), (1, 2)]):
+        counts = {"resyncs": resyncs, "replays": replays, "replay_bytes": replays * 10}
+        status = dataclasses.replace(START, round=number, **counts)
+        streak = tell_resyncs(progress, status, before, streak, SimpleNamespace(round=number))
+        before = status
+    events = [json.loads(line) for line in stream.getvalue().splitlines()]
+    replayed = [(e["round"], e["replays"], e["bytes"]) for e in events if e["event"] == "replayed"]
+    assert replayed == [(1, 1, 10), (3, 2, 20)]
+    warning = next(e["text"] for e in events if e["event"] == "message")
+    assert "last 3 rounds" in warning and "2 time(s) by replay" in warning

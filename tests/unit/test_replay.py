@@ -1,0 +1,180 @@
+"""Catch-up by replay (shoal.peer.swarm.replay): the steps a peer keeps and serves, their checks against
+a hostile source, the plan a peer behind makes, and DiLoCo's replay of a round, which must give the
+bits the round itself gave."""
+
+import hashlib
+
+import pytest
+import torch
+
+from shoal.compression import DCTTopKCodec
+from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.algorithms.exchange import Contribution, LoopbackExchange, run_loopback
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
+from shoal.peer.swarm.replay import (
+    KEEP_STEPS,
+    Counted,
+    Step,
+    Steps,
+    encode,
+    parse_steps,
+    plan_replay,
+)
+from shoal.protocol import MalformedPayloadError
+from shoal.protocol.swarm_pb2 import StateSteps
+
+
+def digest(name: str) -> bytes:
+    return hashlib.sha256(name.encode()).digest()
+
+
+def counted(owner: str, payload: str, size: int = 100) -> Counted:
+    return Counted(owner.encode(), digest(payload), samples=8, size=size)
+
+
+def step(number: int, before: str, *payloads: str) -> Step:
+    return Step(number, digest(before), tuple(counted(f"owner{i}", p) for i, p in enumerate(payloads)))
+
+
+def test_steps_chain_back_from_a_state_to_the_oldest_kept():
+    steps = Steps(keep=3)
+    for number in range(5):  # s0 -> s1 -> ... -> s5
+        steps.record(digest(f"s{number + 1}"), step(number, f"s{number}", f"p{number}"))
+    assert len(steps) == 3
+    assert [s.round for s in steps.chain(digest("s5"))] == [4, 3, 2]
+    assert [s.round for s in steps.chain(digest("s4"))] == [3, 2]
+    assert steps.chain(digest("s2")) == [] and steps.chain(digest("unknown")) == []
+
+
+def test_steps_travel_and_come_back_as_they_were():
+    chain = [step(7, "s7", "a", "b"), step(6, "s6"), step(5, "s5", "c")]
+    assert parse_steps(encode(chain), max_payload_bytes=1000) == chain
+    assert parse_steps(b"", max_payload_bytes=1000) == []
+
+
+@pytest.mark.parametrize(
+    ("chain", "reason"),
+    [
+        ([step(10 - i, f"s{i}") for i in range(KEEP_STEPS + 1)], "bad_steps"),
+        ([step(3, "a"), step(3, "b")], "bad_steps"),  # rounds must fall
+        ([step(3, "a"), step(4, "b")], "bad_steps"),
+        ([Step(3, b"short", ())], "bad_steps"),
+        ([Step(3, digest("a"), (Counted(b"o", b"short", 1, 1),))], "bad_steps"),
+        ([Step(3, digest("a"), (Counted(b"", digest("p"), 1, 1),))], "bad_steps"),
+        ([Step(3, digest("a"), (Counted(b"o", digest("p"), 0, 1),))], "bad_steps"),
+        ([Step(3, digest("a"), (Counted(b"o" * 2000, digest("p"), 1, 1),))], "bad_steps"),
+        ([Step(3, digest("a"), (Counted(b"o", digest("p"), 1, 0),))], "too_large"),
+        ([Step(3, digest("a"), (Counted(b"o", digest("p"), 1, 1001),))], "too_large"),
+        # owners out of order, or one twice: the round's order is its owners'
+        ([Step(3, digest("a"), (counted("b", "p"), counted("a", "q")))], "bad_steps"),
+        ([Step(3, digest("a"), (counted("a", "p"), counted("a", "q")))], "bad_steps"),
+    ],
+)
+def test_a_hostile_sources_steps_are_refused_by_reason(chain, reason):
+    with pytest.raises(MalformedPayloadError) as refused:
+        parse_steps(encode(chain), max_payload_bytes=1000)
+    assert refused.value.reason == reason
+
+
+def test_garbage_and_oversized_replies_are_refused():
+    with pytest.raises(MalformedPayloadError):
+        parse_steps(b"\xff\xff\xff", max_payload_bytes=1000)
+    huge = StateSteps(steps=[encode_step() for _ in range(1)]).SerializeToString() + b"\x00" * (5 << 20)
+    with pytest.raises(MalformedPayloadError):
+        parse_steps(huge, max_payload_bytes=1000)
+
+
+def encode_step():
+    return StateSteps.FromString(encode([step(1, "a")])).steps[0]
+
+
+def test_the_plan_starts_at_the_newest_state_held_and_pulls_only_what_is_missing():
+    chain = [step(9, "s9", "a9", "b9"), step(8, "s8", "a8", "b8"), step(7, "s7", "a7")]
+    held = {(9, digest("a9")), (8, digest("a8")), (8, digest("b8"))}
+
+    def holds(number, payload):
+        return (number, payload) in held
+
+    plan = plan_replay(chain, {digest("s8"), digest("s7")}, holds)
+    assert plan is not None and plan.start == digest("s8")
+    assert [s.round for s in plan.steps] == [8, 9]
+    assert plan.missing == ((9, counted("owner1", "b9")),) and plan.bytes == 100
+    plan = plan_replay(chain, {digest("s7")}, holds)
+    assert plan is not None and [s.round for s in plan.steps] == [7, 8, 9] and plan.bytes == 200
+    assert plan_replay(chain, {digest("elsewhere")}, holds) is None
+    assert plan_replay([], {digest("s7")}, holds) is None
+
+
+# -- DiLoCo's replay gives the round's own bits ----------------------------------------------------
+
+CONFIG = GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16)
+torch.manual_seed(0)
+INITIAL = TinyGPT(CONFIG).state_dict()
+
+
+class Recording(LoopbackExchange):
+    """A loopback exchange that keeps each round's state and contributions, and the optimizer's replay."""
+
+    def __init__(self, hub, rank, gather_limit=0):
+        super().__init__(hub, rank, gather_limit)
+        self.rounds: list[tuple[list[torch.Tensor], list]] = []
+        self.replay = None
+
+    def replays_with(self, replay):
+        self.replay = replay
+
+    def gather(self, payload, samples, state=None, plan=None):
+        gathered = super().gather(payload, samples, state, plan)
+        self.rounds.append(([t.clone() for t in state or ()], list(gathered.contributions)))
+        return gathered
+
+
+@pytest.mark.parametrize(
+    ("mode", "sparse"), [("standard", False), ("eager", False), ("eager", True), ("delayed", False)]
+)
+def test_diloco_replays_a_round_to_the_bits_the_round_gave(mode, sparse):
+    """Three workers, screened as the swarm screens (the defaults), momentum on: replaying round i on
+    round i's state gives round i + 1's state bit for bit, and leaves the state handed in as it was."""
+    group = LoopbackExchange.group(3)
+    exchanges = [Recording(group[0]._hub, rank) for rank in range(3)]
+
+    def work(rank, _exchange):
+        exchange = exchanges[rank]
+        model = TinyGPT(CONFIG)
+        model.load_state_dict(INITIAL)
+        generator = torch.Generator().manual_seed(1000 + rank)
+        codec = DCTTopKCodec(topk=8, value_bits=8) if sparse else None
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with DiLoCo(
+            model, inner, exchange=exchange, inner_steps=2, mode=mode, outer_momentum=0.9, codec=codec
+        ) as diloco:
+            for _ in range(10):
+                tokens = torch.randint(0, 256, (4, CONFIG.seq_len + 1), generator=generator)
+                model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+                diloco.step(samples=4)
+            diloco.finish()
+            return exchange.replay, [t.clone() for t in diloco.shared_state()]
+
+    (replay, end), *_ = run_loopback(3, work)
+    rounds = exchanges[0].rounds
+    states = [state for state, _ in rounds] + [end]
+    assert len(rounds) == 5
+    for (state, contributions), after in zip(rounds, states[1:], strict=True):
+        before = [t.clone() for t in state]
+        replayed, rejected = replay(state, contributions)
+        assert rejected == []
+        assert all(torch.equal(x, y) for x, y in zip(replayed, after, strict=True))
+        assert all(torch.equal(x, y) for x, y in zip(state, before, strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(states[0], states[-1], strict=True))
+
+
+def test_diloco_replay_rejects_a_malformed_contribution_and_a_state_of_another_shape():
+    model = TinyGPT(CONFIG)
+    exchange = Recording(LoopbackExchange.group(1)[0]._hub, 0)
+    with DiLoCo(model, torch.optim.AdamW(model.parameters()), exchange=exchange, inner_steps=1) as diloco:
+        state = diloco.shared_state()
+        replay = exchange.replay
+        after, rejected = replay(state, [Contribution(0, b"\x00garbage", 4, sender=b"bad")])
+        assert rejected == [b"bad"]
+        assert all(torch.equal(x, y) for x, y in zip(after, state, strict=True))  # nothing counted
+        assert replay(state[:-1], []) is None
