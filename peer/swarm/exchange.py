@@ -150,7 +150,10 @@ class SwarmExchange(Exchange):
         poll_interval: how often announcements are re-read during a round (backing off to 4 times
             that, at most a tenth of a round, while nothing new comes).
         strike_limit, ban_rounds: a peer is ignored for `ban_rounds` after this many strikes (ledger).
-        keep_states: state snapshots of the last rounds served to joining and re-syncing peers.
+        keep_states: state snapshots of the last rounds served to joining and re-syncing peers, and
+            replayed from when this peer falls behind (shoal.peer.swarm.replay): with 3, a peer whose
+            state parted from the swarm's two rounds ago still catches up by replay. Each is a copy
+            of the shared state in memory.
         coordinator: the link to the swarm's coordinator, if it has one (see `plan_round`).
         rejoin: the initial peers, dialled again when this peer is alone in its run (directory).
         reachability: whether it can be dialed, and its relays (shoal.peer.swarm.relay).
@@ -180,7 +183,7 @@ class SwarmExchange(Exchange):
         poll_interval: timedelta = timedelta(milliseconds=200),
         strike_limit: int = 3,
         ban_rounds: int = 10,
-        keep_states: int = 2,
+        keep_states: int = 3,
         coordinator: CoordinatorLink | None = None,
         rejoin: Sequence[str] = (),
         reachability: Reachability = UNCHECKED,

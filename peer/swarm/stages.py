@@ -328,7 +328,8 @@ class RoundStages:
             assert snapshot is not None  # behind only when states are compared
             # `agreed` None (no one announced a state) is a digest no source serves: the re-sync fails
             agreed = cast(bytes, decision.agreed)
-            adopted = await self.replay(snapshot[0].round, agreed, decision.sources, snapshot[1])
+            if self.standing.synced:  # (a newcomer's state is on no path the others took)
+                adopted = await self.replay(snapshot[0].round, agreed, decision.sources, snapshot[1])
             if adopted is None:
                 adopted = await self.resync(agreed, decision.sources, snapshot[1])
         if decision.compared:

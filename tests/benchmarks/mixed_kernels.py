@@ -92,6 +92,10 @@ def run(
         "resyncs_first": summaries["first"]["resyncs"],
         "resyncs_joiner": summaries["joiner"]["resyncs"],
         "bytes_received_joiner": summaries["joiner"]["bytes_received"],
+        # caught up by replay instead (shoal.peer.swarm.replay): bytes pulled, and the state bytes saved
+        "replays": summaries["first"]["replays"] + summaries["joiner"]["replays"],
+        "replay_bytes": summaries["first"]["replay_bytes"] + summaries["joiner"]["replay_bytes"],
+        "replayed_state_bytes": sum(s["replayed_state_bytes"] for s in summaries.values()),
         "same_hash": summaries["first"]["param_hash"] == summaries["joiner"]["param_hash"],
     }
 
@@ -118,7 +122,9 @@ def main() -> int:
         print(
             f"{algorithm:>16}: together {row['together_first']}/{row['rounds_after_join']} (first), "
             f"{row['together_joiner']}/{row['rounds_after_join']} (joiner); re-syncs {row['resyncs_first']} "
-            f"+ {row['resyncs_joiner']}; joiner received {row['bytes_received_joiner']:,} B; "
+            f"+ {row['resyncs_joiner']}; replays {row['replays']} ({row['replay_bytes']:,} B for "
+            f"{row['replayed_state_bytes']:,} B of state); "
+            f"joiner received {row['bytes_received_joiner']:,} B; "
             f"one hash: {row['same_hash']}",
             flush=True,
         )
