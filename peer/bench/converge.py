@@ -5,7 +5,9 @@
     shoal bench converge --quick --methods demo_compact,demo_compact_overlap,demo_compact_lookahead
 
 Four simulated workers (threads, LoopbackExchange) train the embedded byte-level GPT on the standard
-library corpus for the same number of optimizer steps each, with disjoint batches per worker and step:
+library corpus for the same number of optimizer steps each, with disjoint batches per worker and step.
+The workers stand for swarm peers (an untrusted loopback): DeMo and DiLoCo screen every round with the
+swarm's defaults (shoal.peer.algorithms.robust), except where a method says otherwise.
 
 - adamw_dp: data-parallel AdamW, the float32 gradient averaged every step (what DDP sends);
 - demo_reference: DeMo with the paper's reference settings (k=32, 32-bit values, beta 0.999, alpha 1);
@@ -361,7 +363,9 @@ def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> Me
 
     start = time.perf_counter()
     # a medium-scale run takes minutes, and a paused machine longer: hours before a worker counts as hung
-    outcomes = run_loopback(config.workers, work, gather_limit=config.gather, timeout=timedelta(hours=4))
+    outcomes = run_loopback(
+        config.workers, work, gather_limit=config.gather, timeout=timedelta(hours=4), trusted=False
+    )
     wall = time.perf_counter() - start
     loss = validation_loss(outcomes[0].model, streams, config)
     if not math.isfinite(loss):
