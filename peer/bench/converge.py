@@ -11,6 +11,8 @@ swarm's defaults (shoal.peer.algorithms.robust), except where a method says othe
 
 - adamw_dp: data-parallel AdamW, the float32 gradient averaged every step (what DDP sends);
 - demo_reference: DeMo with the paper's reference settings (k=32, 32-bit values, beta 0.999, alpha 1);
+- demo_reference_unscreened: the same without screening (`robust.NONE`): the reference semantics, what
+  DeMo does by default over torch.distributed;
 - demo_compact: DeMo with k=4, 1-bit values, beta 0.99, alpha 1 (the best of the alpha/beta we tried);
 - diloco_standard / diloco_delayed / diloco_eager: AdamW inner steps, an outer Nesterov step every
   `inner_steps`, exact float32 pseudo-gradients; `finish()` applies the last round still in flight.
@@ -39,12 +41,21 @@ from shoal.peer.algorithms.configs import SPARSE_ERROR_DECAY, SPARSE_OUTER
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Delegating, Exchange, Plan, run_loopback
+from shoal.peer.algorithms.robust import NONE
 from shoal.peer.algorithms.schedule import Schedule
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
 from shoal.peer.data import validation_loss as held_out_loss
 from shoal.peer.models.gpt import GPTConfig, TinyGPT
 
-METHODS = ("adamw_dp", "demo_reference", "demo_compact", "diloco_standard", "diloco_delayed", "diloco_eager")
+METHODS = (
+    "adamw_dp",
+    "demo_reference",
+    "demo_reference_unscreened",
+    "demo_compact",
+    "diloco_standard",
+    "diloco_delayed",
+    "diloco_eager",
+)
 EXTRA_METHODS = ("demo_compact_overlap", "demo_compact_lookahead")
 OUTER = {"standard": (0.4, 0.5), "delayed": (0.4, 0.0), "eager": (0.4, 0.0)}
 """DiLoCo's outer (learning rate, Nesterov momentum) per mode: the best of a sweep on the quick setting
@@ -287,6 +298,7 @@ TRAINERS: dict[str, Callable[..., int]] = {
     "adamw_dp": _train_adamw_dp,
     "lion_dp": _train_lion_dp,
     "demo_reference": lambda *a: _train_demo(*a),
+    "demo_reference_unscreened": lambda *a: _train_demo(*a, robust=NONE),
     "demo_compact": lambda *a: _train_demo(
         *a, compression_topk=4, value_bits=1, compression_decay=0.99, error_feedback=1.0
     ),
@@ -382,13 +394,13 @@ def main(
     demo_error_feedback, workers, gather, carry)."""
     config = dataclasses.replace(QUICK if quick else FULL, **overrides)
     streams = stdlib_corpus()
-    results = []
+    results, width = [], max(16, *map(len, methods))
     for method in methods:
         result = run_method(method, config, streams)
         results.append(result)
         if not as_json:
             print(
-                f"{result.method:<16} val loss {result.final_val_loss:.4f}  sent/worker "
+                f"{result.method:<{width}} val loss {result.final_val_loss:.4f}  sent/worker "
                 f"{result.bytes_sent_per_worker:>12,d} B  {result.wall_s:6.1f} s",
                 flush=True,
             )
