@@ -7,6 +7,7 @@ scatter_reduce("mean", include_self=False), inverse, sign, SGD step. Shares no c
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -49,16 +50,21 @@ def decode(coeffs: torch.Tensor, shape: tuple[int, ...], chunk: int) -> torch.Te
 
 
 class ReferenceDeMo:
-    """Replicated parameters and every worker's momentum, stepped the reference's way (in the
-    dtype of the given parameters)."""
+    """Replicated parameters and the momentum of every worker simulated here, stepped the reference's way
+    (in the dtype of the given parameters): all of them in one process, or one per process of a
+    torch.distributed job (`step`'s `gather`)."""
 
     def __init__(self, params, workers, *, lr, decay=0.999, topk=32, chunk=64, weight_decay=0.0):
         self.params = [p.clone() for p in params]
         self.deltas = [[torch.zeros_like(p) for p in self.params] for _ in range(workers)]
         self.lr, self.decay, self.topk, self.chunk, self.weight_decay = lr, decay, topk, chunk, weight_decay
 
-    def step(self, grads: list[list[torch.Tensor]]) -> None:
-        """grads[worker][param]: one step of every worker, all-gather in rank order."""
+    def step(
+        self, grads: list[list[torch.Tensor]], gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
+        """grads[worker][param]: one step of every worker simulated here, all-gather in rank order.
+        `gather(t)`: every process's `t` concatenated along the last dimension in rank order (the
+        reference's all-gather of the sent indices and values); None: this process simulates them all."""
         for i, p in enumerate(self.params):
             p.mul_(1 - self.lr * self.weight_decay)
             idx_all, val_all = [], []
@@ -72,10 +78,11 @@ class ReferenceDeMo:
                 delta.sub_(decode(sent, tuple(p.shape), self.chunk))
                 idx_all.append(idx)
                 val_all.append(val)
+            idx, val = torch.cat(idx_all, -1), torch.cat(val_all, -1)
+            if gather is not None:
+                idx, val = gather(idx), gather(val)
             combined = torch.zeros_like(encode(p, self.chunk))
-            combined.scatter_reduce_(
-                -1, torch.cat(idx_all, -1), torch.cat(val_all, -1), "mean", include_self=False
-            )
+            combined.scatter_reduce_(-1, idx, val, "mean", include_self=False)
             p.sub_(torch.sign(decode(combined, tuple(p.shape), self.chunk)), alpha=self.lr)
 
 

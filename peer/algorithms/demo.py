@@ -10,18 +10,21 @@ Per step and parameter p with gradient g (the paper's Algorithm 1):
                   (weighted by sample counts if asked)
     p     -= lr * sign(idct(combined))
 
-With the defaults (error_feedback 1, 32-bit values, unweighted) a step equals the reference code
-published with the paper (github.com/bloc97/DeMo, demo.py), whose all-gather + scatter_reduce("mean")
-this reproduces. Parameters of one chunk shape are transformed together as one batch of tiles
+With the defaults (error_feedback 1, 32-bit values, unweighted) over trusted participants
+(LoopbackExchange, TorchDistributedExchange: nothing screened, `robust.NONE`) a step equals the
+reference code published with the paper (github.com/bloc97/DeMo, demo.py), whose all-gather +
+scatter_reduce("mean") this reproduces (tests/unit/test_reference_demo.py: bit for bit over gloo).
+Parameters of one chunk shape are transformed together as one batch of tiles
 (`shoal.peer.algorithms.tile_groups`), and one payload per step carries them all: a step is one collective,
 with one message header per slice instead of per tensor.
 Every participant decodes the same gathered bytes in rank order, its own included, so replicas stay
 bit-identical even with quantized values. A malformed contribution is dropped and counted by reason
-(and reported to the exchange, which may strike its sender). The rest are screened
-(shoal.peer.algorithms.robust, in the DCT domain where they travel): one whose norm exceeds the round's
-median is scaled down to it (`clipped`), and a sender whose recent agreement with the others is below
-0, or far below the round's, is left out and reported as an `outlier` (DeMo drops nothing on a
-single round's agreement by default: honest DeMo contributions agree little). The message's top-k,
+(and reported to the exchange, which may strike its sender). Over an untrusted exchange (the swarm),
+or with `robust=` given, the rest are screened (shoal.peer.algorithms.robust, in the DCT domain where
+they travel): one whose norm exceeds the round's median is scaled down to it (`clipped`), and a sender
+whose recent agreement with the others is below 0, or far below the round's, is left out and reported
+as an `outlier` (DeMo drops nothing on a single round's agreement by default: honest DeMo
+contributions agree little). The message's top-k,
 value encoding and chunk plan must be the run's (`config_mismatch`): a peer that sends more
 coefficients than the run's k would get more say. The shared state is the parameters: the exchange
 may replace them with the swarm's before the update.
@@ -65,6 +68,7 @@ from shoal.peer.algorithms.robust import (
     Robustness,
     Suspicion,
     capped_weights,
+    default_for,
     finite,
     report,
     sender_keys,
@@ -141,7 +145,9 @@ class DeMo(torch.optim.Optimizer):
         max_slice_numel: parameters of one chunk shape are transformed together in slices of at most
             this many elements (a larger parameter alone); bounds the codec's scratch memory.
         robust: how each round screens its contributions (shoal.peer.algorithms.robust); `robust.NONE` gives
-            the reference semantics (trusted participants).
+            the reference semantics. None: `robust.NONE` over an exchange of trusted participants
+            (`Exchange.trusted`: LoopbackExchange, TorchDistributedExchange), `robust.DEMO` over the
+            swarm.
         overlap: exchange in the background and apply each round's aggregate one step late.
         lookahead: with overlap, compute each gradient at the parameters shifted by this
             participant's own sign-of-momentum guess of the update in flight (one more
@@ -171,7 +177,7 @@ class DeMo(torch.optim.Optimizer):
         weight_by_samples: bool = False,
         max_payload_bytes: int = 1 << 30,
         max_slice_numel: int = 1 << 24,
-        robust: Robustness = DEMO,
+        robust: Robustness | None = None,
         overlap: bool = False,
         lookahead: bool = False,
         carry: bool = False,
@@ -194,8 +200,8 @@ class DeMo(torch.optim.Optimizer):
         self.weight_by_samples = weight_by_samples
         self.max_payload_bytes = max_payload_bytes
         self.max_slice_numel = max_slice_numel
-        self.robust = robust
-        self.suspicion = Suspicion(robust)
+        self.robust = default_for(exchange, DEMO) if robust is None else robust
+        self.suspicion = Suspicion(self.robust)
         self._slice_cache: list[Slice] | None = None
         self.stats = DeMoStats()
         self._in_flight: InFlight[_Gathered] | None = InFlight("demo-exchange") if overlap else None

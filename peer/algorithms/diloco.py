@@ -24,9 +24,11 @@ correction; a joiner starts with no correction. `finish()` applies the last mean
 ends every eager participant there, on bit-identical parameters (the sequence delta(0..T) applied in
 order, as standard mode would).
 
-Each round's contributions are screened (shoal.peer.algorithms.robust: sample weights capped, norms bounded
-by the median's, directions opposed to the others dropped); malformed and opposed ones are left out and
-reported to the exchange, which strikes their senders. A round that counts nothing leaves the
+Over the swarm each round's contributions are screened (shoal.peer.algorithms.robust: sample weights
+capped, norms bounded by the median's, directions opposed to the others dropped); over an exchange of
+trusted participants (LoopbackExchange, TorchDistributedExchange) nothing is, by default: plain weighted
+means, the reference semantics (`robust=` decides otherwise). Malformed and opposed contributions are
+left out and reported to the exchange, which strikes their senders. A round that counts nothing leaves the
 parameters and the outer momentum as they were; a pseudo-gradient of this participant's or a round's
 mean with NaN or infinite values is refused and counted, never applied nor encoded.
 
@@ -69,6 +71,7 @@ from shoal.peer.algorithms.robust import (
     Robustness,
     Screened,
     Suspicion,
+    default_for,
     finite,
     report,
     sender_keys,
@@ -170,9 +173,11 @@ class DiLoCo:
         error_decay: beta of the error feedback, as SparseLoCo places it (arXiv 2508.15706): the
             codec encodes `e = beta * e + delta_m` and keeps `e - sent` (1: all that was dropped).
         max_payload_bytes: contributions larger than this are rejected unread.
-        robust: how each round screens its contributions (shoal.peer.algorithms.robust); `robust.NONE` for
-            trusted participants (plain weighted means). None: `DILOCO`, or `DILOCO_SPARSE` with a
-            top-k codec, whose payloads overlap too little for a per-round drop.
+        robust: how each round screens its contributions (shoal.peer.algorithms.robust); `robust.NONE`:
+            plain weighted means, the reference semantics. None: `robust.NONE` over an exchange of
+            trusted participants (`Exchange.trusted`: LoopbackExchange, TorchDistributedExchange);
+            over the swarm `DILOCO`, or `DILOCO_SPARSE` with a top-k codec, whose payloads overlap
+            too little for a per-round drop.
         butterfly: let the exchange average pseudo-gradients piece by piece, where it can
             (shoal.peer.algorithms.butterfly: the swarm under a coordinator); the codec must be dense and
             block-aligned (int8, int4, 16 or 32 bits). Each piece's parts are clipped against the
@@ -227,7 +232,8 @@ class DiLoCo:
         self.feedback = ErrorFeedback(codec, self.global_params, error_decay)
         self.max_payload_bytes = max_payload_bytes
         if robust is None:
-            robust = DILOCO_SPARSE if isinstance(self.feedback.codec, DCTTopKCodec) else DILOCO
+            untrusted = DILOCO_SPARSE if isinstance(self.feedback.codec, DCTTopKCodec) else DILOCO
+            robust = default_for(exchange, untrusted)
         self.suspicion = Suspicion(robust)
         # the outer steps are the shared state's: the same bits on every device (canonical)
         self.outer_optimizer = NesterovSGD(self.global_params, **settings)

@@ -20,7 +20,9 @@ reason)` tells the exchange the caller dropped a contribution, so that it can st
 Implementations: `LoopbackExchange` (N workers as threads of one process: tests and simulations),
 `TorchDistributedExchange` (torch.distributed: gloo on CPU, nccl on GPU, for torchrun users), and the
 hivemind swarm (`shoal.peer.swarm.exchange.SwarmExchange`). Payloads are bytes (serialized protobuf): never
-pickled, and their size is what really crosses the wire.
+pickled, and their size is what really crosses the wire. The first two are `trusted`: over them DeMo and
+DiLoCo default to the reference semantics (`robust.NONE`, nothing screened); over the swarm they screen
+every round (shoal.peer.algorithms.robust). An explicit `robust=` wins either way.
 """
 
 import math
@@ -138,6 +140,10 @@ class Exchange(ABC):
     last_round: int | None = None
     """The round of the last `gather`, where the exchange numbers rounds (the swarm's clock); None:
     it numbers none, or gathered nothing yet. A checkpoint is labelled with it."""
+    trusted: bool = False
+    """Whether its participants are trusted not to attack each other (one process's threads, the ranks
+    of one torch.distributed job): DeMo and DiLoCo then default to the reference semantics,
+    `robust.NONE`, instead of screening each round (`robust.default_for`). The swarm's are not."""
 
     @property
     @abstractmethod
@@ -219,6 +225,10 @@ class Delegating(Exchange):
     def gather_limit(self) -> int:  # type: ignore[override]
         return self.inner.gather_limit
 
+    @property
+    def trusted(self) -> bool:  # type: ignore[override]  # the inner exchange's, as gather_limit
+        return self.inner.trusted
+
     def gather(
         self,
         payload: bytes,
@@ -246,11 +256,14 @@ class LoopbackExchange(Exchange):
     instead of hanging them.
     """
 
-    def __init__(self, hub: "_LoopbackHub", rank: int, gather_limit: int = 0):
+    def __init__(self, hub: "_LoopbackHub", rank: int, gather_limit: int = 0, trusted: bool = True):
         self._hub = hub
         self._rank = rank
         self.gather_limit = gather_limit
         """At most this many contributions count in a `gather` (shoal.protocol.rules); 0: all."""
+        self.trusted = trusted
+        """True (the default): the workers are trusted, DeMo and DiLoCo do not screen by default; a
+        simulation of the swarm (`shoal bench converge`, `shoal bench hostile`) passes False."""
         self.sent_bytes = 0
         """The size of this worker's last payload."""
         self._round = 0
@@ -262,16 +275,18 @@ class LoopbackExchange(Exchange):
         timeout: timedelta = timedelta(seconds=60),
         latency: timedelta = timedelta(0),
         gather_limit: int = 0,
+        trusted: bool = True,
     ) -> list["LoopbackExchange"]:
         """`world_size` exchanges meeting in this process. `latency` is added to every collective, to
         simulate a slow link; `gather_limit` bounds the contributions that count in a round, as the
-        swarm's `--gather` does (shoal.protocol.rules)."""
+        swarm's `--gather` does (shoal.protocol.rules); `trusted=False` has DeMo and DiLoCo screen
+        each round by default, as swarm peers do (`Exchange.trusted`)."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if gather_limit < 0:
             raise ValueError(f"gather_limit must be >= 0, got {gather_limit}")
         hub = _LoopbackHub(world_size, timeout, latency)
-        return [LoopbackExchange(hub, rank, gather_limit) for rank in range(world_size)]
+        return [LoopbackExchange(hub, rank, gather_limit, trusted) for rank in range(world_size)]
 
     @property
     def rank(self) -> int:
@@ -354,13 +369,16 @@ def run_loopback(
     timeout: timedelta = timedelta(minutes=10),
     latency: timedelta = timedelta(0),
     gather_limit: int = 0,
+    trusted: bool = True,
 ) -> list[T]:
     """Runs work(rank, exchange) for `count` loopback workers, one thread each; results in rank order.
 
     A worker that raises breaks the others' barrier, so they stop too, and its exception is raised here.
-    `latency` and `gather_limit` go to `LoopbackExchange.group`.
+    `latency`, `gather_limit` and `trusted` go to `LoopbackExchange.group`.
     """
-    exchanges = LoopbackExchange.group(count, timeout=timeout, latency=latency, gather_limit=gather_limit)
+    exchanges = LoopbackExchange.group(
+        count, timeout=timeout, latency=latency, gather_limit=gather_limit, trusted=trusted
+    )
     results: list = [None] * count
     errors: list[BaseException] = []
 
@@ -410,8 +428,11 @@ class TorchDistributedExchange(Exchange):
     """torch.distributed collectives over an initialized process group (gloo or nccl).
 
     Payload bytes travel as uint8 tensors: one all_gather of the lengths, one of the payloads padded
-    to the longest. On nccl the tensors live on `device` (the current CUDA device).
+    to the longest. On nccl the tensors live on `device` (the current CUDA device). The ranks of one
+    job are trusted: DeMo and DiLoCo default to the reference semantics over it (`Exchange.trusted`).
     """
+
+    trusted = True
 
     def __init__(
         self,

@@ -111,15 +111,24 @@ class Robustness:
 
 
 DILOCO = Robustness()
-"""DiLoCo's default: untrusted participants."""
+"""DiLoCo's default among untrusted participants (the swarm)."""
 DEMO = Robustness(min_agreement=None)
-"""DeMo's default: untrusted participants, no per-round drop (see the module docstring)."""
+"""DeMo's default among untrusted participants (the swarm), no per-round drop (see the module docstring)."""
 DILOCO_SPARSE = DEMO
-"""DiLoCo's default with a top-k codec: as DeMo's, for the same reason (see the module docstring)."""
+"""DiLoCo's default among untrusted participants with a top-k codec: as DeMo's, for the same reason (see
+the module docstring)."""
 NONE = Robustness(
     suspect_below=None, suspect_relative=None, norm_ratio=None, sample_ratio=None, min_agreement=None
 )
-"""No screening: the reference semantics (trusted participants: loopback, torch.distributed)."""
+"""No screening: the reference semantics, DeMo's and DiLoCo's default among trusted participants
+(loopback, torch.distributed: `default_for`)."""
+
+
+def default_for(exchange: "Exchange", untrusted: Robustness) -> Robustness:
+    """The screening of an optimizer given no `robust=`: `NONE` over an exchange whose participants are
+    trusted (`Exchange.trusted`: LoopbackExchange, TorchDistributedExchange), else `untrusted` (the
+    swarm: the optimizer's own default)."""
+    return NONE if exchange.trusted else untrusted
 
 
 def lower_median(values: Sequence[float]) -> float:

@@ -5,10 +5,14 @@
     shoal bench converge --quick --methods demo_compact,demo_compact_overlap,demo_compact_lookahead
 
 Four simulated workers (threads, LoopbackExchange) train the embedded byte-level GPT on the standard
-library corpus for the same number of optimizer steps each, with disjoint batches per worker and step:
+library corpus for the same number of optimizer steps each, with disjoint batches per worker and step.
+The workers stand for swarm peers (an untrusted loopback): DeMo and DiLoCo screen every round with the
+swarm's defaults (shoal.peer.algorithms.robust), except where a method says otherwise.
 
 - adamw_dp: data-parallel AdamW, the float32 gradient averaged every step (what DDP sends);
 - demo_reference: DeMo with the paper's reference settings (k=32, 32-bit values, beta 0.999, alpha 1);
+- demo_reference_unscreened: the same without screening (`robust.NONE`): the reference semantics, what
+  DeMo does by default over torch.distributed;
 - demo_compact: DeMo with k=4, 1-bit values, beta 0.99, alpha 1 (the best of the alpha/beta we tried);
 - diloco_standard / diloco_delayed / diloco_eager: AdamW inner steps, an outer Nesterov step every
   `inner_steps`, exact float32 pseudo-gradients; `finish()` applies the last round still in flight.
@@ -37,12 +41,21 @@ from shoal.peer.algorithms.configs import SPARSE_ERROR_DECAY, SPARSE_OUTER
 from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Delegating, Exchange, Plan, run_loopback
+from shoal.peer.algorithms.robust import NONE
 from shoal.peer.algorithms.schedule import Schedule
 from shoal.peer.data import BatchPlan, TokenStreams, stdlib_corpus
 from shoal.peer.data import validation_loss as held_out_loss
 from shoal.peer.models.gpt import GPTConfig, TinyGPT
 
-METHODS = ("adamw_dp", "demo_reference", "demo_compact", "diloco_standard", "diloco_delayed", "diloco_eager")
+METHODS = (
+    "adamw_dp",
+    "demo_reference",
+    "demo_reference_unscreened",
+    "demo_compact",
+    "diloco_standard",
+    "diloco_delayed",
+    "diloco_eager",
+)
 EXTRA_METHODS = ("demo_compact_overlap", "demo_compact_lookahead")
 OUTER = {"standard": (0.4, 0.5), "delayed": (0.4, 0.0), "eager": (0.4, 0.0)}
 """DiLoCo's outer (learning rate, Nesterov momentum) per mode: the best of a sweep on the quick setting
@@ -285,6 +298,7 @@ TRAINERS: dict[str, Callable[..., int]] = {
     "adamw_dp": _train_adamw_dp,
     "lion_dp": _train_lion_dp,
     "demo_reference": lambda *a: _train_demo(*a),
+    "demo_reference_unscreened": lambda *a: _train_demo(*a, robust=NONE),
     "demo_compact": lambda *a: _train_demo(
         *a, compression_topk=4, value_bits=1, compression_decay=0.99, error_feedback=1.0
     ),
@@ -361,7 +375,9 @@ def run_method(method: str, config: ConvergeConfig, streams: TokenStreams) -> Me
 
     start = time.perf_counter()
     # a medium-scale run takes minutes, and a paused machine longer: hours before a worker counts as hung
-    outcomes = run_loopback(config.workers, work, gather_limit=config.gather, timeout=timedelta(hours=4))
+    outcomes = run_loopback(
+        config.workers, work, gather_limit=config.gather, timeout=timedelta(hours=4), trusted=False
+    )
     wall = time.perf_counter() - start
     loss = validation_loss(outcomes[0].model, streams, config)
     if not math.isfinite(loss):
@@ -378,13 +394,13 @@ def main(
     demo_error_feedback, workers, gather, carry)."""
     config = dataclasses.replace(QUICK if quick else FULL, **overrides)
     streams = stdlib_corpus()
-    results = []
+    results, width = [], max(16, *map(len, methods))
     for method in methods:
         result = run_method(method, config, streams)
         results.append(result)
         if not as_json:
             print(
-                f"{result.method:<16} val loss {result.final_val_loss:.4f}  sent/worker "
+                f"{result.method:<{width}} val loss {result.final_val_loss:.4f}  sent/worker "
                 f"{result.bytes_sent_per_worker:>12,d} B  {result.wall_s:6.1f} s",
                 flush=True,
             )

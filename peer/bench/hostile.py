@@ -285,7 +285,8 @@ def run(
         return model, recorder
 
     start = time.perf_counter()
-    outcomes = run_loopback(workers, work, gather_limit=gather)
+    # the workers stand for swarm peers: untrusted, they screen every round by default
+    outcomes = run_loopback(workers, work, gather_limit=gather, trusted=False)
     wall = time.perf_counter() - start
     loss = converge.validation_loss(outcomes[0][0], streams, config)
     honest = [recorder for rank, (_, recorder) in enumerate(outcomes) if rank not in hostile]

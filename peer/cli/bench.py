@@ -92,8 +92,10 @@ def _converge_arguments(benchmarks: argparse._SubParsersAction) -> None:
     converge.add_argument("--device", help="with --scale: cpu (medium's default) or cuda (gpu's)")
     converge.add_argument(
         "--methods",
-        help="comma-separated, of adamw_dp,demo_reference,demo_compact,diloco_standard,diloco_delayed,"
-        "diloco_eager (the default: all six) and demo_compact_overlap,demo_compact_lookahead, diloco_int8, "
+        help="comma-separated, of adamw_dp,demo_reference,demo_reference_unscreened,demo_compact,"
+        "diloco_standard,diloco_delayed,diloco_eager (the default: all seven; every one but "
+        "demo_reference_unscreened screens its rounds as swarm peers do) and "
+        "demo_compact_overlap,demo_compact_lookahead, diloco_int8, "
         "diloco_sparse (top-64 of 4096 at 2 bits), diloco_sparse_eager, diloco_sparse_dct, "
         "diloco_sparse_k{32,64,128}_{1,2,4}bit, lion_dp (data-parallel Lion at the AdamW lr: the "
         "sign-descent reference)",

@@ -2,7 +2,7 @@
 
     python -m tests.benchmarks.demo_step_overhead [--model small] [--batch 16] [--repeat 10] [--device cuda]
 
-One worker (LoopbackExchange of 1: encode, gather, decode and apply all run; no network), the
+One worker (LoopbackExchange of 1: encode, gather, screen, decode and apply all run; no network), the
 embedded GPT on random bytes. Also times the same step written the way the paper's reference code
 is (tests/demo_reference.py: per tensor, einsum bases, scatter_reduce). Prints one JSON object with
 median milliseconds.
@@ -72,7 +72,8 @@ def main() -> None:
         "demo_reference": {},
         "demo_compact": {"compression_topk": 4, "value_bits": 1},
     }.items():
-        optimizer = DeMo(model.parameters(), lr=1e-4, exchange=LoopbackExchange.group(1)[0], **settings)
+        exchange = LoopbackExchange.group(1, trusted=False)[0]  # the swarm's step: screened
+        optimizer = DeMo(model.parameters(), lr=1e-4, exchange=exchange, **settings)
         results[f"{name}_step_ms"] = median_ms(optimizer.step, args.repeat)
         results[f"{name}_step_share"] = results[f"{name}_step_ms"] / results["forward_backward_ms"]
     print(json.dumps(results))

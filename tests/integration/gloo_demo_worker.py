@@ -2,18 +2,12 @@
 
     python -m tests.integration.gloo_demo_worker RANK WORLD STORE OUT MODE
 
-
 MODE `reference`: 4 float64 DeMo steps with reference settings; `determinism`: 50 float32 DeMo steps,
 compact settings; `diloco_standard` / `diloco_delayed` / `diloco_eager`: DiLoCo on the tiny GPT.
-Writes the final parameters to OUT with torch.save (read back with weights_only=True).
+Hands back the final parameters (tests/gloo_ranks.py).
 """
 
-import os
-import sys
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
 
 from shoal.compression import DenseCodec
 from shoal.peer.algorithms.demo import DeMo
@@ -21,6 +15,7 @@ from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import TorchDistributedExchange
 from shoal.peer.algorithms.robust import NONE
 from shoal.peer.models.gpt import GPTConfig, TinyGPT
+from tests.gloo_ranks import serve_rank
 from tests.unit.test_demo import SHAPES, make_grads
 
 SETTINGS = {
@@ -58,19 +53,10 @@ def train_diloco(rank: int, mode: str) -> dict:
     }
 
 
-def main(rank: int, world: int, store_path: str, out: str, mode: str) -> None:
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+def train(rank: int, world: int, mode: str) -> dict:
     if mode.startswith("diloco_"):
-        torch.save(train_diloco(rank, mode.removeprefix("diloco_")), out)
-    else:
-        torch.save(train_demo(rank, world, SETTINGS[mode]), out)
-    # Both ranks wait until both results are on disk, then leave without gloo's C++ teardown: torch 2.13's
-    # gloo threads sometimes abort the process at exit ("terminate called without an active exception",
-    # twice in clean-clone CI runs, once with destroy_process_group after a barrier), after the work is done.
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+        return train_diloco(rank, mode.removeprefix("diloco_"))
+    return train_demo(rank, world, SETTINGS[mode])
 
 
 def train_demo(rank: int, world: int, settings: dict) -> dict:
@@ -88,4 +74,4 @@ def train_demo(rank: int, world: int, settings: dict) -> dict:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+    serve_rank(train)

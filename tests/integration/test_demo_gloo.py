@@ -1,50 +1,16 @@
 """DeMo and DiLoCo over torch.distributed: 2 real gloo processes on loopback."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests import demo_reference
+from tests import demo_reference, gloo_ranks
 from tests.unit.test_demo import make_grads
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def run_ranks(tmp_path: Path, mode: str, world: int = 2) -> list[dict]:
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    store = tmp_path / "store"
-    outs = [tmp_path / f"rank{r}.pt" for r in range(world)]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.integration.gloo_demo_worker",
-                str(r),
-                str(world),
-                str(store),
-                str(outs[r]),
-                mode,
-            ],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    try:
-        logs = [p.communicate(timeout=120)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log
-    return [torch.load(out, weights_only=True) for out in outs]
+def run_ranks(tmp_path: Path, mode: str) -> list[dict]:
+    return gloo_ranks.run_ranks(tmp_path, "tests.integration.gloo_demo_worker", mode)
 
 
 @pytest.mark.timeout(180)

@@ -128,7 +128,8 @@ def diloco_on(
             diloco.finish()
         return [p.detach().cpu() for p in model.parameters()]
 
-    return run_workers(workers, work, timeout=timedelta(seconds=60), gather_limit=gather_limit)
+    # untrusted: the swarm's screened mean, on both devices
+    return run_workers(workers, work, timeout=timedelta(seconds=60), gather_limit=gather_limit, trusted=False)
 
 
 @pytest.mark.parametrize("mode", ["standard", "delayed", "eager"])
@@ -244,7 +245,8 @@ def test_a_demo_step_syncs_the_host_a_bounded_number_of_times(settings):
     for layers in (1, 4):
         torch.manual_seed(0)
         model = TinyGPT(GPTConfig.preset("tiny", n_layer=layers, d_model=64, seq_len=32)).to(CUDA)
-        optimizer = DeMo(model.parameters(), lr=1e-4, exchange=LoopbackExchange.group(1)[0], **settings)
+        exchange = LoopbackExchange.group(1, trusted=False)[0]  # the swarm's step: screened
+        optimizer = DeMo(model.parameters(), lr=1e-4, exchange=exchange, **settings)
         tokens = torch.randint(0, 256, (8, 33), device=CUDA)
         model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
         optimizer.step()  # the first step builds the plans and bases

@@ -10,9 +10,17 @@ import torch
 
 from shoal.compression import DCTTopKCodec
 from shoal.peer.algorithms.demo import DeMo
-from shoal.peer.algorithms.exchange import Contribution, Exchange, Gathered, LoopbackExchange
+from shoal.peer.algorithms.exchange import (
+    Contribution,
+    Delegating,
+    Exchange,
+    Gathered,
+    LoopbackExchange,
+    TorchDistributedExchange,
+)
 from shoal.peer.algorithms.exchange import run_loopback as run_workers
-from shoal.peer.algorithms.robust import NONE, Robustness
+from shoal.peer.algorithms.robust import DEMO, NONE, Robustness
+from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.protocol import Payload
 from tests import demo_reference
 
@@ -303,6 +311,24 @@ def test_an_outsized_contribution_is_clipped_to_the_rounds_median_norm():
     # unbounded, the attacker decides every coefficient it sends; clipped, it is one voice among three
     assert (torch.sign(unclipped) == attack_sign).float().mean() > 0.95
     assert (torch.sign(clipped) == attack_sign).float().mean() < 0.8
+
+
+def test_the_default_screening_is_the_exchanges_and_a_policy_given_wins():
+    """Trusted participants (loopback, torch.distributed) get the reference semantics, the swarm (and a
+    loopback standing for it) DeMo's screening; a wrapper is as trusted as the exchange it wraps."""
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    trusted, untrusted = LoopbackExchange.group(1)[0], LoopbackExchange.group(1, trusted=False)[0]
+    for exchange, expected in [
+        (trusted, NONE),
+        (untrusted, DEMO),
+        (_FixedExchange([]), DEMO),  # an Exchange says nothing: untrusted
+        (Delegating(trusted), NONE),
+        (Delegating(untrusted), DEMO),
+    ]:
+        assert DeMo(params, lr=1e-3, exchange=exchange).robust is expected
+    assert DeMo(params, lr=1e-3, exchange=trusted, robust=DEMO).robust is DEMO
+    assert DeMo(params, lr=1e-3, exchange=untrusted, robust=NONE).robust is NONE
+    assert TorchDistributedExchange.trusted and not SwarmExchange.trusted
 
 
 def DeMo_direction(grad: torch.Tensor) -> torch.Tensor:

@@ -272,12 +272,22 @@ def test_eager_after_a_round_that_accepted_nothing_steps_on_its_own_share():
                 torch.testing.assert_close(a, b - o / 3, rtol=0, atol=1e-6)
 
 
-def test_a_top_k_codec_defaults_to_screening_without_a_per_round_drop():
+def test_among_untrusted_participants_a_top_k_codec_defaults_to_screening_without_a_per_round_drop():
     model = make_model()
-    exchange = LoopbackExchange.group(1)[0]
+    exchange = LoopbackExchange.group(1, trusted=False)[0]  # as the swarm's
     assert DiLoCo(model, adamw(model), exchange=exchange, inner_steps=2).suspicion.policy is DILOCO
     sparse = DiLoCo(model, adamw(model), exchange=exchange, inner_steps=2, codec=TopKCodec())
     assert sparse.suspicion.policy is DILOCO_SPARSE and sparse.suspicion.policy.min_agreement is None
+
+
+@pytest.mark.parametrize("codec", [None, TopKCodec()])
+def test_trusted_participants_default_to_the_reference_semantics_and_an_explicit_policy_wins(codec):
+    """Over a trusted exchange (loopback, torch.distributed) nothing is screened unless asked."""
+    model = make_model()
+    exchange = LoopbackExchange.group(1)[0]
+    assert DiLoCo(model, adamw(model), exchange=exchange, inner_steps=2, codec=codec).suspicion.policy is NONE
+    asked = DiLoCo(model, adamw(model), exchange=exchange, inner_steps=2, codec=codec, robust=DILOCO)
+    assert asked.suspicion.policy is DILOCO
 
 
 @pytest.mark.parametrize("mode", ["standard", "delayed", "eager"])

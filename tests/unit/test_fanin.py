@@ -169,7 +169,7 @@ def _demo_workers(limit: int, overlap: bool) -> list[tuple[list[torch.Tensor], D
         optimizer.close()
         return param.detach(), optimizer
 
-    return run_loopback(4, work, gather_limit=limit)
+    return run_loopback(4, work, gather_limit=limit, trusted=False)  # screened, as swarm peers
 
 
 @pytest.mark.parametrize("overlap", [False, True])

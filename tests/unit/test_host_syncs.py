@@ -74,9 +74,8 @@ def syncs_per_step(layers: int, host_copies: collections.Counter, **settings) ->
     """(host reads, host copies, kernel launches) of one DeMo step of the tiny GPT with `layers` blocks."""
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig.preset("tiny", n_layer=layers))
-    optimizer = DeMo(
-        model.parameters(), lr=1e-3, weight_decay=0.1, exchange=LoopbackExchange.group(1)[0], **settings
-    )
+    exchange = LoopbackExchange.group(1, trusted=False)[0]  # the swarm's step: screened
+    optimizer = DeMo(model.parameters(), lr=1e-3, weight_decay=0.1, exchange=exchange, **settings)
     tokens = torch.randint(0, 256, (2, 65))
     for _ in range(2):  # the second step: buffers exist, as in training
         model(tokens[:, :-1], targets=tokens[:, 1:]).backward()

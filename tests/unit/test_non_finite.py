@@ -1,7 +1,8 @@
 """No round kills a peer (issue 47): a round that counts nothing leaves the model as it was, a division
 by a count of zero is guarded, and a non-finite update (this participant's own, or a round's mean) is
-refused and counted, never applied nor encoded. In-process workers (LoopbackExchange) stand for the
-participants; tests/integration/test_hostile.py runs the same through real `shoal join` processes."""
+refused and counted, never applied nor encoded. In-process workers (LoopbackExchange, untrusted: they
+screen as swarm peers do) stand for the participants; tests/integration/test_hostile.py runs the same
+through real `shoal join` processes."""
 
 import math
 
@@ -81,7 +82,7 @@ def test_a_diverged_inner_phase_is_refused_and_the_peers_stay_identical(mode):
             diloco.finish()
             return [p.detach().clone() for p in model.parameters()], diloco.stats.refused
 
-    (params0, refused0), (params1, refused1) = run_loopback(2, work)
+    (params0, refused0), (params1, refused1) = run_loopback(2, work, trusted=False)
     assert refused1 == {"own_non_finite": 1} and not refused0
     assert all(torch.isfinite(p).all() for p in params0)
     assert all(torch.equal(a, b) for a, b in zip(params0, params1, strict=True))
@@ -116,7 +117,7 @@ def test_demo_refuses_a_non_finite_gradient_and_stays_in_step(overlap):
         delta = optimizer.state[param]["delta"]
         return param.detach(), optimizer.stats.refused, bool(torch.isfinite(delta).all())
 
-    (p0, refused0, finite0), (p1, refused1, finite1) = run_loopback(2, work)
+    (p0, refused0, finite0), (p1, refused1, finite1) = run_loopback(2, work, trusted=False)
     assert refused1 == {"own_non_finite": 1} and not refused0
     assert finite0 and finite1 and torch.isfinite(p0).all() and torch.equal(p0, p1)
 

@@ -113,10 +113,11 @@ INITIAL = TinyGPT(CONFIG).state_dict()
 
 
 class Recording(LoopbackExchange):
-    """A loopback exchange that keeps each round's state and contributions, and the optimizer's replay."""
+    """A loopback exchange that keeps each round's state and contributions, and the optimizer's replay;
+    untrusted, as the swarm's: the optimizer screens each round with the swarm's defaults."""
 
     def __init__(self, hub, rank, gather_limit=0):
-        super().__init__(hub, rank, gather_limit)
+        super().__init__(hub, rank, gather_limit, trusted=False)
         self.rounds: list[tuple[list[torch.Tensor], list]] = []
         self.replay = None
 
@@ -133,8 +134,9 @@ class Recording(LoopbackExchange):
     ("mode", "sparse"), [("standard", False), ("eager", False), ("eager", True), ("delayed", False)]
 )
 def test_diloco_replays_a_round_to_the_bits_the_round_gave(mode, sparse):
-    """Three workers, screened as the swarm screens (the defaults), momentum on: replaying round i on
-    round i's state gives round i + 1's state bit for bit, and leaves the state handed in as it was."""
+    """Three workers, screened as the swarm screens (its defaults: `Recording` is untrusted), momentum
+    on: replaying round i on round i's state gives round i + 1's state bit for bit, and leaves the state
+    handed in as it was."""
     group = LoopbackExchange.group(3)
     exchanges = [Recording(group[0]._hub, rank) for rank in range(3)]
 
