@@ -11,7 +11,8 @@ import argparse
 
 import torch
 
-from shoal.peer.algorithms.diloco import MODES, DiLoCo
+from shoal.peer.algorithms.configs import MODES
+from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import LoopbackExchange
 from shoal.peer.models.gpt import GPTConfig, TinyGPT
 from tests.benchmarks import time_loopback_mode
