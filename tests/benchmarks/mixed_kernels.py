@@ -6,13 +6,20 @@ which both peers' payloads counted together (`shared`), the state re-syncs (the 
 included) and the bytes the joiner received, and whether both end on one parameter hash (issue 76).
 Prints a table and a JSON line.
 
+With `--freeze N`, a third peer (vectorized kernels, 1 thread) joins once the two train together, and,
+once it does too, is frozen (SIGSTOP, every process of it) for N rounds of the first peer's: what it
+pulled to catch up, by replay (shoal.peer.swarm.replay) or download, against the state it would
+otherwise have downloaded.
+
     python -m tests.benchmarks.mixed_kernels                                # DiLoCo eager and DeMo
     python -m tests.benchmarks.mixed_kernels --algorithms diloco-standard --rounds 12
+    python -m tests.benchmarks.mixed_kernels --algorithms diloco-eager --rounds 16 --freeze 2
 """
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,8 +58,33 @@ def _wait_for(path: Path, predicate, timeout_s: float) -> dict:
     raise TimeoutError(f"nothing in {path} within {timeout_s} s")
 
 
+def _shared(after: int = -1):
+    return lambda e: e.get("event") == "round" and e.get("shared") and e["round"] > after
+
+
+def _freeze(folder: Path, first_out: Path, common: list[str], address: str, rounds: int) -> subprocess.Popen:
+    """The third peer, joined, then frozen for `rounds` of the first peer's once it trained together."""
+    frozen, out = _join(folder, "frozen", BEST, 1, *common, "--initial-peers", address)
+    shared = _wait_for(out, _shared(), 120)
+    _wait_for(out, _shared(shared["round"]), 60)
+    os.killpg(frozen.pid, signal.SIGSTOP)
+    at = max(e["round"] for e in _events(first_out) if e.get("event") == "round")
+    try:
+        _wait_for(first_out, lambda e: e.get("event") == "round" and e["round"] >= at + rounds, 30 * rounds)
+    finally:
+        os.killpg(frozen.pid, signal.SIGCONT)
+    return frozen
+
+
 def run(
-    algorithm: str, rounds: int, round_seconds: float, extra: list[str], *, same: bool, keep: str | None
+    algorithm: str,
+    rounds: int,
+    round_seconds: float,
+    extra: list[str],
+    *,
+    same: bool,
+    keep: str | None,
+    freeze: int = 0,
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix="shoal-mixed-kernels-") as name:
         folder = Path(keep or name) / algorithm
@@ -67,6 +99,9 @@ def run(
             kernels = ("default", 1) if same else (BEST, 2)
             joiner, joiner_out = _join(folder, "joiner", *kernels, *common, "--initial-peers", address)
             processes.append(joiner)
+            if freeze:
+                _wait_for(joiner_out, _shared(), 120)
+                processes.append(_freeze(folder, first_out, common, address, freeze))
             deadline = time.monotonic() + 180 + 2 * rounds * round_seconds
             for process in processes:
                 process.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -75,6 +110,7 @@ def run(
                 if process.poll() is None:
                     process.kill()
         logs = {"first": _events(first_out), "joiner": _events(joiner_out)}
+        frozen = _events(folder / "frozen.jsonl") if freeze else []
     summaries = {who: next(e for e in events if e.get("event") == "summary") for who, events in logs.items()}
     joined = [e["round"] for e in logs["joiner"] if e.get("event") == "round"]
     # its first round computes on its own initial state, its second takes the swarm's (a re-sync)
@@ -83,7 +119,12 @@ def run(
         who: sum(1 for e in events if e.get("event") == "round" and e["round"] in after and e.get("shared"))
         for who, events in logs.items()
     }
+    thawed = next((e for e in frozen if e.get("event") == "summary"), {})
     return {
+        "frozen": {
+            k: thawed.get(k)
+            for k in ("resyncs", "resync_bytes", "replays", "replay_bytes", "replayed_state_bytes")
+        },
         "algorithm": algorithm + (f" {' '.join(extra[2:])}" if extra[2:] else ""),
         "kernels": "default/1 thread, both" if same else f"default/1 thread + {BEST}/2 threads",
         "rounds_after_join": len(after),
@@ -109,6 +150,7 @@ def main() -> int:
     parser.add_argument("--compression", default=None, help="DiLoCo's --compression (int8, sparse)")
     parser.add_argument("--same-kernels", action="store_true", help="the control: both peers on default")
     parser.add_argument("--keep", default=None, help="keep the peers' logs in this folder")
+    parser.add_argument("--freeze", type=int, default=0, help="rounds a third peer is frozen (SIGSTOP)")
     args = parser.parse_args()
     results = []
     for algorithm in args.algorithms.split(","):
@@ -116,7 +158,15 @@ def main() -> int:
         if args.compression and algorithm.startswith("diloco"):
             extra += ["--compression", args.compression]
         results.append(
-            run(algorithm, args.rounds, args.round_seconds, extra, same=args.same_kernels, keep=args.keep)
+            run(
+                algorithm,
+                args.rounds,
+                args.round_seconds,
+                extra,
+                same=args.same_kernels,
+                keep=args.keep,
+                freeze=args.freeze,
+            )
         )
         row = results[-1]
         print(
@@ -128,6 +178,8 @@ def main() -> int:
             f"one hash: {row['same_hash']}",
             flush=True,
         )
+        if args.freeze:
+            print(f"{'':>16}  frozen for {args.freeze} rounds: {row['frozen']}", flush=True)
     print(json.dumps({"results": results}))
     return 0
 
