@@ -16,7 +16,7 @@ adds halves of a tensor elementwise until one value is left, an order set by its
 device's own inner steps are untouched: only what every peer must agree on goes through here.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -80,24 +80,43 @@ class NesterovSGD(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:  # type: ignore[override]
+    def step(self, closure: None = None) -> bool:  # type: ignore[override]
+        """One step of every parameter with a gradient, unless it would leave a parameter or its
+        momentum infinite or NaN (finite but huge values can overflow): then nothing moves, and it
+        returns False. The check costs the update computed twice and one host sync."""
+        finite = []  # one flag a tensor on its device, read at once: one host sync
+        for p, direction, buffer in self._updates(commit=False):
+            finite.append(torch.isfinite(p - direction).all())
+            if buffer is not None:
+                finite.append(torch.isfinite(buffer).all())
+        if finite and not bool(torch.stack(finite).all()):
+            return False
+        for p, direction, _ in self._updates(commit=True):
+            p.sub_(direction)
+        return True
+
+    def _updates(self, *, commit: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """(parameter, lr * its direction, its new momentum) for each parameter with a gradient; the
+        momentum is written to the state only with `commit`."""
         for group in self.param_groups:
             lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                direction = p.grad
+                direction, buffer = p.grad, None
                 if momentum:
                     state = self.state[p]
-                    buffer = state.get("momentum_buffer")
-                    if buffer is None:
-                        buffer = state["momentum_buffer"] = direction.detach().clone()
+                    old = state.get("momentum_buffer")
+                    if old is None:
+                        buffer = direction.detach().clone()
                     else:
-                        buffer.mul_(momentum)
+                        buffer = old * momentum
                         buffer.add_(direction)
+                    if commit:
+                        state["momentum_buffer"] = buffer if old is None else old.copy_(buffer)
                     if nesterov:
                         direction = buffer * momentum
                         direction.add_(p.grad)
                     else:
                         direction = buffer
-                p.sub_(direction * lr)
+                yield p, direction * lr, buffer

@@ -501,9 +501,7 @@ class DiLoCo:
         self.inner_optimizer.state.clear()
         return [torch.zeros_like(d) for d in pseudo]
 
-    def _apply_round(
-        self, result: _RoundResult, params: list[torch.Tensor], optimizer: torch.optim.Optimizer
-    ) -> None:
+    def _apply_round(self, result: _RoundResult, params: list[torch.Tensor], optimizer: NesterovSGD) -> None:
         """A round's mean applied to `params`, unless the round counted nothing: the parameters and the
         outer momentum then stay as they were."""
         if result.total_samples > 0:
@@ -513,28 +511,31 @@ class DiLoCo:
         self,
         direction: list[torch.Tensor],
         params: list[torch.Tensor] | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: NesterovSGD | None = None,
     ) -> None:
-        """One outer step of `params` (the global parameters by default) along `direction`, unless it is
-        not finite (refused and counted: a sum of huge finite values can overflow)."""
+        """One outer step of `params` (the global parameters by default) along `direction`, unless it or
+        the step is not finite (refused and counted: a sum of huge finite values can overflow, and so
+        can the step, a huge direction on huge parameters or momentum)."""
         self.hooks.outer_direction(self, direction, params is None)
         if not finite(direction):
             self.stats.refused["aggregate_non_finite"] += 1
             self.exchange.refuse("aggregate_non_finite")
             return
         started = time.perf_counter()
-        self._outer(direction, params or self.global_params, optimizer or self.outer_optimizer)
+        if not self._outer(direction, params or self.global_params, optimizer or self.outer_optimizer):
+            self.stats.refused["aggregate_non_finite"] += 1
+            self.exchange.refuse("aggregate_non_finite")
         self.stats.phase_seconds["apply"] += time.perf_counter() - started
 
     @staticmethod
-    def _outer(
-        direction: list[torch.Tensor], params: list[torch.Tensor], optimizer: torch.optim.Optimizer
-    ) -> None:
-        """The outer step itself: `params` moved along `direction` by `optimizer`."""
+    def _outer(direction: list[torch.Tensor], params: list[torch.Tensor], optimizer: NesterovSGD) -> bool:
+        """The outer step itself: `params` moved along `direction` by `optimizer`, unless that would make
+        them or their momentum non-finite (False: nothing moved)."""
         for start, d in zip(params, direction, strict=True):
             start.grad = d.to(start.dtype)
-        optimizer.step()
+        applied = optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return applied
 
     @torch.no_grad()
     def finish(self) -> None:

@@ -117,3 +117,15 @@ def test_nesterov_sgd_steps_as_torchs_sgd_and_shares_its_state(nesterov):
     torch_sgd.load_state_dict(canonical_sgd.state_dict())
     canonical_sgd.load_state_dict(torch_sgd.state_dict())
     assert canonical_sgd.state[ours[0]]["momentum_buffer"].shape == (40,)
+
+
+def test_the_outer_step_refuses_a_direction_that_overflows_the_parameters():
+    params = [torch.full((4,), 3e38), torch.zeros(3)]
+    optimizer = canonical.NesterovSGD(params, lr=1.0, momentum=0.9, nesterov=True)
+    params[0].grad, params[1].grad = torch.full((4,), -3e38), torch.ones(3)
+    assert optimizer.step() is False  # 3e38 - (-3e38 * 1.9) is inf
+    assert torch.equal(params[0], torch.full((4,), 3e38)) and torch.equal(params[1], torch.zeros(3))
+    assert optimizer.state[params[0]] == {} and optimizer.state[params[1]] == {}  # no momentum taken
+    params[0].grad, params[1].grad = torch.full((4,), 1.0), torch.ones(3)
+    assert optimizer.step() is True
+    assert torch.equal(params[1], torch.full((3,), -1.9))  # Nesterov: g + 0.9 * g

@@ -98,6 +98,11 @@ def test_diloco_never_applies_a_mean_that_overflowed():
         assert exchange.refused == ["aggregate_non_finite"]
         assert diloco.stats.refused == {"aggregate_non_finite": 1}
         assert all(torch.equal(p, b) for p, b in zip(diloco.global_params, before, strict=True))
+        # finite, but the outer step would overflow (the Nesterov direction, 1.9 x 3e38): refused whole
+        diloco._apply([torch.full_like(p, 3e38) for p in diloco.global_params])
+        assert diloco.stats.refused == {"aggregate_non_finite": 2}
+        assert all(torch.equal(p, b) for p, b in zip(diloco.global_params, before, strict=True))
+        assert all(not s for s in diloco.outer_optimizer.state.values())  # no momentum taken either
 
 
 @pytest.mark.parametrize("overlap", [False, True])
