@@ -364,7 +364,7 @@ class RoundStages:
                 return None
             return await self._replay(number, digest, plan, sources, like)
         counts.rejected["replay_unavailable"] += 1
-        logger.info(
+        logger.warning(
             "no peer keeps the steps from a state this peer holds to the swarm's: downloading the state"
         )
         return None
@@ -378,7 +378,7 @@ class RoundStages:
             data = await self.puller.kept(round_number, counted, sources)
             if data is None:
                 counts.rejected["replay_unavailable"] += 1
-                logger.info(f"a payload of round {round_number} is kept by no peer: downloading the state")
+                logger.warning(f"a payload of round {round_number} is kept by no peer: downloading the state")
                 return None
             self.server.held[(round_number, counted.digest)] = data
             pulled += len(data)

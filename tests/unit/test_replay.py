@@ -2,6 +2,7 @@
 a hostile source, the plan a peer behind makes, and DiLoCo's replay of a round, which must give the
 bits the round itself gave."""
 
+import asyncio
 import hashlib
 
 import pytest
@@ -11,6 +12,7 @@ from shoal.compression import DCTTopKCodec
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Contribution, LoopbackExchange, run_loopback
 from shoal.peer.models.gpt import GPTConfig, TinyGPT
+from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.replay import (
     KEEP_STEPS,
     Counted,
@@ -20,6 +22,9 @@ from shoal.peer.swarm.replay import (
     parse_steps,
     plan_replay,
 )
+from shoal.peer.swarm.server import PayloadServer
+from shoal.peer.swarm.stages import RoundLimits, RoundStages
+from shoal.peer.swarm.state import StateSnapshot, state_size
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.swarm_pb2 import StateSteps
 
@@ -180,3 +185,108 @@ def test_diloco_replay_rejects_a_malformed_contribution_and_a_state_of_another_s
         assert rejected == [b"bad"]
         assert all(torch.equal(x, y) for x, y in zip(after, state, strict=True))  # nothing counted
         assert replay(state[:-1], []) is None
+
+
+# -- a peer behind: replay, or a download that says why (RoundStages.replay) -----------------------
+
+
+class Sources:
+    """What the other peers answer a peer that replays: their steps, and the payloads they keep."""
+
+    def __init__(self, steps: bytes, kept: dict[bytes, bytes]):
+        self.steps_reply, self.kept_payloads, self.asked = steps, kept, []
+
+    async def steps(self, digest, source):
+        self.asked.append(source)
+        return self.steps_reply
+
+    async def kept(self, round_number, counted, sources):
+        return self.kept_payloads.get(counted.digest)
+
+
+def behind(steps: bytes, kept: dict[bytes, bytes], transition):
+    """A RoundStages whose state of round 5 (zeros) is held, with `transition`, over these sources."""
+    counts = SwarmCounters()
+    server = PayloadServer(run="r", counts=counts, max_payload_bytes=1 << 20, keep_states=3, timeout_s=1)
+    held = StateSnapshot.capture([torch.zeros(4096)], 5)
+    server.keep_state(held)
+    stages = RoundStages(
+        run="r", owner=b"me", peer_id="me", server=server, directory=None, ledger=None,
+        puller=Sources(steps, kept), counts=counts, limits=RoundLimits(1 << 20, 1.0, 0.1, 0),
+    )  # fmt: skip
+    stages.transition = transition
+    return stages, held
+
+
+def add_payloads(state, step, payloads, starts):
+    """A transition of a test: each payload's value (one float32) added to the whole state."""
+    total = state[0].clone()
+    for payload in payloads:
+        total += torch.frombuffer(bytearray(payload), dtype=torch.float32)[0]
+    return [total]
+
+
+def payload(value: float) -> bytes:
+    return torch.tensor([value]).numpy().tobytes()
+
+
+def test_a_peer_behind_replays_the_steps_and_pulls_only_what_it_lacks():
+    one, two = payload(1.0), payload(2.0)
+    stages, held = behind(b"", {}, add_payloads)
+    step = Step(5, held.digest, (Counted(b"a", hashlib.sha256(one).digest(), 1, len(one)),
+                                 Counted(b"b", hashlib.sha256(two).digest(), 1, len(two))))  # fmt: skip
+    stages.puller.steps_reply = encode([step])
+    stages.puller.kept_payloads = {hashlib.sha256(two).digest(): two}
+    stages.server.held[(5, hashlib.sha256(one).digest())] = one  # pulled in round 5 already
+    target = StateSnapshot.capture([torch.full((4096,), 3.0)], 6).digest
+    state = asyncio.run(stages.replay(6, target, ["peer"], [torch.zeros(4096)]))
+    assert state is not None and torch.equal(state[0], torch.full((4096,), 3.0))
+    counts = stages.counts
+    assert counts.replays == 1 and counts.replayed_state_bytes == state_size([torch.zeros(4096)])
+    assert counts.replay_bytes == len(two) + len(encode([step]))  # the missing payload and the steps
+    assert not counts.rejected
+
+
+def test_steps_no_peer_kept_a_payload_gone_a_lie_or_garbage_fall_back_to_the_download_counted():
+    two = payload(2.0)
+    target = StateSnapshot.capture([torch.full((4096,), 2.0)], 6).digest
+
+    def attempt(steps, kept, transition=add_payloads):
+        stages, _ = behind(steps(held_digest()), kept, transition)
+        state = asyncio.run(stages.replay(6, target, ["peer", "other", "third"], [torch.zeros(4096)]))
+        assert state is None and stages.counts.replays == 0
+        return stages
+
+    def held_digest():
+        return StateSnapshot.capture([torch.zeros(4096)], 5).digest
+
+    def one_step(before):
+        return encode([Step(5, before, (Counted(b"b", hashlib.sha256(two).digest(), 1, len(two)),))])
+
+    # no peer keeps steps from here: asked of two sources at most, then the download, counted
+    stages = attempt(lambda _: b"", {})
+    assert stages.counts.rejected == {"replay_unavailable": 1} and stages.puller.asked == ["peer", "other"]
+    # steps from a state this peer does not hold
+    assert attempt(lambda _: one_step(digest("elsewhere")), {}).counts.rejected == {"replay_unavailable": 1}
+    # the payload is kept by no one
+    assert attempt(one_step, {}).counts.rejected == {"replay_unavailable": 1}
+    # a source that lies: the steps lead elsewhere than the swarm's digest
+    lie = {hashlib.sha256(two).digest(): two}
+    assert attempt(one_step, lie, lambda s, *_: [s[0] + 7]).counts.rejected == {"replay_mismatch": 1}
+    # garbage instead of steps, from both sources
+    garbage = attempt(lambda _: b"\xff\xff\xff", {}).counts.rejected
+    assert garbage["replay_unavailable"] == 1 and sum(garbage.values()) == 3
+    # the optimizer cannot replay the step after all (a state of another shape): the download
+    assert attempt(one_step, lie, lambda *_: None).counts.replay_bytes == len(one_step(held_digest())) + 4
+    # an optimizer that replays nothing (DeMo, butterfly rounds): nothing asked, nothing counted
+    none = attempt(one_step, lie, None)
+    assert none.puller.asked == [] and none.counts.replay_bytes == 0 and not none.counts.rejected
+
+
+def test_replaying_costs_more_than_the_state_then_it_downloads_without_pulling():
+    big = [Counted(bytes([i + 1]), digest(f"p{i}"), 1, 8192) for i in range(3)]
+    stages, held = behind(b"", {}, add_payloads)
+    stages.puller.steps_reply = encode([Step(5, held.digest, tuple(big))])
+    target = StateSnapshot.capture([torch.zeros(4096)], 6).digest
+    assert asyncio.run(stages.replay(6, target, ["peer"], [torch.zeros(4096)])) is None
+    assert stages.counts.replays == 0 and not stages.counts.rejected
