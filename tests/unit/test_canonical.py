@@ -11,7 +11,11 @@ import sys
 import pytest
 import torch
 
+from shoal.compression import DenseCodec, TopKCodec
 from shoal.peer.algorithms import canonical
+from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.algorithms.exchange import LoopbackExchange
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
 
 # three rounds of a DiLoCo outer step over five contributions (one to be clipped), digests printed
 PROBE = """
@@ -129,3 +133,84 @@ def test_the_outer_step_refuses_a_direction_that_overflows_the_parameters():
     params[0].grad, params[1].grad = torch.full((4,), 1.0), torch.ones(3)
     assert optimizer.step() is True
     assert torch.equal(params[1], torch.full((3,), -1.9))  # Nesterov: g + 0.9 * g
+
+
+# DiLoCo's own transition (`DiLoCo.replay`: decoding, screening, the mean, the outer step), the code
+# every peer runs on a round's payloads, over three rounds of the same payload bytes for each codec
+REPLAY_PROBE = """
+import hashlib, json, sys
+import numpy as np, torch
+from shoal.compression import DenseCodec, TopKCodec
+from shoal.peer.algorithms.diloco import DiLoCo
+from shoal.peer.algorithms.exchange import Contribution, LoopbackExchange
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
+
+codecs = {"float32": None, "int8": DenseCodec(8, block=64),
+          "sparse": TopKCodec(chunk=64, topk=8, value_bits=8)}
+model = TinyGPT(GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16))
+digests = {}
+for name, rounds in json.load(open(sys.argv[1])).items():
+    exchange = LoopbackExchange.group(1, trusted=False)[0]  # screened, as swarm peers are
+    diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), exchange=exchange, inner_steps=1,
+                    mode="eager", outer_lr=0.7, outer_momentum=0.9, codec=codecs[name])
+    rng = np.random.default_rng(3)
+    state = [torch.from_numpy(rng.standard_normal(tuple(p.shape)).astype(np.float32))
+             for _ in range(2) for p in diloco.consensus_params]
+    for contributions in rounds:
+        state, rejected = diloco.replay(state, [
+            Contribution(rank, bytes.fromhex(data), samples, sender=bytes([rank + 1]))
+            for rank, (data, samples) in enumerate(contributions)
+        ])
+        assert not rejected
+    digests[name] = hashlib.sha256(b"".join(t.numpy().tobytes() for t in state)).hexdigest()
+print(json.dumps({"digests": digests, "capability": torch.backends.cpu.get_cpu_capability()}))
+"""
+
+
+def test_diloco_rounds_of_every_codec_give_the_same_bits_on_every_kernel_set(tmp_path):
+    """Payloads of float32, int8 and sparse (top-k) DiLoCo, made here once (their bytes are what peers
+    exchange), applied for three rounds by DiLoCo's own transition in a fresh process under each kernel
+    set and thread count: one digest per codec everywhere. A fifth payload 40x larger is clipped."""
+    codecs = {
+        "float32": None,
+        "int8": DenseCodec(8, block=64),
+        "sparse": TopKCodec(chunk=64, topk=8, value_bits=8),
+    }
+    model = TinyGPT(GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16))
+    generator = torch.Generator().manual_seed(5)
+    rounds = {}
+    for name, codec in codecs.items():
+        exchange = LoopbackExchange.group(1, trusted=False)[0]
+        diloco = DiLoCo(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), exchange=exchange, inner_steps=1, codec=codec
+        )
+        rounds[name] = [
+            [
+                (
+                    diloco._encode(
+                        [
+                            torch.randn(p.shape, generator=generator) * (40 if i == 4 else 1)
+                            for p in model.parameters()
+                        ],
+                        samples=8 + i,
+                    ).payload.hex(),
+                    8 + i,
+                )
+                for i in range(5)
+            ]
+            for _ in range(3)
+        ]
+    payloads = tmp_path / "payloads.json"
+    payloads.write_text(json.dumps(rounds))
+    runs = {}
+    for i, capability in enumerate(kernel_sets()):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": str(1 + i % 2)}
+        done = subprocess.run(
+            [sys.executable, "-c", REPLAY_PROBE, str(payloads)],
+            capture_output=True, text=True, env=env, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[capability] = json.loads(done.stdout)
+    assert {run["capability"].lower() for run in runs.values()} == set(runs)
+    for name in codecs:
+        assert len({run["digests"][name] for run in runs.values()}) == 1, (name, runs)
