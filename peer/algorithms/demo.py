@@ -27,7 +27,8 @@ as an `outlier` (DeMo drops nothing on a single round's agreement by default: ho
 contributions agree little). The message's top-k,
 value encoding and chunk plan must be the run's (`config_mismatch`): a peer that sends more
 coefficients than the run's k would get more say. The shared state is the parameters: the exchange
-may replace them with the swarm's before the update.
+may replace them with the swarm's before the update, or rebuild the swarm's by replaying rounds with
+`replay` (shoal.peer.swarm.replay), each at its own learning rate (`lr_at`).
 
 `overlap=True` hides the exchange behind computation (the exchange must not block compute): step r
 encodes its payload and hands it to a background thread owned by the optimizer, then applies
@@ -48,9 +49,10 @@ bit-identical), so every update still applies to the shared parameters.
     loss.backward(); opt.step(); opt.zero_grad()
 """
 
+import copy
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import cast, overload
 
@@ -66,6 +68,7 @@ from shoal.peer.algorithms.robust import (
     DEMO,
     Reference,
     Robustness,
+    Screened,
     Suspicion,
     capped_weights,
     default_for,
@@ -93,6 +96,19 @@ class _Gathered:
     """The samples it announced with it."""
     counted: bool = True
     """Whether its payload counted (a bounded fan-in aggregates only some: shoal.protocol.rules)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Screened:
+    """A round's contributions decoded and screened (`DeMo._screened`)."""
+
+    accepted: list[tuple[list[TopKCoefficients], float]]
+    """(coefficients, scaled by the norm bound where it clipped; weight) of those that count."""
+    senders: list[Contribution]
+    """The contributions decoded, in rank order."""
+    decoded: list[list[TopKCoefficients]]
+    verdict: Screened
+    malformed: list[tuple[Contribution, str]]
 
 
 @dataclass(slots=True)
@@ -209,6 +225,9 @@ class DeMo(torch.optim.Optimizer):
         self.lookahead = lookahead
         self._origin: list[torch.Tensor] | None = None  # lookahead: the parameters before the shift
         self._shifted = False
+        self.lr_at: Callable[[int], float] | None = None
+        """The learning rate of a round (a schedule's), for `replay`; None: the groups' own, constant."""
+        exchange.replays_with(self.replay)
 
     def _trainable(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
@@ -380,11 +399,7 @@ class DeMo(torch.optim.Optimizer):
         self.stats.bytes_received += sum(len(c.payload) for c in others)
         received = self._accept(contributions, slices, gathered)
         decoded = time.perf_counter()
-        for index, piece in enumerate(slices):
-            received_piece = [(coeffs[index], weight) for coeffs, weight in received]
-            direction = combine(received_piece, piece, self.codec.workspace)
-            # finite but huge values from a hostile peer can sum to inf and inf - inf to NaN: never apply NaN
-            signs = direction.sign_().nan_to_num_(nan=0.0)
+        for piece, signs in self._signs(received, slices):
             piece.add_to_params(signs, [-settings[m.param][0] for m in piece.members])
         self.stats.phase_seconds["decode"] += decoded - started
         self.stats.phase_seconds["apply"] += time.perf_counter() - decoded
@@ -448,33 +463,45 @@ class DeMo(torch.optim.Optimizer):
         """Decodes and validates every contribution (rank order); drops and counts the malformed,
         then screens the rest (shoal.peer.algorithms.robust; a round too small for the median rule
         against what this participant sent, in `gathered`)."""
+        reference = None  # under a bounded fan-in only: robust.Reference
+        if gathered is not None and gathered.selections and self.exchange.gather_limit > 0:
+            reference = Reference(gathered.selections)
+        screened = self._screened(contributions, slices, reference, self.suspicion)
+        for contribution, reason in screened.malformed:
+            self.stats.rejected[reason] += 1
+            self.exchange.reject(contribution, reason)
+        self.hooks.screened(self, screened.decoded, slices, sender_keys(screened.senders), screened.verdict)
+        self.stats.clipped += screened.verdict.clipped
+        report(self.exchange, screened.senders, screened.verdict, self.stats.rejected)
+        return screened.accepted
+
+    def _screened(
+        self,
+        contributions: list[Contribution],
+        slices: list[Slice],
+        reference: Reference | None,
+        suspicion: Suspicion,
+    ) -> "_Screened":
+        """`_accept`'s decoding and screening, with nothing reported or counted."""
         limits = DecodeLimits(max_numel=max(piece.plan.numel for piece in slices))
-        decoded, senders = [], []
+        decoded, senders, malformed = [], [], []
         for contribution in contributions:
             try:
                 decoded.append(decode(contribution, slices, limits, self.codec, self.max_payload_bytes))
                 senders.append(contribution)
             except MalformedPayloadError as error:
-                self.stats.rejected[error.reason] += 1
-                self.exchange.reject(contribution, error.reason)
+                malformed.append((contribution, error.reason))
         samples = [float(c.samples) if self.weight_by_samples else 1.0 for c in senders]
-        reference = None  # under a bounded fan-in only: robust.Reference
-        if gathered is not None and gathered.selections and self.exchange.gather_limit > 0:
-            reference = Reference(gathered.selections)
-        keys = sender_keys(senders)
         verdict = screen(
             decoded,
             capped_weights(samples, self.robust.sample_ratio),
             slices,
-            keys,
+            sender_keys(senders),
             [float(c.samples) for c in senders],
             reference,
-            suspicion=self.suspicion,
+            suspicion=suspicion,
             workspace=self.codec.workspace,
         )
-        self.hooks.screened(self, decoded, slices, keys, verdict)
-        self.stats.clipped += verdict.clipped
-        report(self.exchange, senders, verdict, self.stats.rejected)
         accepted = []
         for coeffs, factor, weight in zip(decoded, verdict.factors, verdict.weights, strict=True):
             if weight > 0:
@@ -482,4 +509,53 @@ class DeMo(torch.optim.Optimizer):
                 accepted.append(
                     (coeffs if scale == 1 else [replace(c, values=c.values * scale) for c in coeffs], weight)
                 )
-        return accepted
+        return _Screened(accepted, senders, decoded, verdict, malformed)
+
+    def _signs(
+        self, received: list[tuple[list[TopKCoefficients], float]], slices: list[Slice]
+    ) -> Iterator[tuple[Slice, torch.Tensor]]:
+        """Step 8's direction, slice by slice: the sign of the combined coefficients' inverse DCT (a
+        view into the codec's workspace, valid until the next slice)."""
+        for index, piece in enumerate(slices):
+            direction = combine(
+                [(coeffs[index], weight) for coeffs, weight in received], piece, self.codec.workspace
+            )
+            # finite but huge values from a hostile peer can sum to inf and inf - inf to NaN: never apply NaN
+            yield piece, direction.sign_().nan_to_num_(nan=0.0)
+
+    @torch.no_grad()
+    def replay(
+        self, state: list[torch.Tensor], contributions: list[Contribution], rounds: tuple[int, int]
+    ) -> tuple[list[torch.Tensor], list[bytes]] | None:
+        """A round applied to shared parameters handed in, as this optimizer's steps apply it
+        (shoal.peer.algorithms.exchange.Replay; a peer behind the swarm catches up so): the parameters
+        at the start of round `rounds[1]`, on new tensors, and the senders rejected. Without overlap
+        the round's sign step at its own learning rate, then the next step's weight decay; with it, the
+        next step's weight decay, then the sign step at the next step's rate. The rates are `lr_at`'s
+        (a schedule's), or else the groups' own. Screening as in `replay` of DiLoCo: a copy of this
+        participant's record, no reference; the exchange checks the result against the swarm's."""
+        params = self._trainable()
+        if [t.shape for t in state] != [p.shape for p in params]:
+            return None
+        into = {p: t.to(p.device, p.dtype, copy=True) for p, t in zip(params, state, strict=True)}
+        settings = self._settings()
+
+        def lr(p: torch.Tensor, number: int) -> float:
+            return settings[p][0] if self.lr_at is None else self.lr_at(number)
+
+        applied, after = rounds[1] if self._in_flight is not None else rounds[0], rounds[1]
+        slices = self._slices()
+        screened = self._screened(contributions, slices, None, copy.deepcopy(self.suspicion))
+
+        def decay() -> None:
+            for piece in slices:
+                ps = [m.param for m in piece.members]
+                piece.scale_params([1 - lr(p, after) * settings[p][1] for p in ps], into)
+
+        if self._in_flight is not None:
+            decay()
+        for piece, signs in self._signs(screened.accepted, slices):
+            piece.add_to_params(signs, [-lr(m.param, applied) for m in piece.members], into)
+        if self._in_flight is None:
+            decay()
+        return [into[p] for p in params], [c.sender for c, _ in screened.malformed]

@@ -449,14 +449,15 @@ class DiLoCo:
 
     @torch.no_grad()
     def replay(
-        self, state: list[torch.Tensor], contributions: list[Contribution]
+        self, state: list[torch.Tensor], contributions: list[Contribution], rounds: tuple[int, int] = (0, 1)
     ) -> tuple[list[torch.Tensor], list[bytes]] | None:
         """A round applied to a shared state handed in (`shared_state`'s form), as `outer_step` applies
         it to the consensus: the next shared state, on new tensors, and the senders rejected
         (shoal.peer.algorithms.exchange.Replay; a peer behind the swarm catches up so). Screening
         weighs the senders on a copy of this participant's record of them, and with no reference of
         its own (it sent nothing in that round): where that decides otherwise than the round did, the
-        result differs from the swarm's, and the exchange downloads the state instead."""
+        result differs from the swarm's, and the exchange downloads the state instead. The outer step
+        has no schedule: `rounds` does not change it."""
         count = len(self.consensus_params)
         if [t.shape for t in state] != [p.shape for p in self.consensus_params] * 2:
             return None

@@ -62,10 +62,13 @@ class Contribution:
     """The round it was sent for, for exchanges that number rounds (the swarm); -1: unnumbered."""
 
 
-Replay = Callable[[list[torch.Tensor], list[Contribution]], "tuple[list[torch.Tensor], list[bytes]] | None"]
-"""replay(shared state, a round's contributions in rank order) -> (the shared state after the round,
-as the optimizer computes it when it takes part, on new tensors; the senders whose contributions it
-rejected), or None if it cannot replay that round; the state handed in is left as it is."""
+Replay = Callable[
+    [list[torch.Tensor], list[Contribution], tuple[int, int]], "tuple[list[torch.Tensor], list[bytes]] | None"
+]
+"""replay(shared state, a round's contributions in rank order, (that round, the round the result
+starts)) -> (the shared state after the round, as the optimizer computes it when it takes part, on new
+tensors; the senders whose contributions it rejected), or None if it cannot replay that round; the
+state handed in is left as it is. (DeMo's step reads the learning rate of both rounds.)"""
 
 
 @dataclass(frozen=True, slots=True)

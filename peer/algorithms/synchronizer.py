@@ -15,6 +15,7 @@ did not count are the same few attributes for both.
 """
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -45,6 +46,11 @@ class Synchronizer(ABC):
     @abstractmethod
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next steps (DeMo's; DiLoCo's inner optimizer's): a schedule's."""
+
+    def set_schedule(self, lr_at: Callable[[int], float]) -> None:
+        """The learning rate of each round (a schedule's), for an algorithm that replays rounds with it
+        (DeMo: shoal.peer.swarm.replay); the others' shared step has no schedule."""
+        return None
 
     @abstractmethod
     def finish(self) -> None:
@@ -116,6 +122,9 @@ class DeMoSynchronizer(Synchronizer):
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    def set_schedule(self, lr_at: Callable[[int], float]) -> None:
+        self.optimizer.lr_at = lr_at
 
     def finish(self) -> None:
         self.optimizer.finish()

@@ -12,7 +12,7 @@ per distinct scale, not one call per parameter: on a GPU each call is a kernel l
 microseconds of Python, and per-parameter calls made the DeMo step host-bound (BENCHMARKS.md).
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,18 +72,30 @@ class Slice:
             if scale != 1:
                 torch._foreach_mul_([m.tiles(bands) for m in members], scale)
 
-    def add_to_params(self, bands: torch.Tensor, alphas: Sequence[float]) -> None:
-        """Adds `alphas[i] *` member i's tiles of `bands` to its parameter (the DeMo step's apply)."""
+    def add_to_params(
+        self,
+        bands: torch.Tensor,
+        alphas: Sequence[float],
+        into: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Adds `alphas[i] *` member i's tiles of `bands` to its parameter (the DeMo step's apply), or to
+        the tensor `into` maps it to (a replay's copy)."""
         for alpha, members in _by_scale(self.members, alphas).items():
+            targets = [m.param if into is None else into[m.param] for m in members]
             torch._foreach_add_(
-                [m.matrix(m.param) for m in members], [m.tiles(bands) for m in members], alpha=alpha
+                [m.matrix(t) for m, t in zip(members, targets, strict=True)],
+                [m.tiles(bands) for m in members],
+                alpha=alpha,
             )
 
-    def scale_params(self, factors: Sequence[float]) -> None:
-        """Multiplies member i's parameter by `factors[i]` (1: untouched; decoupled weight decay)."""
+    def scale_params(
+        self, factors: Sequence[float], into: Mapping[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """Multiplies member i's parameter (or what `into` maps it to) by `factors[i]` (1: untouched;
+        decoupled weight decay)."""
         for factor, members in _by_scale(self.members, factors).items():
             if factor != 1:
-                torch._foreach_mul_([m.param for m in members], factor)
+                torch._foreach_mul_([m.param if into is None else into[m.param] for m in members], factor)
 
 
 def _by_scale(members: list[Member], scales: Sequence[float]) -> dict[float, list[Member]]:

@@ -245,11 +245,12 @@ class SwarmExchange(Exchange):
             Contribution(rank, payload, counted.samples, sender=counted.owner, round=step.round)
             for rank, (counted, payload) in enumerate(zip(step.counted, payloads, strict=True))
         ]
+        rounds = (step.round, starts)
         if self.tokens is None:
-            result = replay(state, contributions)
+            result = replay(state, contributions, rounds)
             return None if result is None else result[0]
         *model, view = state
-        result = replay(model, contributions)
+        result = replay(model, contributions, rounds)
         if result is None:
             return None
         after, rejected = result

@@ -20,6 +20,7 @@ newest one; the exchange then re-syncs the peer if the swarm moved on meanwhile.
 """
 
 import contextlib
+import functools
 import math
 import time
 from collections import Counter
@@ -180,6 +181,8 @@ class Trainer:
         """Optimizer steps taken; every round takes `inner_steps` of them."""
         self.sync = synchronizer(model, exchange, algorithm, codec, weight_decay, outer_device)
         self.schedule, self.grad_clip = schedule, grad_clip
+        if schedule is not None:  # a round's rate, for a replay of it (DeMo steps once a round)
+            self.sync.set_schedule(functools.partial(schedule.lr, algorithm.lr))
         if ranks is not None and max_micro_batches < ranks.world:
             raise ValueError(
                 f"--max-micro-batches {max_micro_batches} with --nproc-per-node {ranks.world}: each rank "

@@ -4,11 +4,13 @@ bits the round itself gave."""
 
 import asyncio
 import hashlib
+import itertools
 
 import pytest
 import torch
 
 from shoal.compression import DCTTopKCodec
+from shoal.peer.algorithms.demo import DeMo
 from shoal.peer.algorithms.diloco import DiLoCo
 from shoal.peer.algorithms.exchange import Contribution, LoopbackExchange, run_loopback
 from shoal.peer.models.gpt import GPTConfig, TinyGPT
@@ -121,17 +123,26 @@ class Recording(LoopbackExchange):
     """A loopback exchange that keeps each round's state and contributions, and the optimizer's replay;
     untrusted, as the swarm's: the optimizer screens each round with the swarm's defaults."""
 
-    def __init__(self, hub, rank, gather_limit=0):
+    def __init__(self, hub, rank, gather_limit=0, *, replay_at_once=False):
         super().__init__(hub, rank, gather_limit, trusted=False)
         self.rounds: list[tuple[list[torch.Tensor], list]] = []
         self.replay = None
+        self.replay_at_once = replay_at_once
+        """Replay each round as it is gathered, screened as the round itself is (with the record of
+        suspicion the round starts from), into `replayed`."""
+        self.replayed: list = []
 
     def replays_with(self, replay):
         self.replay = replay
 
     def gather(self, payload, samples, state=None, plan=None):
         gathered = super().gather(payload, samples, state, plan)
-        self.rounds.append(([t.clone() for t in state or ()], list(gathered.contributions)))
+        number, state = len(self.rounds), [t.clone() for t in state or ()]
+        self.rounds.append((state, list(gathered.contributions)))
+        if self.replay_at_once:
+            before = [t.clone() for t in state]
+            self.replayed.append(self.replay(state, list(gathered.contributions), (number, number + 1)))
+            assert all(torch.equal(x, y) for x, y in zip(state, before, strict=True))  # left as it was
         return gathered
 
 
@@ -290,3 +301,50 @@ def test_replaying_costs_more_than_the_state_then_it_downloads_without_pulling()
     target = StateSnapshot.capture([torch.zeros(4096)], 6).digest
     assert asyncio.run(stages.replay(6, target, ["peer"], [torch.zeros(4096)])) is None
     assert stages.counts.replays == 0 and not stages.counts.rejected
+
+
+def schedule(number: int) -> float:
+    """A learning rate that changes every round, as a warmup's or a decay's does."""
+    return 1e-2 * (1 + 0.25 * number)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_demo_replays_a_round_to_the_bits_the_round_gave(overlap):
+    """Three DeMo workers, screened as the swarm screens, with weight decay and a rate that changes
+    every round (`lr_at`, a schedule's): replaying round i on round i's parameters gives round i + 1's
+    bit for bit, whether the sign step lands in its own step or, overlapped (with the lookahead), in
+    the next one."""
+    group = LoopbackExchange.group(3)
+    exchanges = [Recording(group[0]._hub, rank, replay_at_once=True) for rank in range(3)]
+
+    def work(rank, _exchange):
+        exchange = exchanges[rank]
+        model = TinyGPT(CONFIG)
+        model.load_state_dict(INITIAL)
+        generator = torch.Generator().manual_seed(2000 + rank)
+        optimizer = DeMo(
+            model.parameters(), lr=schedule(0), exchange=exchange, weight_decay=0.1, compression_topk=8,
+            overlap=overlap, lookahead=overlap,
+        )  # fmt: skip
+        optimizer.lr_at = schedule
+        for number in range(6):
+            for group_ in optimizer.param_groups:
+                group_["lr"] = schedule(number)
+            tokens = torch.randint(0, 256, (4, CONFIG.seq_len + 1), generator=generator)
+            model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+            optimizer.step(samples=4)
+            optimizer.zero_grad()
+        optimizer.close()
+        return exchange.replay
+
+    replay, *_ = run_loopback(3, work)
+    rounds, replayed = exchanges[0].rounds, exchanges[0].replayed
+    assert len(rounds) == 6
+    for number, ((state, _), (after, _)) in enumerate(itertools.pairwise(rounds)):
+        assert replayed[number][1] == []
+        assert all(torch.equal(x, y) for x, y in zip(replayed[number][0], after, strict=True)), number
+        assert not all(torch.equal(x, y) for x, y in zip(state, after, strict=True))  # it moved
+    # and the rate matters: the next round's gives other bits
+    state, contributions = rounds[0]
+    other, _ = replay(state, contributions, (1, 2))
+    assert not all(torch.equal(x, y) for x, y in zip(other, rounds[1][0], strict=True))
