@@ -166,7 +166,7 @@ class RoundStages:
         data slots, and rewriting it and an announcement every round was most of a small payload's
         wire traffic (BENCHMARKS.md)."""
         digest = self.server.hold(number, payload, None if snapshot is None else snapshot[0])
-        if snapshot is not None and self._step is not None and self.standing.synced:
+        if snapshot is not None and self._step is not None:  # (set only when it ended in sync)
             self.server.steps.record(snapshot[0].digest, self._step)
         self._step = None
         state = b"" if snapshot is None else snapshot[0].digest
@@ -294,7 +294,7 @@ class RoundStages:
         served = self.counts.sent["payload"] + self.counts.sent["state"]
         self.isolation.observe(len(announced.keys() - {mine.owner}), len(set(held) - {mine.owner}), served)
         agreement = await self.agree({owner: announced[owner] for owner in held}, mine, snapshot, voters)
-        if agreement.agreed is not None and self.standing.synced:
+        if agreement.agreed is not None:  # (given only when this peer ended the round in sync)
             step = tuple(
                 Counted(owner, announced[owner].digest, announced[owner].samples, announced[owner].size)
                 for owner in agreement.counted
