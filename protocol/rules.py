@@ -110,6 +110,29 @@ def tallied(votes: Mapping[tuple[bytes, bool], int]) -> bytes | None:
     return min(totals, key=lambda digest: (-totals[digest], digest))
 
 
+def weighed(
+    states: Mapping[bytes, tuple[bytes, bool]], weights: Mapping[bytes, int]
+) -> tuple[bytes | None, bool]:
+    """(the state the round's earned weight holds, True), from {owner: (state digest, synced)} and the
+    voter's {owner: weight}, the votes earned by counted work (shoal.protocol.work: 1 or 0): a
+    headcount is bought by whoever runs the most identities, an earned vote only by counted work. Only
+    announcers in sync vote while any with weight is; the most weight wins, ties to the smallest
+    digest.
+
+    When no announcer of a state weighs anything (a swarm's first round, a joiner that recorded no
+    round): (`majority`, False), the headcount, which a peer in sync never follows off its own state
+    but by a replay it can check (shoal.peer.swarm.state.decide)."""
+    cast = {owner: vote for owner, vote in states.items() if vote[0] and weights.get(owner, 0) > 0}
+    if any(synced for _, synced in cast.values()):  # as in `majority`: a peer out of sync knows it
+        cast = {owner: vote for owner, vote in cast.items() if vote[1]}
+    totals: Counter[bytes] = Counter()
+    for owner, (digest, _) in cast.items():
+        totals[digest] += weights[owner]
+    if totals:
+        return min(totals, key=lambda digest: (-totals[digest], digest)), True
+    return majority(dict(states)), False
+
+
 def overclaims(samples: Sequence[float], ratio: float = BELIEVABLE_RATIO) -> list[bool]:
     """Which sample claims exceed `ratio` times the round's lower-median claim (none with fewer than two
     claims: nothing to compare with)."""
@@ -120,15 +143,24 @@ def overclaims(samples: Sequence[float], ratio: float = BELIEVABLE_RATIO) -> lis
 
 
 def eligible(
-    states: Mapping[bytes, tuple[bytes, bool]], claims: Mapping[bytes, float] | None = None
+    states: Mapping[bytes, tuple[bytes, bool]],
+    claims: Mapping[bytes, float] | None = None,
+    weights: Mapping[bytes, int] | None = None,
+    own: bytes = b"",
 ) -> list[bytes]:
     """The keys among {key: (state digest, synced)} that the fan-in chooses among: those on the
     majority's state (`majority`), all of them when no one announced one, less those whose claim in
     `claims` is beyond belief among them (`overclaims`). Neither contribution could count, so its
     announcer takes no slot from one that can: two of six peers announcing a random digest under
     `--gather 2` could otherwise hold a third of the slots, unstruck, for as long as they liked (an
-    honest peer out of sync announces another state too, and is not struck for it)."""
-    agreed = majority(dict(states))
+    honest peer out of sync announces another state too, and is not struck for it). With the voter's
+    `weights`, the state is the one earned weight holds (`weighed`), or, where none backs any, the
+    voter's `own` when it is in sync (a peer in sync keeps it: shoal.peer.swarm.state.decide)."""
+    if weights is None:
+        agreed = majority(dict(states))
+    else:
+        agreed, earned = weighed(states, weights)
+        agreed = agreed if earned or not own else own
     keys = sorted(key for key, (state, _) in states.items() if agreed is None or state == agreed)
     if not claims:
         return keys

@@ -374,6 +374,8 @@ def _train(
         if trainer.resume():
             assert trainer.checkpoints is not None  # resume() loads only from a checkpoint store
             progress.message(f"resumed from the checkpoint of round {trainer.checkpoints.loaded_round}")
+        else:
+            peer.exchange.at_genesis()
         data = workload.streams
         progress.message(
             f"training {settings.model.name} ({numel:,} parameters) with {settings.algorithm.name} on "

@@ -19,9 +19,10 @@ For round r, a participant
 
 Agreement: with each payload a participant announces the digest of its shared state at the start of
 the round (shoal.peer.swarm.state: parameters, DiLoCo's outer momentum) and whether it was in sync last
-round. At the deadline the majority state is chosen (`state.majority`); contributions computed on
-another state are left out (`stale_state`), and a participant whose own state differs downloads the
-majority's from the peers that hold it (several at once, 1 MiB pieces checked against a manifest,
+round. At the deadline the state that weight earned by counted work holds is chosen (`state.decide`,
+shoal.protocol.work: fresh identities weigh nothing); contributions computed on another state are left
+out (`stale_state`), and a participant whose own state differs downloads the majority's from the
+peers that hold it (several at once, 1 MiB pieces checked against a manifest,
 another source taking over a lost one's pieces) and hands it to its optimizer (`Gathered.adopted`), which
 loads it before applying the round. A new peer joins the same way: its first round re-syncs it. A peer
 one or a few rounds behind rebuilds the majority's state instead, when that pulls fewer bytes: from a
@@ -99,7 +100,8 @@ from shoal.peer.swarm.relay import UNCHECKED, Reachability
 from shoal.peer.swarm.replay import Step
 from shoal.peer.swarm.server import PayloadServer
 from shoal.peer.swarm.stages import Outcome, RoundLimits, RoundStages, Snapshot
-from shoal.peer.swarm.state import StateSnapshot, majority
+from shoal.peer.swarm.state import StateSnapshot
+from shoal.protocol.rules import weighed
 
 logger = get_logger(__name__)
 
@@ -231,6 +233,12 @@ class SwarmExchange(Exchange):
         """The round's stages over its parts (shoal.peer.swarm.stages)."""
         self.rounds = CoordinatedRounds(self.stages, self.clock, coordinator)
         """The rounds under a coordinator (shoal.peer.swarm.coordinated)."""
+
+    def at_genesis(self) -> None:
+        """This peer's shared state is the run's initial one, drawn under its seed (no checkpoint
+        resumed): in the run's round 0 it is in sync with every other peer's, by construction, and
+        keeps it whatever a headcount of identities says (shoal.peer.swarm.state.decide)."""
+        self.stages.standing.genesis = True
 
     def replays_with(self, replay: Replay) -> None:
         self.stages.transition = functools.partial(self._transition, replay)
@@ -530,7 +538,10 @@ class SwarmExchange(Exchange):
             ignored=set(self.banned),
             max_payload_bytes=self.stages.limits.max_payload_bytes,
         )
-        agreed = majority({owner: (a.state, a.synced) for owner, a in announced.items()})
+        states = {owner: (a.state, a.synced) for owner, a in announced.items()}
+        agreed, earned = weighed(states, self.stages.work.weights(announced))
+        if not earned and self.synced:  # a headcount of identities moves no peer in sync (`decide`)
+            agreed = mine.state
         if agreed == mine.state:
             if any(a.state != agreed for a in announced.values()):
                 logger.info("a peer ended the run on another state: serving ours for its re-sync")
@@ -546,6 +557,8 @@ class SwarmExchange(Exchange):
         (`opposed`, `outlier`: shoal.peer.algorithms.robust)."""
         number = contribution.round if contribution.round >= 0 else self.last_round or 0
         self._loop.call_soon_threadsafe(self.ledger.refuse, contribution.sender, reason, number)
+        if reason != "outlier":  # (an outlier is still applied: it counted)
+            self._loop.call_soon_threadsafe(self.stages.work.drop, number, contribution.sender)
         if self.tokens is not None and reason != "outlier":  # an outlier is still applied
             self.tokens.reject(number, contribution.sender)
 

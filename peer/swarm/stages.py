@@ -43,6 +43,7 @@ from shoal.peer.swarm.server import PayloadServer, round_pullers
 from shoal.peer.swarm.state import StateSnapshot, Tally, decide, restore, state_size
 from shoal.protocol import MalformedPayloadError
 from shoal.protocol.rules import choose, eligible
+from shoal.protocol.work import Work
 
 Snapshot = tuple[StateSnapshot, list[torch.Tensor]] | None
 """A round's state: its digest and manifest, and the tensors (None: no state compared)."""
@@ -82,6 +83,12 @@ class Standing:
     """What the last round's exchange needed, `collect`'s, for the compute window (shoal.peer.job.window):
     seconds to announce and be read, and of the longest pull; None: a pull was still on at the
     deadline."""
+    genesis: bool = False
+    """Whether this peer's state is the run's initial one, drawn under its seed, not yet exchanged: the
+    same on every peer, so it is in sync if its first round is the run's round 0."""
+    claims: dict[bytes, int] = field(default_factory=dict)
+    """Announcers that claimed, in the last round, to be in sync on another state than this peer's,
+    which it held in sync: the round of that claim."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,11 @@ class RoundStages:
         self.standing = Standing()
         self.transition: Transition | None = None
         """How this peer replays a step (None: it re-syncs by download only)."""
+        self.work = Work()
+        """Each identity's counted contributions in the rounds this peer ended in sync: what its vote
+        on a round's state weighs (shoal.protocol.work)."""
+        self._named: set[bytes] = set()  # announcers already named in the log for a false state
+        self._state = b""  # the digest of this peer's state in its current round
         self._step: Step | None = None  # the last round's step, recorded against the state it led to
 
     async def uncoordinated(
@@ -165,11 +177,13 @@ class RoundStages:
         Under a coordinator the record is only kept alive: it serves `shoal status` and the fallback's
         data slots, and rewriting it and an announcement every round was most of a small payload's
         wire traffic (BENCHMARKS.md)."""
+        if self.standing.genesis:  # (the state of a peer whose first round is later is behind)
+            self.standing.synced, self.standing.genesis = self.standing.synced or number == 0, False
         digest = self.server.hold(number, payload, None if snapshot is None else snapshot[0])
         if snapshot is not None and self._step is not None:  # (set only when it ended in sync)
             self.server.steps.record(snapshot[0].digest, self._step)
         self._step = None
-        state = b"" if snapshot is None else snapshot[0].digest
+        state = self._state = b"" if snapshot is None else snapshot[0].digest
         self.ledger.new_round(number)
         self.puller.new_round(number)
         refresh_s = RECORD_REFRESH_S if coordinated else 0.0
@@ -243,12 +257,14 @@ class RoundStages:
         picked = choose(self.run.encode(), number, candidates, limit)
         return {owner: a for owner, a in announced.items() if owner in picked}
 
-    @staticmethod
-    def eligible(announced: Mapping[bytes, Announcement], *, claims: bool = True) -> list[bytes]:
-        """The announcers a bounded fan-in chooses among: those on the majority's state, less those
-        claiming beyond belief (shoal.protocol.rules.eligible; `claims` False: the state alone)."""
+    def eligible(self, announced: Mapping[bytes, Announcement], *, claims: bool = True) -> list[bytes]:
+        """The announcers a bounded fan-in chooses among: those on the state earned weight holds (this
+        peer's own, in sync, if none backs any), less those claiming beyond belief
+        (shoal.protocol.rules.eligible; `claims` False: the state alone)."""
         states = {owner: (a.state, a.synced) for owner, a in announced.items()}
-        return eligible(states, {owner: a.samples for owner, a in announced.items()} if claims else None)
+        own = self._state if self.standing.synced else b""
+        sizes = {owner: a.samples for owner, a in announced.items()} if claims else None
+        return eligible(states, sizes, self.work.weights(announced), own)
 
     async def fetch(
         self, number: int, announcement: Announcement, holders: Mapping[bytes, Announcement]
@@ -300,6 +316,7 @@ class RoundStages:
                 for owner in agreement.counted
             )
             self._step = Step(number, agreement.agreed, step)
+            self.work.record(number, agreement.counted)
         self.server.expect_pulls(*round_pullers(mine.owner, announced, voters))
         payloads = [self.server.held[(number, announced[owner].digest)] for owner in agreement.counted]
         contributions = [
@@ -318,11 +335,10 @@ class RoundStages:
         """Which of `announced` count, in key order: one per distinct payload, only those computed on the
         majority's state; this peer re-syncs to that state if its own differs. The majority is that of
         `voters` when given (`state.decide`)."""
-        decision = decide(announced, mine, compare_states=snapshot is not None, voters=voters)
-        if decision.copies:
-            self.counts.rejected["duplicate"] += len(decision.copies)
-        if decision.stale:
-            self.counts.rejected["stale_state"] += len(decision.stale)
+        compare = snapshot is not None
+        ballots = announced if voters is None else voters
+        weights = None if isinstance(ballots, Tally) else self.work.weights(ballots)
+        decision = decide(announced, mine, compare_states=compare, voters=voters, weights=weights)
         adopted = None
         if decision.behind:
             assert snapshot is not None  # behind only when states are compared
@@ -330,11 +346,46 @@ class RoundStages:
             agreed = cast(bytes, decision.agreed)
             if self.standing.synced:  # (a newcomer's state is on no path the others took)
                 adopted = await self.replay(snapshot[0].round, agreed, decision.sources, snapshot[1])
-            if adopted is None:
+            if adopted is None and self.standing.synced and not decision.earned:
+                # no counted work backs that state, and no step this peer could check leads there: a
+                # headcount of identities, which cost nothing, does not move a peer in sync off its own
+                self.counts.rejected["unbacked_state"] += 1
+                decision = decide(announced, mine, compare_states=compare, voters=voters, own=True)
+            elif adopted is None:
                 adopted = await self.resync(agreed, decision.sources, snapshot[1])
+        if decision.copies:
+            self.counts.rejected["duplicate"] += len(decision.copies)
+        if decision.stale:
+            self.counts.rejected["stale_state"] += len(decision.stale)
         if decision.compared:
+            assert snapshot is not None  # compared only when there is a state
+            if mine.synced and not decision.behind and not isinstance(ballots, Tally):
+                self.false_claims(snapshot[0].round, ballots, cast(bytes, decision.agreed))
             self.standing.synced = not decision.behind or adopted is not None
         return Agreement(decision.counted, adopted, decision.agreed if self.standing.synced else None)
+
+    def false_claims(self, number: int, ballots: Mapping[bytes, Announcement], agreed: bytes) -> None:
+        """Strikes the announcers that claim to be in sync on another state than `agreed`, which this peer
+        holds in sync, two rounds running (counted as `false_state`, their earned weight forfeited):
+        an honest peer that parted from the swarm catches up within a round (by replay, or a
+        download), or says it is not in sync."""
+        claimants = {
+            owner
+            for owner, a in ballots.items()
+            if a.synced and a.state and a.state != agreed and owner != self.owner
+        }
+        previous, self.standing.claims = self.standing.claims, dict.fromkeys(claimants, number)
+        for owner in sorted(claimants):
+            if previous.get(owner) != number - 1:
+                continue
+            self.ledger.refuse(owner, "false_state", number)
+            self.work.forfeit(owner)
+            if owner not in self._named and len(self._named) < 1024:  # (bounded, whatever the flood)
+                self._named.add(owner)
+                logger.warning(
+                    f"peer {ballots[owner].peer} claims to be in sync on a state that no round this peer "
+                    "verified leads to, two rounds running: struck"
+                )
 
     async def replay(
         self, number: int, digest: bytes, sources: list[str], like: list[torch.Tensor]

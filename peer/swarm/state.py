@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from shoal.protocol import MalformedPayloadError, parse_message
-from shoal.protocol.rules import majority, tallied
+from shoal.protocol.rules import majority, tallied, weighed
 from shoal.protocol.swarm_pb2 import StateManifest, StateRequest
 
 if TYPE_CHECKING:
@@ -222,6 +222,9 @@ class Decision:
     behind: bool = False
     """Whether this peer's own state is not the majority's: it re-syncs, from `sources` (peer ids)."""
     sources: list[str] = field(default_factory=list)
+    earned: bool = True
+    """Whether weight earned by counted work backs `agreed` (shoal.protocol.work); False: a headcount
+    of identities, which a peer in sync follows off its own state only by a replay it can check."""
 
 
 def decide(
@@ -230,6 +233,8 @@ def decide(
     *,
     compare_states: bool,
     voters: "dict[bytes, Announcement] | Tally | None" = None,
+    weights: Mapping[bytes, int] | None = None,
+    own: bool = False,
 ) -> Decision:
     """The round's decision on this peer (its announcement `mine`), the same on every peer holding the
     same announcements: one contribution per distinct payload, for the smallest key, and, with
@@ -239,7 +244,12 @@ def decide(
     from any voter on the majority's state. Under a coordinator the votes come counted (a `Tally`). A
     peer in sync whose vote is missing (a coordinated round it was left out of) never takes a state no
     peer in sync voted for: fresh joiners and stale peers that alone made a round do not roll the swarm
-    back to theirs."""
+    back to theirs.
+
+    With `weights` (this peer's record of each identity's counted work, shoal.protocol.work), the votes
+    weigh by it (`weighed`): fresh identities weigh nothing, however many. Where no earned weight
+    backs any state, the headcount decides, marked `earned` False. `own`: this peer keeps its own
+    state (in sync, it could not check the headcount's by a replay)."""
     held = sorted(announced)
     first_owner: dict[bytes, bytes] = {}
     for owner in held:
@@ -249,7 +259,7 @@ def decide(
     if not compare_states or not held:  # (a coordinated round may have no participant at all)
         return Decision(held, copies)
     if isinstance(voters, Tally):
-        agreed = tallied(voters.votes)
+        agreed, earned = tallied(voters.votes), True  # (the coordinator counted the votes)
         holders = [a.peer for o, a in sorted(announced.items()) if a.state == agreed and o != mine.owner]
         # `agreed` None (no vote for a state) is held by no one
         holders += [
@@ -258,15 +268,18 @@ def decide(
         synced_vote = any(synced and count > 0 for (_, synced), count in voters.votes.items())
     else:
         ballots = {owner: announced[owner] for owner in held} if voters is None else voters
-        agreed = majority({owner: (a.state, a.synced) for owner, a in ballots.items()})
+        states = {owner: (a.state, a.synced) for owner, a in ballots.items()}
+        agreed, earned = weighed(states, weights) if weights is not None else (majority(states), True)
         holders = [a.peer for o, a in sorted(ballots.items()) if a.state == agreed and o != mine.owner]
         synced_vote = any(a.synced for a in ballots.values())
     if mine.synced and mine.state and not synced_vote:
         # a round that only newcomers (or peers out of sync) made, this peer's vote not among them: it
         # keeps the state the swarm agreed on last, and their contributions, on another, are stale
         agreed, holders = mine.state, []
+    if own and mine.state:
+        agreed, holders = mine.state, []
     stale = [owner for owner in held if announced[owner].state != agreed and owner != mine.owner]
     behind = agreed != mine.state
     sources = holders if behind else []
     counted = [owner for owner in held if owner not in stale and not (behind and owner == mine.owner)]
-    return Decision(counted, copies, stale, True, agreed, behind, sources)
+    return Decision(counted, copies, stale, True, agreed, behind, sources, earned)

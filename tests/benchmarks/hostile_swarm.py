@@ -11,9 +11,11 @@ seed 3).
     python -m tests.benchmarks.hostile_swarm --peers 6 --attackers 2 --algorithms demo --repeats 4
     python -m tests.benchmarks.hostile_swarm --peers 8 --attackers 2 --gather 4 --attack sample_lie
     python -m tests.benchmarks.hostile_swarm --peers 6 --attackers 2 --attack collude --repeats 2
+    python -m tests.benchmarks.hostile_swarm --peers 15 --attackers 12 --attack sybil [--late 4]
 
 Prints, per algorithm, the honest peers' held-out loss attacked and clean, the change, what the honest
-peers rejected and banned, whether they ended on one model, and (under `--gather G`) the fewest rounds
+peers rejected and banned, the states they downloaded (`sybil`: none may be), whether they ended on one
+model, and (under `--gather G`) the fewest rounds
 an honest peer counted in, in any attacked run, over its fair share, G / N of the rounds; `collude`:
 the rounds the other colluders sent their leader's update (`colluded_rounds`, one count per run).
 The issue measured "a little is enough" at DeMo +4.9% and DiLoCo +2.0% over 12 rounds of 4 peers,
@@ -36,6 +38,9 @@ def main() -> int:
     parser.add_argument("--attackers", type=int, default=1)
     parser.add_argument("--attack", default="alie", help="a fault of tests/integration/faults.py")
     parser.add_argument("--gather", type=int, default=0, help="as join's --gather (0: every payload)")
+    parser.add_argument(
+        "--late", type=int, default=0, help="the attackers join at this round (0: at the start)"
+    )
     parser.add_argument("--algorithms", default="demo,diloco", help="comma-separated, of demo,diloco")
     parser.add_argument(
         "--repeats",
@@ -62,8 +67,9 @@ def main() -> int:
                     final_loss(swarm(folder, "clean", algorithm, None, args.rounds, peers=peers, attackers=0))
                 )
                 attacked = swarm(
-                    folder, "attacked", algorithm, args.attack, args.rounds, peers=peers, attackers=attackers
-                )
+                    folder, "attacked", algorithm, args.attack, args.rounds, peers=peers, attackers=attackers,
+                    late=args.late,
+                )  # fmt: skip
                 honest = attacked[: peers - attackers]
                 attacks.append(final_loss(honest))
                 counted.append(min(s["rounds"] - s["left_out_rounds"] for s in honest))
@@ -81,17 +87,20 @@ def main() -> int:
                 "change": attacked_loss / clean_loss - 1, "rejected": rejected,
                 "cleans": cleans, "attacks": attacks, "counted": counted,
                 "banned": sum(s["banned"] for s in honest),
+                "resyncs": sum(s["resyncs"] for s in honest),
                 "one_model": len({s["param_hash"] for s in honest}) == 1,
                 "fair_share": min(counted) / share if share else None,
                 **({"colluded_rounds": colluded} if colluded else {}),
             })  # fmt: skip
     if args.json:
         setting = {"rounds": args.rounds, "peers": peers, "attackers": attackers, "attack": args.attack}
+        setting["late"] = args.late
         print(json.dumps({**setting, "gather": args.gather, "results": rows}, indent=1))
     else:
         for row in rows:
             print(f"{row['algorithm']:>6}: clean {row['clean']:.4f}, {args.attack} {row['attacked']:.4f} "
                   f"({row['change']:+.1%}), rejected {row['rejected']}, banned {row['banned']}, "
+                  f"states downloaded {row['resyncs']}, "
                   f"fair share {row['fair_share'] or 1:.0%}, one model {row['one_model']}")  # fmt: skip
             if args.repeats > 1:
                 cleans, attacks = (", ".join(f"{x:.4f}" for x in row[k]) for k in ("cleans", "attacks"))

@@ -38,7 +38,10 @@ What it sends, well-formed (shoal.peer.bench.hostile.poison), from round r on:
   the others' payloads, as they do once they drop its own.
 
 What it claims: `claim_reachable@r`: its record says it can be dialed, whatever its relays found
-(from the start, whatever r).
+(from the start, whatever r). `sybil@r`: one of many free identities that hold one poisoned state
+(`SYBIL_SEED`'s noise, the same on every Sybil, the token ledger's view as it was in its first round),
+never update it, claim to be in sync on it every round and serve it; each trains on its own lanes, so
+that its payloads are its own.
 
 What it serves: `butterfly_lie@r`: garbage for the mean of the piece it owns in butterfly rounds
 (shoal.peer.algorithms.butterfly), its cuts of its own payload honest.
@@ -61,6 +64,7 @@ from shoal.peer.job.faults import Faults
 from shoal.peer.swarm.exchange import SwarmExchange
 from shoal.peer.swarm.server import PayloadServer
 from shoal.peer.swarm.stages import RoundStages
+from shoal.peer.swarm.state import StateSnapshot
 from shoal.protocol import Payload
 from shoal.protocol.rules import choose
 
@@ -83,6 +87,7 @@ KINDS = (
     "unserved_and_replay",
     "attacks",
     "claim_reachable",
+    "sybil",
     "butterfly_lie",
 )
 ATTACKS = ("wrong_shape", "nan", "oversized", "digest", "replay")
@@ -91,6 +96,8 @@ COLLUDE_WAIT_S = 1.0
 """How long a colluder waits for its leader's payload (they finish a round's computation together)."""
 OVERSIZED_BYTES = 1 << 20
 """What `oversized` appends: past the 1 MiB payload limit of the test peers."""
+SYBIL_SEED = 1234
+"""`sybil`: the seed of the poisoned state every Sybil holds."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,12 @@ class FaultyStages(RoundStages):
     candidates: frozenset[bytes] = frozenset()
     """The announcers of the last round the fan-in chose among (those on the majority's state)."""
 
+    async def hold(self, number, payload, samples, snapshot, schedule, *, coordinated=False):
+        if self.peer.active("sybil") and snapshot is not None:
+            snapshot = self.peer.poisoned(snapshot[1], number)
+            self.standing.synced = True  # whatever its last round said
+        return await super().hold(number, payload, samples, snapshot, schedule, coordinated=coordinated)
+
     def chosen(self, number, announced):
         self.candidates = frozenset(self.eligible(announced) if self.limits.gather_limit else announced)
         return super().chosen(number, announced)
@@ -182,6 +195,17 @@ class FaultyExchange(SwarmExchange):
         self.sent: list[bytes] = []  # unserved_and_replay: the payloads since its round
         self.honest = b""  # attacks: its first payload from its round, honest, replayed later
         self.attacked = 0  # attacks: payloads since its round
+        self.poison: list[torch.Tensor] | None = None  # sybil: the state it holds
+
+    def poisoned(self, state: list[torch.Tensor], number: int) -> tuple[StateSnapshot, list[torch.Tensor]]:
+        """`sybil`: its poisoned state, captured for round `number`."""
+        if self.poison is None:
+            generator = torch.Generator().manual_seed(SYBIL_SEED)
+            ledgered = self.tokens is not None  # the last tensor is the token ledger's view: kept
+            model = state[:-1] if ledgered else state
+            self.poison = [torch.randn(t.shape, generator=generator) for t in model]
+            self.poison += [t.clone() for t in state[len(model) :]]
+        return StateSnapshot.capture(self.poison, number), self.poison
 
     def active(self, kind: str) -> Fault | None:
         return next((f for f in self.faults if f.kind == kind and self.now >= f.round), None)

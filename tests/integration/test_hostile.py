@@ -38,11 +38,13 @@ def swarm(
     coordinated: bool = False,
     peers: int = 4,
     attackers: int = 1,
+    late: int = 0,
 ) -> list[dict]:
     """Runs `peers` peers until round `rounds`: the first starts the run, the last `attackers` attack
     (if `attack`: a fault of tests.integration.faults, from round 0; a list: one for each attacker);
-    `coordinated`: under a `shoal coordinator` whose first round waits for all of them. Returns every
-    peer's summary event, the attackers' last."""
+    `coordinated`: under a `shoal coordinator` whose first round waits for all of them; `late`: the
+    attackers join once the first peer has ended that round. Returns every peer's summary event, the
+    attackers' last."""
     attacks = [attack] * attackers if isinstance(attack, str) else list(attack or [])
     attackers = len(attacks)
     startup_s = STARTUP_S + 3.0 * max(peers - 4, 0)  # each more peer adds its start on two cores
@@ -80,6 +82,16 @@ def swarm(
             interval_s=0.5,
         )["address"]
         for i in range(1, peers):
+            if late and i == peers - attackers:
+                wait_until(
+                    lambda: any(
+                        e.get("event") == "round" and e["round"] >= late - 1 for e in events(logs[0])
+                    ),
+                    startup_s + late * 10 + 60,
+                    f"the first peer's round {late - 1}",
+                    processes=processes,
+                    interval_s=0.5,
+                )
             start(i, ["--initial-peers", address])
         for i, process in enumerate(processes):
             code = process.wait(timeout=startup_s + rounds * 4 + 90)
@@ -157,6 +169,23 @@ def test_a_sign_flip_in_sparse_diloco_payloads_is_banned_and_moves_nothing(tmp_p
     """One attacker of four flips its update in sparse DiLoCo's top-k payloads (`--compression sparse`)."""
     attacked = swarm(tmp_path, "attacked", SPARSE, "sign_flip", ROUNDS)
     check(attacked[:3], clean(tmp_path_factory, SPARSE), "outlier")
+
+
+@pytest.mark.timeout(600)
+def test_a_sybil_majority_claiming_one_poisoned_state_from_round_0_wins_nothing(tmp_path, tmp_path_factory):
+    """Issue 77: four free identities against three honest DeMo peers hold one poisoned state, never
+    update it, claim every round to be in sync on it, and serve it. A headcount gave them every round
+    (the honest peers downloaded the poison, byte for byte); a single one won round 0. Now no peer in
+    sync leaves its own state for one that no counted work backs and no step it can replay leads to
+    (`unbacked_state`, round 0), from round 1 the honest peers' earned weight decides, and each Sybil
+    is struck for its false claims (`false_state`) until it is banned. The honest peers never pull a
+    state and end on one model, as good as the clean run's."""
+    summaries = swarm(tmp_path, "sybils", DEMO, "sybil", ROUNDS, peers=7, attackers=4)
+    honest = summaries[:3]
+    check(honest, clean(tmp_path_factory, DEMO), "false_state", "stale_state")
+    for summary in honest:
+        assert summary["resyncs"] == 0 and summary["replays"] == 0, summary
+        assert summary["banned"] == 4, summary
 
 
 GATHER_2 = ["--gather", "2"]

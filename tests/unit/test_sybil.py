@@ -1,0 +1,169 @@
+"""A state no headcount can buy (shoal.protocol.work, shoal.protocol.rules.weighed, state.decide,
+RoundStages.agree): votes weigh by counted work, fresh identities weigh nothing, and a peer in sync
+leaves its own state only for one that earned weight backs or a replay it could check. The Sybils here
+claim to be in sync on one state of their own, as the process test's do (test_hostile)."""
+
+import asyncio
+import hashlib
+
+import pytest
+import torch
+
+from shoal.peer.swarm.counters import SwarmCounters
+from shoal.peer.swarm.ledger import Ledger
+from shoal.peer.swarm.records import Announcement
+from shoal.peer.swarm.server import PayloadServer
+from shoal.peer.swarm.stages import RoundLimits, RoundStages
+from shoal.peer.swarm.state import StateSnapshot, decide
+from shoal.protocol.rules import eligible, weighed
+from shoal.protocol.work import EARN_ROUNDS, Work
+
+HONEST = [b"honest-%d" % i for i in range(3)]
+GOOD, POISON = b"\x80" * 32, b"\x90" * 32
+GROUND = b"\x00" * 32  # a digest ground to sort before any honest one, for ties
+
+
+def sybils(count: int) -> list[bytes]:
+    return [b"sybil-%04d" % i for i in range(count)]
+
+
+def announce(owner: bytes, state: bytes, synced: bool = True) -> Announcement:
+    return Announcement(owner, owner.decode() + "-peer", hashlib.sha256(owner).digest(), 10, 1, state, synced)
+
+
+def worked(rounds: int, owners: list[bytes]) -> Work:
+    work = Work()
+    for number in range(rounds):
+        work.record(number, owners)
+    return work
+
+
+def test_fresh_identities_weigh_nothing_and_a_vote_is_earned_by_counted_rounds_and_forgotten():
+    work = Work(window=8, earn=3)
+    assert work.weights([b"a"]) == {b"a": 0}  # nothing recorded: nobody weighs
+    work.record(0, [b"a", b"b"])
+    assert work.weights([b"a", b"b", b"c"]) == {b"a": 1, b"b": 1, b"c": 0}  # a young swarm: 1 round earns
+    work.record(1, [b"a"])
+    work.record(2, [b"a", b"c"])
+    assert work.weights([b"a", b"b", b"c"]) == {b"a": 1, b"b": 0, b"c": 0}  # now 3 rounds are needed
+    work.record(2, [b"b"])  # a round already recorded changes nothing
+    assert work.weight(b"b") == 0
+    for number in range(3, 12):
+        work.record(number, [b"c"])
+    assert work.rounds == 8 and work.weight(b"a") == 0 and work.weight(b"c") == 1  # the window moved on
+    for number in (11, 11, 10, 9, 8, 7):  # refused by screening after all (the same round twice: once)
+        work.drop(number, b"c")
+    assert work.weight(b"c") == 1  # 3 counted rounds left
+    work.drop(6, b"c")
+    assert work.weight(b"c") == 0
+    work.record(12, [b"c"])
+    work.forfeit(b"c")
+    assert work.weight(b"c") == 0 and work.rounds == 8
+    with pytest.raises(ValueError):
+        Work(window=0)
+
+
+@pytest.mark.parametrize("count", [1, 3, 6, 12, 1000])
+def test_any_number_of_fresh_sybils_loses_to_three_peers_that_earned_their_weight(count):
+    ballots = {o: announce(o, GOOD) for o in HONEST} | {o: announce(o, POISON) for o in sybils(count)}
+    weights = worked(EARN_ROUNDS, HONEST).weights(ballots)
+    states = {o: (a.state, a.synced) for o, a in ballots.items()}
+    assert weighed(states, weights) == (GOOD, True)
+    decision = decide(ballots, ballots[HONEST[0]], compare_states=True, weights=weights)
+    assert decision.agreed == GOOD and not decision.behind and decision.earned
+    assert decision.counted == HONEST and sorted(decision.stale) == sybils(count)
+    # the honest bounded fan-in chooses among the honest alone
+    assert eligible(states, weights=weights) == HONEST
+    # and the headcount alone, what decided before, would have given a majority the round
+    if count > 3:
+        assert decide(ballots, ballots[HONEST[0]], compare_states=True).agreed == POISON
+
+
+def test_a_tie_with_a_ground_digest_changes_nothing_and_out_of_sync_voters_defer():
+    ballots = {o: announce(o, GOOD) for o in HONEST} | {o: announce(o, GROUND) for o in sybils(3)}
+    assert decide(ballots, ballots[HONEST[0]], compare_states=True).agreed == GROUND  # the headcount's tie
+    weights = worked(5, HONEST).weights(ballots)
+    assert decide(ballots, ballots[HONEST[0]], compare_states=True, weights=weights).agreed == GOOD
+    # between earned weights, one out of sync (it knows it is behind) defers to those in sync
+    ballots = {HONEST[0]: announce(HONEST[0], GOOD), HONEST[1]: announce(HONEST[1], GROUND, synced=False)}
+    states = {o: (a.state, a.synced) for o, a in ballots.items()}
+    assert weighed(states, worked(5, HONEST[:2]).weights(ballots)) == (GOOD, True)
+
+
+def test_with_no_earned_weight_the_headcount_decides_but_marked_so_and_own_keeps_a_peer_in_sync():
+    ballots = {o: announce(o, GOOD) for o in HONEST} | {o: announce(o, POISON) for o in sybils(4)}
+    decision = decide(ballots, ballots[HONEST[0]], compare_states=True, weights=Work().weights(ballots))
+    assert decision.agreed == POISON and decision.behind and not decision.earned
+    kept = decide(ballots, ballots[HONEST[0]], compare_states=True, own=True)
+    assert kept.agreed == GOOD and not kept.behind and kept.counted == HONEST
+
+
+# -- a round's agreement on a peer (RoundStages.agree) -----------------------------------------------
+
+
+class Sources:
+    """The other peers, as a peer that falls behind sees them: no steps to replay, and a state that is
+    counted when downloaded."""
+
+    def __init__(self):
+        self.downloads, self.asked = [], []
+
+    async def steps(self, digest, source):
+        self.asked.append(source)
+        return b""  # the Sybils keep no step that leads to their state from any other
+
+    async def state(self, digest, sources, like):
+        self.downloads.append(digest)
+        return [torch.ones(4)]
+
+
+def stages_in_sync() -> RoundStages:
+    counts = SwarmCounters()
+    server = PayloadServer(run="r", counts=counts, max_payload_bytes=1 << 20, keep_states=3, timeout_s=1)
+    stages = RoundStages(
+        run="r", owner=HONEST[0], peer_id="me", server=server, directory=None,
+        ledger=Ledger(HONEST[0], counts, strike_limit=3, ban_rounds=10), puller=Sources(), counts=counts,
+        limits=RoundLimits(1 << 20, 1.0, 0.1, 0),
+    )  # fmt: skip
+    stages.transition = lambda *args: None
+    stages.standing.synced = True
+    return stages
+
+
+def agree(stages: RoundStages, number: int, ballots: dict[bytes, Announcement]):
+    snapshot = StateSnapshot.capture([torch.zeros(4)], number)
+    return asyncio.run(stages.agree(ballots, ballots[HONEST[0]], (snapshot, [torch.zeros(4)])))
+
+
+def round_ballots(own: bytes, count: int) -> dict[bytes, Announcement]:
+    return {o: announce(o, own) for o in HONEST} | {o: announce(o, POISON) for o in sybils(count)}
+
+
+def test_a_peer_in_sync_keeps_its_state_against_a_sybil_headcount_and_strikes_their_false_claims():
+    """Round 0 of a swarm: nobody earned weight yet, four Sybils outnumber three peers in sync. No step
+    leads from this peer's state to theirs, so it keeps its own and counts the honest; from the second
+    round that they claim to be in sync on it, each is struck, and banned at the third strike."""
+    stages = stages_in_sync()
+    for number in range(4):
+        own = StateSnapshot.capture([torch.zeros(4)], number).digest
+        agreement = agree(stages, number, round_ballots(own, 4))
+        assert agreement.adopted is None and agreement.agreed == own
+        assert agreement.counted == HONEST
+        stages.work.record(number, agreement.counted)
+    assert stages.puller.downloads == []  # the poisoned state was never pulled
+    assert stages.counts.rejected["unbacked_state"] == 1  # round 0 only: from round 1 the honest weigh
+    assert stages.counts.rejected["false_state"] == 3 * 4  # rounds 1 to 3, each of the four Sybils
+    assert set(stages.ledger.banned) == set(sybils(4))
+
+
+def test_a_peer_that_truly_parted_from_peers_that_earned_weight_still_downloads_their_state():
+    stages = stages_in_sync()
+    stages.work = worked(5, HONEST)
+    others = StateSnapshot.capture([torch.ones(4)], 7).digest
+    ballots = {o: announce(o, others) for o in HONEST[1:]} | {o: announce(o, POISON) for o in sybils(12)}
+    snapshot = StateSnapshot.capture([torch.zeros(4)], 7)
+    mine = announce(HONEST[0], snapshot.digest)
+    agreement = asyncio.run(stages.agree(ballots | {HONEST[0]: mine}, mine, (snapshot, [torch.zeros(4)])))
+    assert stages.puller.downloads == [others] and agreement.adopted is not None
+    assert agreement.counted == HONEST[1:] and stages.counts.resyncs == 1
+    assert "unbacked_state" not in stages.counts.rejected
