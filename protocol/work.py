@@ -4,15 +4,20 @@ Identities are free (`shoal keygen`, or any new key), so a vote that counts head
 runs the most of them. A peer therefore weighs each announcer by what the rounds it ended in sync
 record of that identity: an identity whose contribution counted (computed on the agreed state, pulled,
 checked against its announcement, not refused by the optimizer's screening) in at least `earn` of
-this peer's last `window` recorded rounds (all of them, in a young swarm that recorded fewer) has
-earned one vote; any other weighs nothing. A thousand fresh keys weigh nothing, and neither does one
-whose payloads were only ever stale or refused.
+this peer's last `window` recorded rounds has earned one vote; any other weighs nothing. A thousand
+fresh keys weigh nothing, and neither does one whose payloads were only ever stale or refused. For a
+peer that recorded fewer than `earn` rounds (a young swarm, a peer that just synced) nobody weighs
+anything: there the headcount decides, which a peer in sync follows only by a replay it can check or
+from peers it counted before. A round a peer counted alone is not recorded: nobody else checked it,
+and two peers cut apart would each earn its own vote, then keep its own state where they meet.
 
 One vote per earned identity, not a weight per counted round: two honest peers whose counted sets
 differed in a round (one missed a payload) must still pick the same state in the next, and their
 records differ exactly then; counts capped at one vote are the same on both once each identity has
-earned its vote. Rounds, not samples: a sample count is the sender's own claim (capped at 2x the
-median in a round's mean, shoal.peer.algorithms.robust, but claimed all the same).
+earned its vote, and the same bar for everyone keeps them the same while a swarm is young (a bar
+lowered to the rounds recorded split two honest peers of a new swarm, one of which missed the
+other's first payload). Rounds, not samples: a sample count is the sender's own claim (capped at 2x
+the median in a round's mean, shoal.peer.algorithms.robust, but claimed all the same).
 
 What this leaves (docs/ROBUSTNESS.md): an identity that does honest, screened work for `earn` rounds
 earns its vote, so an attacker that keeps more identities counted than there are honest peers decides
@@ -77,8 +82,11 @@ class Work:
 
     def weight(self, owner: bytes) -> int:
         """1 if `owner` earned its vote, else 0."""
-        counted = self._counted.get(owner, 0)
-        return int(counted > 0 and counted >= min(self.earn, len(self._rounds)))
+        return int(self.counted(owner) >= self.earn)
+
+    def counted(self, owner: bytes) -> int:
+        """The rounds recorded in which `owner`'s contribution counted."""
+        return self._counted.get(owner, 0)
 
     def weights(self, owners: Iterable[bytes]) -> dict[bytes, int]:
         return {owner: self.weight(owner) for owner in owners}

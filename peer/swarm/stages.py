@@ -316,7 +316,6 @@ class RoundStages:
                 for owner in agreement.counted
             )
             self._step = Step(number, agreement.agreed, step)
-            self.work.record(number, agreement.counted)
         self.server.expect_pulls(*round_pullers(mine.owner, announced, voters))
         payloads = [self.server.held[(number, announced[owner].digest)] for owner in agreement.counted]
         contributions = [
@@ -344,9 +343,11 @@ class RoundStages:
             assert snapshot is not None  # behind only when states are compared
             # `agreed` None (no one announced a state) is a digest no source serves: the re-sync fails
             agreed = cast(bytes, decision.agreed)
+            backed = decision.earned or not self.standing.synced or self.known(ballots, agreed)
             if self.standing.synced:  # (a newcomer's state is on no path the others took)
-                adopted = await self.replay(snapshot[0].round, agreed, decision.sources, snapshot[1])
-            if adopted is None and self.standing.synced and not decision.earned:
+                number, like = snapshot[0].round, snapshot[1]
+                adopted = await self.replay(number, agreed, decision.sources, like, any_cost=not backed)
+            if adopted is None and not backed:
                 # no counted work backs that state, and no step this peer could check leads there: a
                 # headcount of identities, which cost nothing, does not move a peer in sync off its own
                 self.counts.rejected["unbacked_state"] += 1
@@ -360,20 +361,47 @@ class RoundStages:
         if decision.compared:
             assert snapshot is not None  # compared only when there is a state
             if mine.synced and not decision.behind and not isinstance(ballots, Tally):
-                self.false_claims(snapshot[0].round, ballots, cast(bytes, decision.agreed))
-            self.standing.synced = not decision.behind or adopted is not None
+                self.false_claims(snapshot[0].round, ballots, cast(bytes, decision.agreed), decision.earned)
+            # in sync: on the agreed state, and this round it agreed with another peer (or took that
+            # state), or it was in sync already: a restarted peer alone in its first round is not
+            agreeing = adopted is not None or isinstance(ballots, Tally)
+            agreeing = agreeing or any(
+                a.state == decision.agreed for o, a in ballots.items() if o != self.owner
+            )
+            self.standing.synced = (not decision.behind or adopted is not None) and (
+                self.standing.synced or agreeing
+            )
+            if self.standing.synced and set(decision.counted) - {self.owner}:
+                # what this round counted, for the votes it earns (`work`): not a round this peer
+                # counted alone, which nobody else checked (two peers cut apart would each earn
+                # its own vote, and then keep its own state where they meet again)
+                self.work.record(snapshot[0].round, decision.counted)
         return Agreement(decision.counted, adopted, decision.agreed if self.standing.synced else None)
 
-    def false_claims(self, number: int, ballots: Mapping[bytes, Announcement], agreed: bytes) -> None:
+    def known(self, ballots: Mapping[bytes, Announcement] | Tally, state: bytes) -> bool:
+        """Whether an announcer of `state` had a contribution counted in a round this peer recorded: in a
+        swarm too young for earned votes, what lets a peer in sync download a headcount's state (a
+        fresh identity never counted; an honest peer that parted from the others had been). Under a
+        coordinator's tally, whose votes name no one: the coordinator admitted them."""
+        if isinstance(ballots, Tally):
+            return True
+        return any(a.state == state and self.work.counted(owner) for owner, a in ballots.items())
+
+    def false_claims(
+        self, number: int, ballots: Mapping[bytes, Announcement], agreed: bytes, earned: bool
+    ) -> None:
         """Strikes the announcers that claim to be in sync on another state than `agreed`, which this peer
-        holds in sync, two rounds running (counted as `false_state`, their earned weight forfeited):
-        an honest peer that parted from the swarm catches up within a round (by replay, or a
-        download), or says it is not in sync."""
+        holds in sync, two rounds running (counted as `false_state`, their earned vote forfeited): an
+        honest peer that parted from the swarm catches up within a round (by replay, or a download), or
+        says it is not in sync. While no earned vote backs `agreed` (a young swarm), only identities
+        never counted here are struck: two honest peers that could not heal a split would otherwise
+        ban each other."""
         claimants = {
             owner
             for owner, a in ballots.items()
             if a.synced and a.state and a.state != agreed and owner != self.owner
-        }
+            and (earned or not self.work.counted(owner))
+        }  # fmt: skip
         previous, self.standing.claims = self.standing.claims, dict.fromkeys(claimants, number)
         for owner in sorted(claimants):
             if previous.get(owner) != number - 1:
@@ -388,11 +416,18 @@ class RoundStages:
                 )
 
     async def replay(
-        self, number: int, digest: bytes, sources: list[str], like: list[torch.Tensor]
+        self,
+        number: int,
+        digest: bytes,
+        sources: list[str],
+        like: list[torch.Tensor],
+        *,
+        any_cost: bool = False,
     ) -> list[torch.Tensor] | None:
         """The majority's state `digest` of round `number`, rebuilt from a state this peer holds and
-        the steps since (shoal.peer.swarm.replay), when that pulls fewer bytes than the state; None
-        (told why, where it is news) if it cannot be, or must not."""
+        the steps since (shoal.peer.swarm.replay), when that pulls fewer bytes than the state (or
+        `any_cost`: the state may not be downloaded); None (told why, where it is news) if it cannot
+        be, or must not."""
         if self.transition is None or not sources:
             return None
         counts, limits = self.counts, self.limits
@@ -408,7 +443,7 @@ class RoundStages:
             plan = plan_replay(chain, self.server.states.keys(), self.server.holds)
             if plan is None:
                 continue
-            if plan.bytes + len(data) >= state_size(like):
+            if plan.bytes + len(data) >= state_size(like) and not any_cost:
                 logger.info(
                     f"the swarm's state is cheaper to download than {len(plan.steps)} steps to replay"
                 )

@@ -40,12 +40,11 @@ def worked(rounds: int, owners: list[bytes]) -> Work:
 
 def test_fresh_identities_weigh_nothing_and_a_vote_is_earned_by_counted_rounds_and_forgotten():
     work = Work(window=8, earn=3)
-    assert work.weights([b"a"]) == {b"a": 0}  # nothing recorded: nobody weighs
     work.record(0, [b"a", b"b"])
-    assert work.weights([b"a", b"b", b"c"]) == {b"a": 1, b"b": 1, b"c": 0}  # a young swarm: 1 round earns
     work.record(1, [b"a"])
+    assert work.weights([b"a", b"b"]) == {b"a": 0, b"b": 0}  # a young swarm: nobody earned a vote yet
     work.record(2, [b"a", b"c"])
-    assert work.weights([b"a", b"b", b"c"]) == {b"a": 1, b"b": 0, b"c": 0}  # now 3 rounds are needed
+    assert work.weights([b"a", b"b", b"c", b"d"]) == {b"a": 1, b"b": 0, b"c": 0, b"d": 0}
     work.record(2, [b"b"])  # a round already recorded changes nothing
     assert work.weight(b"b") == 0
     for number in range(3, 12):
@@ -82,12 +81,12 @@ def test_any_number_of_fresh_sybils_loses_to_three_peers_that_earned_their_weigh
 def test_a_tie_with_a_ground_digest_changes_nothing_and_out_of_sync_voters_defer():
     ballots = {o: announce(o, GOOD) for o in HONEST} | {o: announce(o, GROUND) for o in sybils(3)}
     assert decide(ballots, ballots[HONEST[0]], compare_states=True).agreed == GROUND  # the headcount's tie
-    weights = worked(5, HONEST).weights(ballots)
+    weights = worked(EARN_ROUNDS, HONEST).weights(ballots)
     assert decide(ballots, ballots[HONEST[0]], compare_states=True, weights=weights).agreed == GOOD
     # between earned weights, one out of sync (it knows it is behind) defers to those in sync
     ballots = {HONEST[0]: announce(HONEST[0], GOOD), HONEST[1]: announce(HONEST[1], GROUND, synced=False)}
     states = {o: (a.state, a.synced) for o, a in ballots.items()}
-    assert weighed(states, worked(5, HONEST[:2]).weights(ballots)) == (GOOD, True)
+    assert weighed(states, worked(EARN_ROUNDS, HONEST[:2]).weights(ballots)) == (GOOD, True)
 
 
 def test_with_no_earned_weight_the_headcount_decides_but_marked_so_and_own_keeps_a_peer_in_sync():
@@ -140,25 +139,27 @@ def round_ballots(own: bytes, count: int) -> dict[bytes, Announcement]:
 
 
 def test_a_peer_in_sync_keeps_its_state_against_a_sybil_headcount_and_strikes_their_false_claims():
-    """Round 0 of a swarm: nobody earned weight yet, four Sybils outnumber three peers in sync. No step
-    leads from this peer's state to theirs, so it keeps its own and counts the honest; from the second
-    round that they claim to be in sync on it, each is struck, and banned at the third strike."""
+    """A young swarm: nobody earned a vote yet, four Sybils outnumber three peers in sync. No step leads
+    from this peer's state to theirs, so it keeps its own and counts the honest (`unbacked_state`);
+    from the second round that they claim to be in sync on theirs, each is struck, and banned at the
+    third strike. Once the honest peers earned their votes, the headcount no longer decides."""
     stages = stages_in_sync()
-    for number in range(4):
+    for number in range(EARN_ROUNDS + 2):
         own = StateSnapshot.capture([torch.zeros(4)], number).digest
         agreement = agree(stages, number, round_ballots(own, 4))
         assert agreement.adopted is None and agreement.agreed == own
         assert agreement.counted == HONEST
         stages.work.record(number, agreement.counted)
     assert stages.puller.downloads == []  # the poisoned state was never pulled
-    assert stages.counts.rejected["unbacked_state"] == 1  # round 0 only: from round 1 the honest weigh
-    assert stages.counts.rejected["false_state"] == 3 * 4  # rounds 1 to 3, each of the four Sybils
+    # every round before the honest earned their votes (a real round would ignore the banned ones)
+    assert stages.counts.rejected["unbacked_state"] == EARN_ROUNDS
+    assert stages.counts.rejected["false_state"] == 4 * (EARN_ROUNDS + 1)  # from round 1, each Sybil
     assert set(stages.ledger.banned) == set(sybils(4))
 
 
 def test_a_peer_that_truly_parted_from_peers_that_earned_weight_still_downloads_their_state():
     stages = stages_in_sync()
-    stages.work = worked(5, HONEST)
+    stages.work = worked(EARN_ROUNDS, HONEST)
     others = StateSnapshot.capture([torch.ones(4)], 7).digest
     ballots = {o: announce(o, others) for o in HONEST[1:]} | {o: announce(o, POISON) for o in sybils(12)}
     snapshot = StateSnapshot.capture([torch.zeros(4)], 7)
@@ -167,3 +168,20 @@ def test_a_peer_that_truly_parted_from_peers_that_earned_weight_still_downloads_
     assert stages.puller.downloads == [others] and agreement.adopted is not None
     assert agreement.counted == HONEST[1:] and stages.counts.resyncs == 1
     assert "unbacked_state" not in stages.counts.rejected
+
+
+def test_in_a_young_swarm_a_split_heals_from_peers_counted_before_never_from_fresh_identities():
+    """Before anyone earned a vote, a peer in sync that parted from the others (it missed a payload)
+    downloads the headcount's state if an announcer of it had a contribution counted here; the same
+    headcount of identities never counted is refused."""
+    others = StateSnapshot.capture([torch.ones(4)], 1).digest
+    snapshot = StateSnapshot.capture([torch.zeros(4)], 1)
+    mine = announce(HONEST[0], snapshot.digest)
+    for voters, downloads in ((HONEST[1:], [others]), (sybils(2), [])):
+        stages = stages_in_sync()
+        stages.work.record(0, HONEST)  # round 0: the three counted, no vote earned yet
+        ballots = {o: announce(o, others) for o in voters} | {HONEST[0]: mine}
+        agreement = asyncio.run(stages.agree(ballots, mine, (snapshot, [torch.zeros(4)])))
+        assert stages.puller.downloads == downloads
+        assert (agreement.adopted is None) == (not downloads)
+        assert stages.counts.rejected.get("unbacked_state", 0) == (not downloads)
