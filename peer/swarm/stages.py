@@ -50,6 +50,10 @@ Snapshot = tuple[StateSnapshot, list[torch.Tensor]] | None
 
 logger = get_logger(__name__)
 
+CLAIM_ROUNDS = 3
+"""Rounds running an announcer may claim to be in sync on another state than the one this peer holds
+in sync before it is struck, each such round from then on (`RoundStages.false_claims`)."""
+
 Transition = Callable[[list[torch.Tensor], Step, list[bytes], int], list[torch.Tensor] | None]
 """transition(state, step, the step's payloads in order, the round the result starts) -> the state
 after the step, computed as the round computed it (SwarmExchange's, from its optimizer's
@@ -86,9 +90,9 @@ class Standing:
     genesis: bool = False
     """Whether this peer's state is the run's initial one, drawn under its seed, not yet exchanged: the
     same on every peer, so it is in sync if its first round is the run's round 0."""
-    claims: dict[bytes, int] = field(default_factory=dict)
+    claims: dict[bytes, tuple[int, int]] = field(default_factory=dict)
     """Announcers that claimed, in the last round, to be in sync on another state than this peer's,
-    which it held in sync: the round of that claim."""
+    which it held in sync: the round of that claim, and how many rounds running they did."""
 
 
 @dataclass(frozen=True)
@@ -364,9 +368,10 @@ class RoundStages:
                 self.false_claims(snapshot[0].round, ballots, cast(bytes, decision.agreed), decision.earned)
             # in sync: on the agreed state, and this round it agreed with another peer (or took that
             # state), or it was in sync already: a restarted peer alone in its first round is not
-            agreeing = adopted is not None or isinstance(ballots, Tally)
-            agreeing = agreeing or any(
-                a.state == decision.agreed for o, a in ballots.items() if o != self.owner
+            agreeing = (
+                adopted is not None
+                or isinstance(ballots, Tally)
+                or any(a.state == decision.agreed for o, a in ballots.items() if o != self.owner)
             )
             self.standing.synced = (not decision.behind or adopted is not None) and (
                 self.standing.synced or agreeing
@@ -391,9 +396,10 @@ class RoundStages:
         self, number: int, ballots: Mapping[bytes, Announcement], agreed: bytes, earned: bool
     ) -> None:
         """Strikes the announcers that claim to be in sync on another state than `agreed`, which this peer
-        holds in sync, two rounds running (counted as `false_state`, their earned vote forfeited): an
-        honest peer that parted from the swarm catches up within a round (by replay, or a download), or
-        says it is not in sync. While no earned vote backs `agreed` (a young swarm), only identities
+        holds in sync, `CLAIM_ROUNDS` rounds running (counted as `false_state`, their earned vote
+        forfeited): an honest peer that parted from the swarm catches up within a round or two (by
+        replay, or a download; two when it misses a payload again in the round it heals), or says it
+        is not in sync. While no earned vote backs `agreed` (a young swarm), only identities
         never counted here are struck: two honest peers that could not heal a split would otherwise
         ban each other."""
         claimants = {
@@ -402,9 +408,16 @@ class RoundStages:
             if a.synced and a.state and a.state != agreed and owner != self.owner
             and (earned or not self.work.counted(owner))
         }  # fmt: skip
-        previous, self.standing.claims = self.standing.claims, dict.fromkeys(claimants, number)
+        previous = self.standing.claims
+        self.standing.claims = {
+            owner: (
+                number,
+                1 + (previous[owner][1] if owner in previous and previous[owner][0] == number - 1 else 0),
+            )
+            for owner in claimants
+        }
         for owner in sorted(claimants):
-            if previous.get(owner) != number - 1:
+            if self.standing.claims[owner][1] < CLAIM_ROUNDS:
                 continue
             self.ledger.refuse(owner, "false_state", number)
             self.work.forfeit(owner)
@@ -412,7 +425,7 @@ class RoundStages:
                 self._named.add(owner)
                 logger.warning(
                     f"peer {ballots[owner].peer} claims to be in sync on a state that no round this peer "
-                    "verified leads to, two rounds running: struck"
+                    f"verified leads to, {CLAIM_ROUNDS} rounds running: struck"
                 )
 
     async def replay(

@@ -13,7 +13,7 @@ from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.ledger import Ledger
 from shoal.peer.swarm.records import Announcement
 from shoal.peer.swarm.server import PayloadServer
-from shoal.peer.swarm.stages import RoundLimits, RoundStages
+from shoal.peer.swarm.stages import CLAIM_ROUNDS, RoundLimits, RoundStages
 from shoal.peer.swarm.state import StateSnapshot, decide
 from shoal.protocol.rules import eligible, weighed
 from shoal.protocol.work import EARN_ROUNDS, Work
@@ -141,8 +141,9 @@ def round_ballots(own: bytes, count: int) -> dict[bytes, Announcement]:
 def test_a_peer_in_sync_keeps_its_state_against_a_sybil_headcount_and_strikes_their_false_claims():
     """A young swarm: nobody earned a vote yet, four Sybils outnumber three peers in sync. No step leads
     from this peer's state to theirs, so it keeps its own and counts the honest (`unbacked_state`);
-    from the second round that they claim to be in sync on theirs, each is struck, and banned at the
-    third strike. Once the honest peers earned their votes, the headcount no longer decides."""
+    from the third round running that they claim to be in sync on theirs, each is struck every round,
+    and banned at the third strike. Once the honest peers earned their votes, the headcount no longer
+    decides."""
     stages = stages_in_sync()
     for number in range(EARN_ROUNDS + 2):
         own = StateSnapshot.capture([torch.zeros(4)], number).digest
@@ -153,7 +154,8 @@ def test_a_peer_in_sync_keeps_its_state_against_a_sybil_headcount_and_strikes_th
     assert stages.puller.downloads == []  # the poisoned state was never pulled
     # every round before the honest earned their votes (a real round would ignore the banned ones)
     assert stages.counts.rejected["unbacked_state"] == EARN_ROUNDS
-    assert stages.counts.rejected["false_state"] == 4 * (EARN_ROUNDS + 1)  # from round 1, each Sybil
+    # from the third round running, each Sybil, every round
+    assert stages.counts.rejected["false_state"] == 4 * (EARN_ROUNDS + 2 - (CLAIM_ROUNDS - 1))
     assert set(stages.ledger.banned) == set(sybils(4))
 
 
