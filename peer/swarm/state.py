@@ -255,7 +255,7 @@ def decide(
     for owner in held:
         first_owner.setdefault(announced[owner].digest, owner)
     copies = [owner for owner in held if first_owner[announced[owner].digest] != owner]
-    held = [owner for owner in held if owner not in copies]
+    held = [owner for owner in held if first_owner[announced[owner].digest] == owner]
     if not compare_states or not held:  # (a coordinated round may have no participant at all)
         return Decision(held, copies)
     if isinstance(voters, Tally):
@@ -281,5 +281,6 @@ def decide(
     stale = [owner for owner in held if announced[owner].state != agreed and owner != mine.owner]
     behind = agreed != mine.state
     sources = holders if behind else []
-    counted = [owner for owner in held if owner not in stale and not (behind and owner == mine.owner)]
+    left_out = set(stale)  # (a set: a flood of stale announcers is not quadratic)
+    counted = [owner for owner in held if owner not in left_out and not (behind and owner == mine.owner)]
     return Decision(counted, copies, stale, True, agreed, behind, sources, earned)
