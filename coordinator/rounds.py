@@ -35,6 +35,11 @@ window (down to `min_scale`); at `evict_after` strikes it is evicted for `evicti
 may join again; `forgive_after` on-time reports in a row take a strike back and double its scale.
 Members silent for `heartbeat_timeout_s` are dropped at once.
 
+State votes: a participant counted (on the round's agreed state, and chosen under `gather`) in
+`EARN_ROUNDS` of the last `WORK_WINDOW` decided rounds has earned a vote (shoal.protocol.work;
+`SwarmState.counted`, `Round.earned`); a bounded fan-in's tally counts earned votes, not heads, so that
+identities that cost nothing cannot pick the round's state (shoal.coordinator.replies).
+
 Round numbers only grow: a member that kept training while the coordinator was unreachable reports a
 later round in its heartbeat, and the next announcement continues after it (an undecided round it has
 passed is abandoned, without strikes). After a restart (`resume`), nothing is announced until every
@@ -63,8 +68,10 @@ from shoal.coordinator.actions import (
 )
 from shoal.coordinator.events import Event, Heartbeat, Join, Leave, Report, Tick
 from shoal.coordinator.policy import Policy, compute_window, exchange_window, plausible_samples
+from shoal.coordinator.replies import counted
 from shoal.coordinator.state import Member, PayloadReport, Round, SwarmState
 from shoal.coordinator.validation import check_member, check_payload, check_peer_id, check_progress
+from shoal.protocol.work import earned, recorded
 
 MAX_ROUND_JUMP = 1_000_000  # how far ahead a heartbeat may put the round numbering
 KEEP_ROUNDS = 8  # decided rounds whose results stay available
@@ -322,7 +329,10 @@ def _advance(state: SwarmState, now: float, policy: Policy) -> tuple[SwarmState,
 
 def _decide(state: SwarmState, current: Round, now: float, policy: Policy) -> tuple[SwarmState, list[Action]]:
     stragglers = tuple(p for p in current.expected if p in state.members and p not in current.reports)
-    current = replace(current, decided_at=now, stragglers=stragglers)
+    # the votes the round's participants earned before it (shoal.protocol.work), and what it counted
+    earned_votes = tuple(p for p in current.participants if earned(state.counted.get(p, ()), current.number))
+    current = replace(current, decided_at=now, stragglers=stragglers, earned=earned_votes)
+    record = recorded(state.counted, current.number, counted(current, policy.gather))
     actions: list[Action]
     members, evicted, actions = dict(state.members), dict(state.evicted), []
     # when no one made it, the window was wrong (or the swarm was away), not the peers: no strikes
@@ -344,6 +354,7 @@ def _decide(state: SwarmState, current: Round, now: float, policy: Policy) -> tu
         _put(state, current),
         members=members,
         evicted=evicted,
+        counted=record,
         stragglers_total=state.stragglers_total + len(stragglers),
         evictions_total=state.evictions_total + len(state.members) - len(members),
     )

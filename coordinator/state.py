@@ -54,6 +54,9 @@ class Round:
     """On-time reports (never mutated: a new round value carries a new mapping)."""
     decided_at: float | None = None
     stragglers: tuple[str, ...] = ()
+    earned: tuple[str, ...] = ()
+    """Participants whose state vote weighed at the decision: counted in enough recent rounds
+    (shoal.protocol.work), the rest a headcount of identities that cost nothing."""
 
     @property
     def participants(self) -> tuple[str, ...]:
@@ -82,6 +85,9 @@ class SwarmState:
     evictions_total: int = 0
     resumed_at: float | None = None
     """When the coordinator last restarted from this state."""
+    counted: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """The rounds of the last `WORK_WINDOW` in which each peer's contribution counted (on the round's
+    agreed state, and chosen under a bounded fan-in): what its state vote weighs (shoal.protocol.work)."""
     seen_floor: float = 0.0
     """No member was last seen before this (a lower bound, not durable): members cannot have fallen
     silent while `now - seen_floor` is within the heartbeat timeout, so no scan of them is needed."""

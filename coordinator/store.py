@@ -6,6 +6,8 @@
            stragglers)                       every round ever announced: the swarm's history
     reports(round, peer_id, digest, size, samples, state, synced, at)
                                              the payloads of the last rounds (their participant sets)
+    earned(round, peer_id)                   the participants of the last rounds whose vote weighed
+    counted(peer_id, round)                  the rounds each peer counted in, of the last WORK_WINDOW
     meta(key, value)                         seed, next_round, counters, recent exchange times
 
 `save(old, new)` writes only what differs between two states, in one transaction (heartbeats, which
@@ -17,7 +19,7 @@ membership, the strikes and the reports of the round in progress.
 import contextlib
 import json
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TypeAlias, cast
 
@@ -36,6 +38,8 @@ CREATE TABLE IF NOT EXISTS rounds (
 CREATE TABLE IF NOT EXISTS reports (
     round INTEGER, peer_id TEXT, digest BLOB, size INTEGER, samples INTEGER, state BLOB, synced INTEGER,
     at REAL, PRIMARY KEY (round, peer_id));
+CREATE TABLE IF NOT EXISTS earned (round INTEGER, peer_id TEXT, PRIMARY KEY (round, peer_id));
+CREATE TABLE IF NOT EXISTS counted (peer_id TEXT, round INTEGER, PRIMARY KEY (peer_id, round));
 """
 RoundRow: TypeAlias = tuple[int, float, float, float, int, str, float | None, str]
 """A row of `rounds`: the member list and the stragglers as JSON."""
@@ -75,6 +79,9 @@ class StateStore:
             for row in self._db.execute("SELECT * FROM members")
         }
         evicted = dict(self._db.execute("SELECT peer_id, until FROM evicted"))
+        counted: dict[str, list[int]] = {}
+        for peer_id, number in self._db.execute("SELECT peer_id, round FROM counted ORDER BY round"):
+            counted.setdefault(peer_id, []).append(number)
         # the kept history, an undecided previous round (with overlap) and the current one
         rows = self._db.execute("SELECT * FROM rounds ORDER BY number DESC LIMIT ?", (KEEP_ROUNDS + 2,))
         rounds: list[Round | None] = [self._round(row) for row in reversed(rows.fetchall())]
@@ -96,6 +103,7 @@ class StateStore:
             exchange_times=tuple(json.loads(meta["exchange_times"])),
             stragglers_total=int(meta["stragglers_total"]),
             evictions_total=int(meta["evictions_total"]),
+            counted={peer_id: tuple(rounds) for peer_id, rounds in counted.items()},
         )
 
     def save(self, old: SwarmState | None, new: SwarmState) -> None:
@@ -118,7 +126,10 @@ class StateStore:
         rounds_same = new_rounds.keys() == old_rounds.keys() and all(
             old_rounds[n] is r for n, r in new_rounds.items()
         )
-        if old is not None and not (changed or left or meta or not rounds_same or old.evicted != new.evicted):
+        counted_same = old is not None and old.counted is new.counted
+        if old is not None and not (
+            changed or left or meta or not rounds_same or old.evicted != new.evicted or not counted_same
+        ):
             return  # a heartbeat that changed only liveness: nothing durable, no transaction
         with self._transaction():
             if meta is not None:
@@ -138,6 +149,9 @@ class StateStore:
             if new_rounds.keys() != old_rounds.keys():  # reports are kept for the kept rounds only
                 kept = ",".join(str(n) for n in new_rounds)
                 self._db.execute(f"DELETE FROM reports WHERE round NOT IN ({kept or '-1'})")
+                self._db.execute(f"DELETE FROM earned WHERE round NOT IN ({kept or '-1'})")
+            if not counted_same:
+                self._save_counted({} if old is None else old.counted, new.counted)
 
     def _save_round(self, saved: Round, previous: Round | None) -> None:
         known = previous.reports if previous is not None and previous.number == saved.number else {}
@@ -148,6 +162,9 @@ class StateStore:
             *timing, decided_at, stragglers = row
             values = (*timing, json.dumps(saved.expected), decided_at, json.dumps(stragglers))
             self._db.execute("INSERT OR REPLACE INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?)", values)
+            self._db.executemany(
+                "INSERT OR REPLACE INTO earned VALUES (?, ?)", [(saved.number, p) for p in saved.earned]
+            )
         for peer_id, report in saved.reports.items():
             if peer_id not in known:
                 self._db.execute(
@@ -164,6 +181,14 @@ class StateStore:
                     ),
                 )
 
+    def _save_counted(self, old: Mapping[str, tuple[int, ...]], new: Mapping[str, tuple[int, ...]]) -> None:
+        """Writes the difference between two records of counted rounds (a decided round adds its counted
+        participants' rows and drops those that left the window)."""
+        rows = {(p, n) for p, rounds in new.items() for n in rounds}
+        was = {(p, n) for p, rounds in old.items() for n in rounds}
+        self._db.executemany("DELETE FROM counted WHERE peer_id = ? AND round = ?", sorted(was - rows))
+        self._db.executemany("INSERT OR REPLACE INTO counted VALUES (?, ?)", sorted(rows - was))
+
     def _round(self, row: RoundRow) -> Round:
         number = row[0]
         reports = {
@@ -172,6 +197,7 @@ class StateStore:
             )
             for r in self._db.execute("SELECT * FROM reports WHERE round = ?", (number,))
         }
+        earned = self._db.execute("SELECT peer_id FROM earned WHERE round = ? ORDER BY peer_id", (number,))
         return Round(
             number=number,
             announced_at=row[1],
@@ -182,6 +208,7 @@ class StateStore:
             reports=reports,
             decided_at=row[6],
             stragglers=tuple(json.loads(row[7])),
+            earned=tuple(peer_id for (peer_id,) in earned),
         )
 
     @contextlib.contextmanager

@@ -27,13 +27,16 @@ Pure and torch-free: the coordinator and the peers import it alike.
 """
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Collection, Hashable, Iterable, Mapping
+from typing import TypeVar
 
 WORK_WINDOW = 64
 """Rounds of counted work remembered: an identity that stops contributing loses its vote when its last
 `EARN_ROUNDS` counted rounds leave the window."""
 EARN_ROUNDS = 8
 """Counted rounds an identity needs within the window before its vote weighs anything."""
+
+K = TypeVar("K", bound=Hashable)
 
 
 class Work:
@@ -90,3 +93,22 @@ class Work:
 
     def weights(self, owners: Iterable[bytes]) -> dict[bytes, int]:
         return {owner: self.weight(owner) for owner in owners}
+
+
+def earned(rounds: Collection[int], number: int, window: int = WORK_WINDOW, earn: int = EARN_ROUNDS) -> bool:
+    """Whether an identity counted in `rounds` has a vote in round `number`: `earn` of them within the
+    `window` rounds before it (`Work.weight`, for a record kept as values: the coordinator's)."""
+    return sum(number - window <= r < number for r in rounds) >= earn
+
+
+def recorded(
+    record: Mapping[K, tuple[int, ...]], number: int, counted: Collection[K], window: int = WORK_WINDOW
+) -> dict[K, tuple[int, ...]]:
+    """`record` ({identity: the rounds it counted in, ascending}) with round `number`'s `counted` added,
+    rounds that left the window forgotten, and identities left with none dropped: at most `window`
+    rounds per identity, and only identities counted within the window."""
+    kept = {key: tuple(r for r in rounds if r > number - window) for key, rounds in record.items()}
+    for key in counted:
+        if not kept.get(key) or kept[key][-1] < number:
+            kept[key] = (*kept.get(key, ()), number)
+    return {key: rounds for key, rounds in kept.items() if rounds}

@@ -87,6 +87,11 @@ JOIN_FLAGS = {
     ),
     "metrics_port": ("N", "serve Prometheus metrics on --host:N/metrics (0: any free port, logged)"),
     "address_file": ("PATH", "write the address other peers join through to PATH once listening"),
+    "trust_key": (
+        "KEY",
+        "the run key its starter's join command prints: while this peer holds no verified state (joining, "
+        "restarted), it takes only the shared state that key signed, whatever a headcount of peers says",
+    ),
     "round_seconds": ("S", "length of a round, when starting a new swarm (default: one its exchange fits)"),
     "start_time": ("T", "unix time of round 0, when starting a new swarm (0: now)"),
     "discover_seconds": (

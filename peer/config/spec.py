@@ -104,6 +104,12 @@ def _choice(options: Mapping[str, str] | tuple[str, ...]) -> Callable[[Any], str
     return parse
 
 
+def _trust_key(value: Any) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", value):
+        raise ValueError(f"expected the run key a join command prints (64 hex digits), got {value!r}")
+    return value.lower()
+
+
 def _device(value: Any) -> str:
     if not isinstance(value, str) or not DEVICE.match(value):
         raise ValueError(f"expected auto, cpu, cuda, cuda:N or mps, got {value!r}")
@@ -180,6 +186,9 @@ class NetworkSpec(_Section):
     """The peer's identity file (created if missing)."""
     address_file: str | None = _setting("address_file", _text, None)
     """Where to write the address others join through, once listening."""
+    trust_key: str | None = _setting("trust_key", _trust_key, None)
+    """The run key (64 hex digits): out of sync, take only the shared state it signed
+    (shoal.peer.swarm.anchor)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

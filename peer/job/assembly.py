@@ -184,6 +184,8 @@ def build_peer(
         "max_payload_bytes": max(1 << 20, 8 * numel),
         "rejoin": spec.network.initial_peers,
         "gather_limit": spec.run.gather,
+        "trust_key": None if spec.network.trust_key is None else bytes.fromhex(spec.network.trust_key),
+        "starts_run": not spec.network.initial_peers,
     }
     config = spec.run_config(data=workload.streams)
     tokens = token_ledger(spec, workload) if batches is None else None

@@ -59,6 +59,7 @@ from shoal.peer.job.round_reports import (
 )
 from shoal.peer.job.runtime import SwarmPeer
 from shoal.peer.job.window import round_seconds_for
+from shoal.peer.swarm.anchor import public_key
 from shoal.peer.swarm.bootstrap import BootstrapError, best_address, check_multiaddrs, private_only
 from shoal.peer.swarm.coordinator_link import CoordinatorError, CoordinatorLink, check_access
 from shoal.peer.swarm.exchange import Abandoned, RoundSchedule, SwarmExchange
@@ -67,6 +68,7 @@ from shoal.peer.swarm.membership import SHOAL_VERSION
 from shoal.peer.swarm.records import RoundStatus
 from shoal.peer.swarm.relay import Reachability
 from shoal.peer.swarm.server import ask_runs
+from shoal.peer.swarm.signing import record_key
 from shoal.peer.train.fit import Fit
 from shoal.peer.train.hardware import autocast_for, memory_in_use
 from shoal.peer.train.ranks import LocalRanks, RanksError, serve
@@ -193,8 +195,19 @@ def _join_until(
         address = best_address(addresses)
         if settings.network.address_file:
             _write_address(settings.network.address_file, address)
-        _announce_address(settings, progress, address, addresses, dht.peer_id.to_base58(), peer.reachability)
+        run_key = settings.network.trust_key
+        if run_key is None and not settings.network.initial_peers:  # a starter's key is the run key
+            run_key = public_key(record_key(identity)).hex()
+        _announce_address(
+            settings, progress, address, addresses, dht.peer_id.to_base58(), peer.reachability, run_key
+        )
         schedule = _discover(settings, progress, dht) if settings.network.initial_peers else None
+        if schedule is None and settings.network.initial_peers and settings.network.trust_key is None:
+            # it joined through a bootstrap node, and started the run: its key is the run key
+            progress.message(
+                f"this peer started run {settings.run.name!r}: joiners add --trust-key "
+                f"{public_key(record_key(identity)).hex()} to take only the shared state it signs"
+            )
         return _train(settings, progress, peer, schedule, workload, credentials, fitted, ranks, stop, faults)
 
 
@@ -243,6 +256,7 @@ def _announce_address(
     addresses: list[str],
     peer_id: str,
     reach: Reachability,
+    run_key: str | None = None,
 ) -> None:
     """Every peer, the first or a joiner, says where it can be dialed, whether it can be dialed from
     outside its network, and how others join through it: once the peers a joiner came through have
@@ -251,7 +265,7 @@ def _announce_address(
     through = address
     if reach.reachable is False and reach.relays:
         through = next(p for p in settings.network.initial_peers if p.endswith(f"/p2p/{reach.relays[0]}"))
-    command = join_command(settings, through)
+    command = join_command(settings, through, run_key)
     if settings.network.initial_peers:
         via = "its relay" if through != address else "this peer"
         progress.message(
@@ -275,6 +289,7 @@ def _announce_address(
         reachable=reach.reachable,
         relays=list(reach.relays),
         observed=reach.observed,
+        run_key=run_key,
     )
 
 
@@ -341,6 +356,7 @@ def _train(
     stop: StopRequest,
     faults: Faults,
 ) -> dict[str, Any]:
+    starts = schedule is None
     if schedule is None:
         schedule = saved_clock(settings, progress) or RoundSchedule(
             start_time=settings.run.start_time or time.time() + 0.5,
@@ -361,6 +377,7 @@ def _train(
         warn=lambda text: progress.message(f"warning: {text}"),
         faults=faults,
         ranks=ranks,
+        starts_run=starts,  # (this peer's key is the run key: shoal.peer.swarm.anchor)
     )
     assert peer.exchange is not None  # build_peer connected it (SwarmPeer.connect)
     if fitted is not None:
@@ -587,14 +604,17 @@ def _coordinator_link(
     )
 
 
-def join_command(settings: PeerSpec, address: str) -> str:
-    """The command that joins another peer to this one's run, with the settings that must match."""
+def join_command(settings: PeerSpec, address: str, run_key: str | None = None) -> str:
+    """The command that joins another peer to this one's run, with the settings that must match, and
+    the run key a joiner trusts for its first state (shoal.peer.swarm.anchor), if there is one."""
     defaults = PeerSpec()
     parts = ["shoal", "join", "--initial-peers", address]
     for name in RUN_FLAGS:
         value = settings.flag(name)
         if name in ("run", "model", "algorithm") or value != defaults.flag(name):
             parts += ["--" + name.replace("_", "-"), str(value)]
+    if run_key is not None:
+        parts += ["--trust-key", run_key]
     return " ".join(parts)
 
 

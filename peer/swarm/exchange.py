@@ -77,6 +77,7 @@ from shoal.peer.algorithms.exchange import (
     Replay,
     mean_by_gather,
 )
+from shoal.peer.swarm.anchor import Anchor, public_key
 from shoal.peer.swarm.channels import Channels
 from shoal.peer.swarm.coordinated import CoordinatedRounds
 from shoal.peer.swarm.coordinator_link import CoordinatorLink
@@ -99,6 +100,7 @@ from shoal.peer.swarm.records import (
 from shoal.peer.swarm.relay import UNCHECKED, Reachability
 from shoal.peer.swarm.replay import Step
 from shoal.peer.swarm.server import PayloadServer
+from shoal.peer.swarm.signing import record_key
 from shoal.peer.swarm.stages import Outcome, RoundLimits, RoundStages, Snapshot
 from shoal.peer.swarm.state import StateSnapshot
 from shoal.protocol.rules import weighed
@@ -163,6 +165,10 @@ class SwarmExchange(Exchange):
             shoal.protocol.rules): only those are pulled; 0: every one.
         tokens: the run's token ledger (`SharedLedger`: shoal.peer.data.ledger), kept with the shared
             state, its claims with the payloads.
+        trust_key: the run key (`--trust-key`, 32 bytes): out of sync, this peer takes only the state it
+            signed (shoal.peer.swarm.anchor); None: the headcount's. This peer signs the states it
+            holds in sync if that key is its own, or if `starts_run` and no key is given.
+        starts_run: this peer started the run (no --initial-peers): its key is the run key.
     """
 
     server_type: type[PayloadServer] = PayloadServer
@@ -191,6 +197,8 @@ class SwarmExchange(Exchange):
         reachability: Reachability = UNCHECKED,
         gather_limit: int = 0,
         tokens: SharedLedger | None = None,
+        trust_key: bytes | None = None,
+        starts_run: bool = False,
     ):
         if gather_limit < 0:
             raise ValueError(f"gather_limit must be >= 0, got {gather_limit}")
@@ -231,6 +239,11 @@ class SwarmExchange(Exchange):
             self._start(server, directory, ledger, limits, max_concurrent_fetches)
         )
         """The round's stages over its parts (shoal.peer.swarm.stages)."""
+        own_key = public_key(record_key(identity))
+        signs = trust_key == own_key or (trust_key is None and starts_run)
+        self.run_key = own_key if signs else trust_key
+        """The run key this peer signs with or trusts (shoal.peer.swarm.anchor); None: none."""
+        self.stages.anchor = Anchor(directory, self.counts, trust=self.run_key, signs=signs)
         self.rounds = CoordinatedRounds(self.stages, self.clock, coordinator)
         """The rounds under a coordinator (shoal.peer.swarm.coordinated)."""
 

@@ -42,3 +42,9 @@ RUN_HANDLER = "shoal.run"
 def handler(run: str, kind: str) -> str:
     """The libp2p protocol name of `run`'s handler for `kind` (payload, payloads, state or probe)."""
     return f"shoal.{run}.{kind}"
+
+
+def anchor_key(run: str) -> str:
+    """The DHT key under which the run key signs the shared state of the round in progress
+    (shoal.peer.swarm.anchor): one entry, under the run key's subkey, that only it can write."""
+    return f"{run}.anchor"

@@ -29,6 +29,7 @@ import torch
 from hivemind.utils.logging import get_logger
 
 from shoal.peer.algorithms.exchange import Averaged, Contribution
+from shoal.peer.swarm.anchor import Anchor
 from shoal.peer.swarm.collect import Polls, Pulls, Reads, needed, pull_chosen, strike_unserved
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.directory import RECORD_REFRESH_S, RunDirectory
@@ -144,12 +145,15 @@ class RoundStages:
         self.standing = Standing()
         self.transition: Transition | None = None
         """How this peer replays a step (None: it re-syncs by download only)."""
+        self.anchor: Anchor | None = None
+        """The run key's signatures of the shared state (shoal.peer.swarm.anchor; None: no run key)."""
         self.work = Work()
         """Each identity's counted contributions in the rounds this peer ended in sync: what its vote
         on a round's state weighs (shoal.protocol.work)."""
         self._named: set[bytes] = set()  # announcers already named in the log for a false state
         self._state = b""  # the digest of this peer's state in its current round
         self._step: Step | None = None  # the last round's step, recorded against the state it led to
+        self._coordinated = False  # whether the round in progress is a coordinator's
 
     async def uncoordinated(
         self, number: int, payload: bytes, samples: int, snapshot: Snapshot, schedule: RoundSchedule
@@ -188,6 +192,11 @@ class RoundStages:
             self.server.steps.record(snapshot[0].digest, self._step)
         self._step = None
         state = self._state = b"" if snapshot is None else snapshot[0].digest
+        self._coordinated = coordinated  # (a coordinator admits the peers: no run key signs or is asked)
+        signs = self.anchor is not None and self.anchor.signs and not coordinated
+        if signs and self.standing.synced and state:
+            assert self.anchor is not None
+            await self.anchor.sign(number, state, schedule.deadline(number) + 60)
         self.ledger.new_round(number)
         self.puller.new_round(number)
         refresh_s = RECORD_REFRESH_S if coordinated else 0.0
@@ -341,7 +350,18 @@ class RoundStages:
         compare = snapshot is not None
         ballots = announced if voters is None else voters
         weights = None if isinstance(ballots, Tally) else self.work.weights(ballots)
-        decision = decide(announced, mine, compare_states=compare, voters=voters, weights=weights)
+        signed = unanchored = None
+        anchored = self.anchor is not None and self.anchor.verifies and not self._coordinated
+        if compare and anchored and not self.standing.synced:
+            # nothing verified here to weigh a vote by: only the state the run key signed is taken, and
+            # without one this peer keeps its own, out of sync (shoal.peer.swarm.anchor)
+            assert snapshot is not None and self.anchor is not None
+            signed = await self.anchor.signed(snapshot[0].round)
+            unanchored = signed is None
+        anchor = mine.state if unanchored else signed
+        decision = decide(
+            announced, mine, compare_states=compare, voters=voters, weights=weights, anchor=anchor
+        )
         adopted = None
         if decision.behind:
             assert snapshot is not None  # behind only when states are compared
@@ -373,9 +393,9 @@ class RoundStages:
                 or isinstance(ballots, Tally)
                 or any(a.state == decision.agreed for o, a in ballots.items() if o != self.owner)
             )
-            self.standing.synced = (not decision.behind or adopted is not None) and (
-                self.standing.synced or agreeing
-            )
+            self.standing.synced = (
+                (not decision.behind or adopted is not None) and (self.standing.synced or agreeing)
+            ) and not unanchored
             if self.standing.synced and set(decision.counted) - {self.owner}:
                 # what this round counted, for the votes it earns (`work`): not a round this peer
                 # counted alone, which nobody else checked (two peers cut apart would each earn

@@ -235,6 +235,7 @@ def decide(
     voters: "dict[bytes, Announcement] | Tally | None" = None,
     weights: Mapping[bytes, int] | None = None,
     own: bool = False,
+    anchor: bytes | None = None,
 ) -> Decision:
     """The round's decision on this peer (its announcement `mine`), the same on every peer holding the
     same announcements: one contribution per distinct payload, for the smallest key, and, with
@@ -249,7 +250,8 @@ def decide(
     With `weights` (this peer's record of each identity's counted work, shoal.protocol.work), the votes
     weigh by it (`weighed`): fresh identities weigh nothing, however many. Where no earned weight
     backs any state, the headcount decides, marked `earned` False. `own`: this peer keeps its own
-    state (in sync, it could not check the headcount's by a replay)."""
+    state (in sync, it could not check the headcount's by a replay). `anchor`: the state the run key
+    signed for the round (shoal.peer.swarm.anchor), which this peer takes whatever the vote."""
     held = sorted(announced)
     first_owner: dict[bytes, bytes] = {}
     for owner in held:
@@ -260,6 +262,7 @@ def decide(
         return Decision(held, copies)
     if isinstance(voters, Tally):
         agreed, earned = tallied(voters.votes), True  # (the coordinator counted the votes)
+        agreed = agreed if anchor is None else anchor
         holders = [a.peer for o, a in sorted(announced.items()) if a.state == agreed and o != mine.owner]
         # `agreed` None (no vote for a state) is held by no one
         holders += [
@@ -270,9 +273,10 @@ def decide(
         ballots = {owner: announced[owner] for owner in held} if voters is None else voters
         states = {owner: (a.state, a.synced) for owner, a in ballots.items()}
         agreed, earned = weighed(states, weights) if weights is not None else (majority(states), True)
+        agreed, earned = (agreed, earned) if anchor is None else (anchor, True)
         holders = [a.peer for o, a in sorted(ballots.items()) if a.state == agreed and o != mine.owner]
         synced_vote = any(a.synced for a in ballots.values())
-    if mine.synced and mine.state and not synced_vote:
+    if mine.synced and mine.state and not synced_vote and anchor is None:
         # a round that only newcomers (or peers out of sync) made, this peer's vote not among them: it
         # keeps the state the swarm agreed on last, and their contributions, on another, are stale
         agreed, holders = mine.state, []

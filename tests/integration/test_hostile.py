@@ -39,12 +39,14 @@ def swarm(
     peers: int = 4,
     attackers: int = 1,
     late: int = 0,
+    joiner: int = 0,
 ) -> list[dict]:
     """Runs `peers` peers until round `rounds`: the first starts the run, the last `attackers` attack
     (if `attack`: a fault of tests.integration.faults, from round 0; a list: one for each attacker);
     `coordinated`: under a `shoal coordinator` whose first round waits for all of them; `late`: the
-    attackers join once the first peer has ended that round. Returns every peer's summary event, the
-    attackers' last."""
+    attackers join once the first peer has ended that round; `joiner`: one more honest peer joins once
+    the first peer has ended that round, with the run key of the first peer's join command. Returns
+    every peer's summary event, the attackers' last, then the joiner's."""
     attacks = [attack] * attackers if isinstance(attack, str) else list(attack or [])
     attackers = len(attacks)
     startup_s = STARTUP_S + 3.0 * max(peers - 4, 0)  # each more peer adds its start on two cores
@@ -53,13 +55,13 @@ def swarm(
     if coordinated:
         address = f"127.0.0.1:{free_port()}"
         common += ["--coordinator", address]
-    logs = [tmp_path / f"{name}-{i}.jsonl" for i in range(peers)]
+    logs = [tmp_path / f"{name}-{i}.jsonl" for i in range(peers + bool(joiner))]
     collusion = tmp_path / f"{name}-collusion"
     processes: list[subprocess.Popen] = []
     coordinator: subprocess.Popen | None = None
 
     def start(i: int, extra: list[str]) -> None:
-        fault = attacks[i - (peers - attackers)] if i >= peers - attackers else None
+        fault = attacks[i - (peers - attackers)] if peers - attackers <= i < peers else None
         env = {"SHOAL_FAULTS": f"tests.integration.faults:{fault}@0"} if fault else None
         if fault == "collude":  # the attackers' side channel (tests.integration.faults)
             collusion.mkdir(exist_ok=True)
@@ -73,26 +75,32 @@ def swarm(
             with (tmp_path / f"{name}-coordinator.log").open("w") as log:
                 coordinator = spawn([*server, "--min-peers", str(peers)], stdout=log, stderr=log)
         start(0, ["--start-time", str(time.time() + startup_s)])
-        address = wait_until(
+        started = wait_until(
             lambda: next((e for e in events(logs[0]) if e.get("event") == "started"), None),
             60,
             "the first peer's address",
             processes=processes[:1],
             logs=[tmp_path / f"{name}-0.err"],
             interval_s=0.5,
-        )["address"]
+        )
+        address = started["address"]
+
+        def after(number: int) -> None:
+            wait_until(
+                lambda: any(e.get("event") == "round" and e["round"] >= number for e in events(logs[0])),
+                startup_s + number * 10 + 70,
+                f"the first peer's round {number}",
+                processes=processes,
+                interval_s=0.5,
+            )
+
         for i in range(1, peers):
             if late and i == peers - attackers:
-                wait_until(
-                    lambda: any(
-                        e.get("event") == "round" and e["round"] >= late - 1 for e in events(logs[0])
-                    ),
-                    startup_s + late * 10 + 60,
-                    f"the first peer's round {late - 1}",
-                    processes=processes,
-                    interval_s=0.5,
-                )
+                after(late - 1)
             start(i, ["--initial-peers", address])
+        if joiner:
+            after(joiner)
+            start(peers, ["--initial-peers", address, "--trust-key", started["run_key"]])
         for i, process in enumerate(processes):
             code = process.wait(timeout=startup_s + rounds * 4 + 90)
             assert code == 0, (tmp_path / f"{name}-{i}.err").read_text()[-3000:]
@@ -178,14 +186,18 @@ def test_a_sybil_majority_claiming_one_poisoned_state_from_round_0_wins_nothing(
     (the honest peers downloaded the poison, byte for byte); a single one won round 0. Now no peer in
     sync leaves its own state for one that no counted work backs and no step it can replay leads to
     (`unbacked_state`, round 0), from round 1 the honest peers' earned weight decides, and each Sybil
-    is struck for its false claims (`false_state`) until it is banned. The honest peers never pull a
-    state and end on one model, as good as the clean run's."""
-    summaries = swarm(tmp_path, "sybils", DEMO, "sybil", ROUNDS, peers=7, attackers=4)
-    honest = summaries[:3]
+    is struck for its false claims (`false_state`) until it is banned. The honest peers never download a
+    state and end on one model, as good as the clean run's. An honest peer joining during the attack
+    with the first peer's join command, which names the run key, takes the state that key signed, not
+    the headcount's (shoal.peer.swarm.anchor): it ends on the honest model."""
+    summaries = swarm(tmp_path, "sybils", DEMO, "sybil", ROUNDS, peers=7, attackers=4, joiner=3)
+    honest, joiner = summaries[:3], summaries[-1]
     check(honest, clean(tmp_path_factory, DEMO), "false_state", "stale_state")
-    for summary in honest:
-        assert summary["resyncs"] == 0 and summary["replays"] == 0, summary
+    for summary in honest:  # (one that missed the joiner's first payload heals by a replay it checks)
+        assert summary["resyncs"] == 0, summary
         assert summary["banned"] == 4, summary
+    assert joiner["param_hash"] == honest[0]["param_hash"], joiner
+    assert joiner["resyncs"] + joiner["replays"] >= 1, joiner  # it took the signed state
 
 
 GATHER_2 = ["--gather", "2"]

@@ -3,13 +3,18 @@ itself: its result lists the G chosen and tallies every participant's state (rep
 and a peer reads that tally back as the round's vote (coordinated.tally_of)."""
 
 from collections import Counter
+from dataclasses import replace
 
-from shoal.coordinator.replies import result_reply
+from shoal.coordinator.events import Heartbeat, Join, Report, Tick
+from shoal.coordinator.policy import Policy
+from shoal.coordinator.replies import ROTATION_SEED, result_reply
+from shoal.coordinator.rounds import initial_state, transition
 from shoal.coordinator.state import PayloadReport, Round
 from shoal.peer.swarm.coordinated import tally_of
 from shoal.protocol import TALLY_HOLDERS
 from shoal.protocol import coordinator_pb2 as pb
-from shoal.protocol.rules import choose
+from shoal.protocol.rules import choose, tallied
+from shoal.protocol.work import EARN_ROUNDS, earned
 
 S1, S2 = b"\x01" * 32, b"\x02" * 32
 BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
@@ -46,8 +51,7 @@ def test_the_result_lists_the_g_of_the_rotation_on_the_majority_state_and_tallie
         assert len(listed) == 3 and listed == sorted(listed)
         assert not {PEERS[0], PEERS[1], PEERS[3], PEERS[7]} & set(listed)
         candidates = [p.encode() for p in PEERS[2:] if p not in (PEERS[3], PEERS[7])]
-        seed = (1234 + number).to_bytes(8, "little")
-        assert {p.encode() for p in listed} == choose(seed, number, candidates, 3)
+        assert {p.encode() for p in listed} == choose(ROTATION_SEED, number, candidates, 3)
     assert reply.reported == 10
     assert {(v.state, v.synced): v.count for v in reply.votes} == {(S1, True): 8, (S2, True): 2}
     assert all(len(v.holders) == min(v.count, TALLY_HOLDERS) for v in reply.votes)
@@ -78,3 +82,62 @@ def test_a_peer_drops_what_is_malformed_in_a_tally():
     tally = tally_of(reply)
     assert tally.votes == Counter({(S1, True): 3, (S2, True): 1})
     assert tally.holders[S1] == (PEERS[0], PEERS[1]) and len(tally.holders[S2]) == TALLY_HOLDERS
+
+
+def test_the_tally_counts_votes_earned_by_work_and_a_sybil_majority_buys_no_slot():
+    """Three members counted together for EARN_ROUNDS rounds have earned their votes; then 6 fresh
+    identities claim another state, in sync: the tally counts what was earned (they count 0), the state
+    peers read from it is the members', and the fan-in gives the newcomers no slot."""
+    policy = Policy(
+        min_compute_s=10, max_compute_s=100, initial_exchange_s=5, heartbeat_timeout_s=1e6, gather=2
+    )
+    honest, sybils = PEERS[:3], PEERS[3:9]
+    state, now = initial_state(7), 0.0
+
+    def step(event):
+        nonlocal state
+        state, _ = transition(state, now, event, policy)
+
+    def play(reporters):
+        nonlocal now
+        current = state.round
+        now = current.announced_at + 1
+        for i, p in enumerate(reporters):
+            forged = p in sybils
+            step(
+                Report(
+                    p,
+                    current.number,
+                    bytes([current.number % 256, i]) * 16,
+                    100,
+                    10,
+                    S2 if forged else S1,
+                    True,
+                )
+            )
+        now = current.compute_deadline + policy.report_grace_s
+        step(Tick())
+        now += 1
+        for p in reporters:
+            step(Heartbeat(p, current.number))
+        return next(r for r in (*state.history, state.round) if r.number == current.number)
+
+    for p in honest:
+        step(Join(p))
+    for _ in range(2 * EARN_ROUNDS):  # (gather 2 of 3: each counts in two rounds of every three)
+        play(honest)
+    assert all(earned(state.counted[p], state.next_round) for p in honest)
+    for p in sybils:
+        step(Join(p))
+    play(honest)  # (the Sybils are expected from the next round)
+    decided = play([*honest, *sybils])
+    assert set(decided.earned) == set(honest)
+    reply = result_reply(decided, 0.0, gather=2)
+    tally = tally_of(reply)
+    assert tally is not None and tally.votes[(S1, True)] == 3 and tally.votes[(S2, True)] == 0
+    assert tallied(tally.votes) == S1
+    assert {p.peer_id for p in reply.participants} <= set(honest)
+    assert not set(state.counted) & set(sybils)  # their contributions, on another state, never counted
+    # before anyone earned a vote, the headcount decides, as on the peers (the coordinator admitted them)
+    young = replace(decided, earned=())
+    assert tallied(tally_of(result_reply(young, 0.0, gather=2)).votes) == S2

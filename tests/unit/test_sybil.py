@@ -9,6 +9,8 @@ import hashlib
 import pytest
 import torch
 
+from shoal.peer.config.spec import PeerSpec
+from shoal.peer.swarm.anchor import parse_anchor, parse_trust_key
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.ledger import Ledger
 from shoal.peer.swarm.records import Announcement
@@ -187,3 +189,34 @@ def test_in_a_young_swarm_a_split_heals_from_peers_counted_before_never_from_fre
         assert stages.puller.downloads == downloads
         assert (agreement.adopted is None) == (not downloads)
         assert stages.counts.rejected.get("unbacked_state", 0) == (not downloads)
+
+
+def test_a_joiner_given_the_run_key_takes_the_signed_state_not_the_headcounts():
+    """A joiner (out of sync, no record: every identity weighs nothing to it) between three honest peers
+    and 12 Sybils: the headcount sends it to the poison; the state the run key signed for the round
+    (shoal.peer.swarm.anchor) sends it to the honest peers, its sources."""
+    joiner = announce(b"joiner", b"\x70" * 32, synced=False)
+    ballots = {o: announce(o, GOOD) for o in HONEST} | {o: announce(o, POISON) for o in sybils(12)}
+    ballots[joiner.owner] = joiner
+    weights = Work().weights(ballots)
+    fooled = decide(ballots, joiner, compare_states=True, weights=weights)
+    assert fooled.agreed == POISON and not fooled.earned
+    anchored = decide(ballots, joiner, compare_states=True, weights=weights, anchor=GOOD)
+    assert anchored.agreed == GOOD and anchored.behind
+    assert set(anchored.sources) == {f"{o.decode()}-peer" for o in HONEST}
+    assert set(anchored.counted) == set(HONEST)
+
+
+def test_a_run_key_and_an_anchor_from_the_dht_are_checked():
+    key = "ab" * 32
+    assert parse_trust_key(key) == b"\xab" * 32 and parse_trust_key(key.upper()) == b"\xab" * 32
+    for bad in ("", "ab" * 31, "zz" * 32, "ab" * 33, " " + key):
+        with pytest.raises(ValueError, match="64 hex digits"):
+            parse_trust_key(bad)
+        with pytest.raises(ValueError, match="--trust-key"):
+            PeerSpec.of(trust_key=bad)
+    assert PeerSpec.of(trust_key=key.upper()).network.trust_key == key
+    assert parse_anchor([5, GOOD]) == (5, GOOD) and parse_anchor((0, GOOD)) == (0, GOOD)
+    for bad in (None, b"", [5], [5, GOOD, 1], [True, GOOD], [-1, GOOD], [1 << 62, GOOD], [5, GOOD[:31]],
+                [5, GOOD.hex()], [5.0, GOOD], {"round": 5}):  # fmt: skip
+        assert parse_anchor(bad) is None, bad
