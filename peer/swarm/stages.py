@@ -165,6 +165,9 @@ class RoundStages:
             await self.announce(number, mine, schedule)
         self.standing.announce_s = time.time() - began
         deadline = schedule.deadline(number)
+        if self.anchor is not None and self.anchor.signs and self.standing.synced and self._state:
+            # the run key signs the state this round starts from: after the announcement, off its path
+            await self.anchor.sign(number, self._state, deadline + 60)
         announced, compatible = await self.collect(number, mine, deadline, schedule.round_seconds)
         self.standing.members = sorted(compatible)
         held = sum(self.server.holds(number, a.digest) for a in announced.values())
@@ -193,10 +196,6 @@ class RoundStages:
         self._step = None
         state = self._state = b"" if snapshot is None else snapshot[0].digest
         self._coordinated = coordinated  # (a coordinator admits the peers: no run key signs or is asked)
-        signs = self.anchor is not None and self.anchor.signs and not coordinated
-        if signs and self.standing.synced and state:
-            assert self.anchor is not None
-            await self.anchor.sign(number, state, schedule.deadline(number) + 60)
         self.ledger.new_round(number)
         self.puller.new_round(number)
         refresh_s = RECORD_REFRESH_S if coordinated else 0.0
