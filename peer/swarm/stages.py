@@ -122,6 +122,12 @@ class Outcome:
     """Whether the fan-in chose this peer's own payload."""
 
 
+def _signed(task: asyncio.Future) -> None:
+    """Tells why a background signature of the run key failed (the next round signs again)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning(f"the run key's signature of this round's state was not written: {task.exception()!r}")
+
+
 class RoundStages:
     """The stages of a round (see the module docstring) over its parts."""
 
@@ -154,6 +160,7 @@ class RoundStages:
         self._state = b""  # the digest of this peer's state in its current round
         self._step: Step | None = None  # the last round's step, recorded against the state it led to
         self._coordinated = False  # whether the round in progress is a coordinator's
+        self._signing: asyncio.Future | None = None  # the run key's last signature, while it is written
 
     async def uncoordinated(
         self, number: int, payload: bytes, samples: int, snapshot: Snapshot, schedule: RoundSchedule
@@ -165,9 +172,12 @@ class RoundStages:
             await self.announce(number, mine, schedule)
         self.standing.announce_s = time.time() - began
         deadline = schedule.deadline(number)
-        if self.anchor is not None and self.anchor.signs and self.standing.synced and self._state:
-            # the run key signs the state this round starts from: after the announcement, off its path
-            await self.anchor.sign(number, self._state, deadline + 60)
+        idle = self._signing is None or self._signing.done()
+        if self.anchor is not None and self.anchor.signs and self.standing.synced and self._state and idle:
+            # the run key signs the state this round starts from, in the background: no round waits on
+            # that DHT write (through a relay, behind NAT, it can take a while)
+            self._signing = asyncio.ensure_future(self.anchor.sign(number, self._state, deadline + 60))
+            self._signing.add_done_callback(_signed)
         announced, compatible = await self.collect(number, mine, deadline, schedule.round_seconds)
         self.standing.members = sorted(compatible)
         held = sum(self.server.holds(number, a.digest) for a in announced.values())
