@@ -33,7 +33,7 @@ from shoal.peer.algorithms.configs import (
     run_config,
 )
 from shoal.peer.algorithms.schedule import KINDS, Schedule
-from shoal.peer.swarm.names import check_run_name
+from shoal.peer.swarm.names import check_run_name, parse_trust_key
 
 ALGORITHMS = {
     "demo": "demo",
@@ -105,9 +105,7 @@ def _choice(options: Mapping[str, str] | tuple[str, ...]) -> Callable[[Any], str
 
 
 def _trust_key(value: Any) -> str:
-    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", value):
-        raise ValueError(f"expected the run key a join command prints (64 hex digits), got {value!r}")
-    return value.lower()
+    return parse_trust_key(value).hex()
 
 
 def _device(value: Any) -> str:

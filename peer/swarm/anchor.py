@@ -27,8 +27,6 @@ join command did not come from its starter. `--trust-key` is a 64-digit hex key,
 starts; what the DHT returns under the anchor key is another peer's data, checked here (`parse_anchor`).
 """
 
-import re
-
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from hivemind.utils.logging import get_logger
@@ -37,20 +35,11 @@ from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.directory import RunDirectory
 from shoal.peer.swarm.names import anchor_key
 from shoal.peer.swarm.signing import KEY_BYTES
+from shoal.peer.swarm.state import DIGEST_BYTES
 
 logger = get_logger(__name__)
 
-TRUST_KEY = re.compile(r"[0-9a-f]{64}")
-"""A run key as `--trust-key` takes it, and a join command prints it: 32 bytes in lowercase hex."""
-DIGEST_BYTES = 32
 MAX_ROUND = 1 << 62
-
-
-def parse_trust_key(text: str) -> bytes:
-    """The 32-byte Ed25519 public key of a `--trust-key`, or ValueError saying what one looks like."""
-    if not isinstance(text, str) or not TRUST_KEY.fullmatch(text.lower()):
-        raise ValueError("expected the run key its starter's join command prints: 64 hex digits")
-    return bytes.fromhex(text)
 
 
 def public_key(key: Ed25519PrivateKey) -> bytes:

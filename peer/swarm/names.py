@@ -44,6 +44,18 @@ def handler(run: str, kind: str) -> str:
     return f"shoal.{run}.{kind}"
 
 
+TRUST_KEY = re.compile(r"[0-9a-f]{64}")
+"""A run key as `--trust-key` takes it, and a join command prints it: 32 bytes in lowercase hex."""
+
+
+def parse_trust_key(text: str) -> bytes:
+    """The 32-byte Ed25519 public key of a `--trust-key` (shoal.peer.swarm.anchor), or ValueError saying
+    what one looks like."""
+    if not isinstance(text, str) or not TRUST_KEY.fullmatch(text.lower()):
+        raise ValueError("expected the run key its starter's join command prints: 64 hex digits")
+    return bytes.fromhex(text)
+
+
 def anchor_key(run: str) -> str:
     """The DHT key under which the run key signs the shared state of the round in progress
     (shoal.peer.swarm.anchor): one entry, under the run key's subkey, that only it can write."""

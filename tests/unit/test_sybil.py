@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from shoal.peer.config.spec import PeerSpec
-from shoal.peer.swarm.anchor import parse_anchor, parse_trust_key
+from shoal.peer.swarm.anchor import parse_anchor
 from shoal.peer.swarm.counters import SwarmCounters
 from shoal.peer.swarm.ledger import Ledger
+from shoal.peer.swarm.names import parse_trust_key
 from shoal.peer.swarm.records import Announcement
 from shoal.peer.swarm.server import PayloadServer
 from shoal.peer.swarm.stages import CLAIM_ROUNDS, RoundLimits, RoundStages
