@@ -80,9 +80,9 @@ class Anchor:
         """Signs `digest` as the shared state of round `number` (this peer holds the run key, in sync)."""
         await self.directory.store(self.key, [number, digest], expiration)
 
-    async def signed(self, number: int) -> bytes | None:
-        """The state the run key signed for round `number`; None (counted, and told now and then) if it
-        signed none, or an older round's."""
+    async def signed(self, number: int, *, quiet: bool = False) -> bytes | None:
+        """The state the run key signed for round `number`; None (counted, and told now and then, unless
+        `quiet`) if it signed none, or an older round's."""
         found = await self.directory.get(self.key, every_rounds=0.0, fully=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         entry = entries.get(self._subkey)
@@ -91,6 +91,8 @@ class Anchor:
             self.counts.rejected["bad_anchor"] += 1
         if anchor is not None and anchor[0] == number:
             return anchor[1]
+        if quiet:
+            return None
         self.counts.rejected["unanchored_state"] += 1
         if number - self._told >= 10:
             self._told = number

@@ -367,6 +367,13 @@ class RoundStages:
             assert snapshot is not None and self.anchor is not None
             signed = await self.anchor.signed(snapshot[0].round)
             unanchored = signed is None
+        elif compare and anchored and any(a.state != mine.state for a in announced.values()):
+            # in sync, but others hold another state: a peer whose own step came out otherwise (a young
+            # record of suspicion screens otherwise than the veterans') would keep its state against
+            # theirs, backed by its own record of work; the run key's signature settles it
+            assert snapshot is not None and self.anchor is not None
+            found = await self.anchor.signed(snapshot[0].round, quiet=True)
+            signed = found if found is not None and found != mine.state else None
         anchor = mine.state if unanchored else signed
         decision = decide(
             announced, mine, compare_states=compare, voters=voters, weights=weights, anchor=anchor

@@ -208,6 +208,45 @@ def test_a_joiner_given_the_run_key_takes_the_signed_state_not_the_headcounts():
     assert set(anchored.counted) == set(HONEST)
 
 
+class Signed:
+    """A run key's signatures as `Anchor` reads them: the state signed for each round."""
+
+    verifies = True
+
+    def __init__(self, states: dict[int, bytes]):
+        self.states, self.asked = states, []
+
+    async def signed(self, number: int, *, quiet: bool = False) -> bytes | None:
+        self.asked.append(number)
+        return self.states.get(number)
+
+
+def test_a_trusting_peer_in_sync_whose_step_came_out_otherwise_takes_the_signed_state():
+    """A joiner in sync for two rounds, whose own step came out otherwise than the veterans' (its young
+    record screened otherwise): its record of work backs its own state, so against the honest peers'
+    it would keep it (`unbacked_state`) and stay apart for good. The run key signed the honest state:
+    it downloads that instead. Where the key signed its own state, or nothing yet, it keeps its own;
+    and a round where nobody holds another state reads no signature."""
+    number, own = 7, StateSnapshot.capture([torch.zeros(4)], 7)
+    for signatures, downloads in (({number: GOOD}, [GOOD]), ({number: own.digest}, []), ({}, [])):
+        stages = stages_in_sync()
+        stages.work.record(5, [HONEST[0], b"joiner"])  # what the joiner saw count, its own state's
+        stages.work.record(6, [HONEST[0], b"joiner"])
+        stages.anchor = Signed(signatures)
+        mine = announce(HONEST[0], own.digest)
+        ballots = {o: announce(o, GOOD) for o in HONEST[1:]} | {o: announce(o, POISON) for o in sybils(4)}
+        agreement = asyncio.run(stages.agree(ballots | {HONEST[0]: mine}, mine, (own, [torch.zeros(4)])))
+        assert stages.puller.downloads == downloads, signatures
+        assert (agreement.adopted is not None) == bool(downloads)
+        assert stages.counts.rejected.get("unbacked_state", 0) == (not downloads)
+        assert "unanchored_state" not in stages.counts.rejected  # (a peer in sync is not waiting)
+    stages = stages_in_sync()
+    stages.anchor = Signed({number: GOOD})
+    unanimous = {o: announce(o, own.digest) for o in HONEST}
+    asyncio.run(stages.agree(unanimous, unanimous[HONEST[0]], (own, [torch.zeros(4)])))
+    assert stages.anchor.asked == []
+
+
 def test_a_run_key_and_an_anchor_from_the_dht_are_checked():
     key = "ab" * 32
     assert parse_trust_key(key) == b"\xab" * 32 and parse_trust_key(key.upper()) == b"\xab" * 32
