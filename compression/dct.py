@@ -219,3 +219,74 @@ def _tiles_to_tensor(tiles: torch.Tensor, plan: ChunkPlan, out: torch.Tensor | N
     tensor = out.view(plan.matrix_layout())
     tensor.copy_(tiles.view(plan.tile_layout()).transpose(1, 2))
     return tensor.view(plan.shape)
+
+
+EXACT_BASIS_BITS = 22
+"""The integer DCT basis of `inverse_signs`: round(C * 2^22), |entries| <= 2^22."""
+_EXACT_LIMIT_BITS = 52
+"""float64 holds every integer up to 2^53: products and sums of integers that stay at or below 2^52
+are exact, whatever order or fused multiply-adds a matrix product uses."""
+
+
+@lru_cache(maxsize=64)
+def integer_basis(n: int, device: torch.device) -> torch.Tensor:
+    """round(C_n * 2^EXACT_BASIS_BITS) as float64 integers, from Python's own cos and rounding on the
+    host (one table whatever the device or its vector kernels), moved to `device`."""
+    scale = 2.0**EXACT_BASIS_BITS
+    rows = [
+        [float(round(math.cos(math.pi * (2 * i + 1) * k / (2 * n)) * _norm(k, n) * scale)) for i in range(n)]
+        for k in range(n)
+    ]
+    return torch.tensor(rows, dtype=torch.float64).to(device)
+
+
+def _norm(k: int, n: int) -> float:
+    """The orthonormal DCT-II's scale of frequency `k` of `n`."""
+    return math.sqrt((1.0 if k else 0.5) * 2.0 / n)
+
+
+def _to_integers(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """`x` (num_chunks, ...; float64, finite) scaled per tile by a power of two so that its largest
+    magnitude lies in [2^(bits-1), 2^bits), then rounded to integers (half to even), in place. A power
+    of two scales exactly and keeps every sign; each tile's scale is its own."""
+    peak = x.abs().amax(dim=tuple(range(1, x.dim())), keepdim=True)
+    _, exponent = torch.frexp(peak)  # peak < 2^exponent (0 for an all-zero tile)
+    # 2^(bits - exponent) built from its bits (exponent field, zero mantissa): exact on every device
+    scale = ((bits - exponent).to(torch.int64) + 1023).bitwise_left_shift_(52).view(torch.float64)
+    return x.mul_(scale).round_()
+
+
+def inverse_signs(
+    tiles: torch.Tensor, plan: ChunkPlan, workspace: Workspace, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """sign(inverse DCT of `tiles`) (num_chunks, chunk_numel), of plan.shape: the same bits on every
+    device (shoal.peer.algorithms.canonical). The float inverse's matrix products round in an order
+    and with fused multiply-adds that differ between CPUs and GPUs, which can flip the sign of a
+    value near zero. Here each stage is a product of integers held in float64, small enough that
+    every partial sum is exact: the coefficients scaled per tile to 2^(52 - 22 - log2 c) and rounded,
+    times the basis rounded to 22 bits (`integer_basis`); the row stage's input is scaled per tile
+    the same way again. Scaling a tile by a positive factor keeps its signs, so no scale is undone.
+    Non-finite coefficients count as 0 (NaN) or the largest float (infinities). The result is a new
+    tensor of `tiles`' dtype, or `out` (plan.numel elements; it may alias `tiles`)."""
+    r, c = plan.chunk_rows, plan.chunk_cols
+    device = tiles.device
+    x = workspace.get(0, plan.numel, device, torch.float64).view(plan.num_chunks, r, c)
+    x.copy_(tiles.view(plan.num_chunks, r, c)).nan_to_num_(nan=0.0, posinf=3.4e38, neginf=-3.4e38)
+    if c > 1:
+        _to_integers(x, _EXACT_LIMIT_BITS - EXACT_BASIS_BITS - math.ceil(math.log2(c)))
+        x = torch.matmul(
+            x.view(-1, c),
+            integer_basis(c, device),
+            out=workspace.get(1, plan.numel, device, torch.float64).view(-1, c),
+        ).view(plan.num_chunks, r, c)
+    if r > 1:
+        _to_integers(x, _EXACT_LIMIT_BITS - EXACT_BASIS_BITS - math.ceil(math.log2(r)))
+        slot = 0 if c > 1 else 1
+        x = torch.matmul(
+            integer_basis(r, device).T,
+            x,
+            out=workspace.get(slot, plan.numel, device, torch.float64).view(plan.num_chunks, r, c),
+        )
+    if out is None:
+        out = torch.empty(plan.numel, device=device, dtype=tiles.dtype)
+    return _tiles_to_tensor(x.sign_(), plan, out.view(-1))

@@ -26,12 +26,18 @@ def tree_sum_(x: torch.Tensor) -> torch.Tensor:
     """The sum of the 1-D tensor `x` in an order set by its length alone: the last half added onto the
     first, elementwise, until one value is left (an odd middle element stays for the next pass).
     Overwrites `x`; returns a 0-dim view of its first element."""
-    n = x.numel()
+    return tree_sum_rows_(x.view(1, -1))[0]
+
+
+def tree_sum_rows_(x: torch.Tensor) -> torch.Tensor:
+    """`tree_sum_` of each row of the 2-D tensor `x` at once (the same order in every row). Overwrites
+    `x`; returns a view of its first column."""
+    n = x.shape[1]
     while n > 1:
         half = n // 2
-        x[:half] += x[n - half : n]
+        x[:, :half] += x[:, n - half : n]
         n -= half
-    return x[0]
+    return x[:, 0]
 
 
 def gram(rows: Sequence[Sequence[torch.Tensor]], *, diagonal_only: bool = False) -> list[list[float]]:

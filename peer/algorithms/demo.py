@@ -60,7 +60,8 @@ import torch
 
 from shoal.compression import DCTTopKCodec, DecodeLimits, MalformedPayloadError, dct
 from shoal.compression.dct_topk import TopKCoefficients
-from shoal.peer.algorithms.demo_receive import SUM_SLOT, combine, decode, screen
+from shoal.peer.algorithms import demo_receive
+from shoal.peer.algorithms.demo_receive import SUM_SLOT, decode, screen
 from shoal.peer.algorithms.exchange import Contribution, Exchange, Plan
 from shoal.peer.algorithms.hooks import NO_HOOKS, Hooks
 from shoal.peer.algorithms.in_flight import InFlight
@@ -164,6 +165,10 @@ class DeMo(torch.optim.Optimizer):
             the reference semantics. None: `robust.NONE` over an exchange of trusted participants
             (`Exchange.trusted`: LoopbackExchange, TorchDistributedExchange), `robust.DEMO` over the
             swarm.
+        canonical: compute each round's direction so that every device gets the same bits
+            (`demo_receive.signs`: the inverse DCT in exact integer arithmetic), as peers that compare
+            their states' digests must. None: over an untrusted exchange (the swarm), not over a
+            trusted one, whose participants compare nothing and keep the reference's float inverse.
         overlap: exchange in the background and apply each round's aggregate one step late.
         lookahead: with overlap, compute each gradient at the parameters shifted by this
             participant's own sign-of-momentum guess of the update in flight (one more
@@ -194,6 +199,7 @@ class DeMo(torch.optim.Optimizer):
         max_payload_bytes: int = 1 << 30,
         max_slice_numel: int = 1 << 24,
         robust: Robustness | None = None,
+        canonical: bool | None = None,
         overlap: bool = False,
         lookahead: bool = False,
         carry: bool = False,
@@ -218,6 +224,7 @@ class DeMo(torch.optim.Optimizer):
         self.max_slice_numel = max_slice_numel
         self.robust = default_for(exchange, DEMO) if robust is None else robust
         self.suspicion = Suspicion(self.robust)
+        self.canonical = not exchange.trusted if canonical is None else canonical
         self._slice_cache: list[Slice] | None = None
         self.stats = DeMoStats()
         self._in_flight: InFlight[_Gathered] | None = InFlight("demo-exchange") if overlap else None
@@ -505,7 +512,7 @@ class DeMo(torch.optim.Optimizer):
         accepted = []
         for coeffs, factor, weight in zip(decoded, verdict.factors, verdict.weights, strict=True):
             if weight > 0:
-                scale = factor / weight  # the norm bound's; the weight applies in _combine
+                scale = factor / weight  # the norm bound's; the weight applies in demo_receive._mean
                 accepted.append(
                     (coeffs if scale == 1 else [replace(c, values=c.values * scale) for c in coeffs], weight)
                 )
@@ -517,11 +524,15 @@ class DeMo(torch.optim.Optimizer):
         """Step 8's direction, slice by slice: the sign of the combined coefficients' inverse DCT (a
         view into the codec's workspace, valid until the next slice)."""
         for index, piece in enumerate(slices):
-            direction = combine(
-                [(coeffs[index], weight) for coeffs, weight in received], piece, self.codec.workspace
+            yield (
+                piece,
+                demo_receive.signs(
+                    [(coeffs[index], weight) for coeffs, weight in received],
+                    piece,
+                    self.codec.workspace,
+                    canonical=self.canonical,
+                ),
             )
-            # finite but huge values from a hostile peer can sum to inf and inf - inf to NaN: never apply NaN
-            yield piece, direction.sign_().nan_to_num_(nan=0.0)
 
     @torch.no_grad()
     def replay(

@@ -10,6 +10,7 @@ import torch
 
 from shoal.compression import DCTTopKCodec, DecodeLimits, MalformedPayloadError, dct
 from shoal.compression.dct_topk import TopKCoefficients, unpack
+from shoal.peer.algorithms.canonical import tree_sum_rows_
 from shoal.peer.algorithms.exchange import Contribution
 from shoal.peer.algorithms.robust import Reference, Screened, Suspicion, directions_judged, judged, overclaims
 from shoal.peer.algorithms.tile_groups import Slice
@@ -39,9 +40,14 @@ def screen(
     if (count < 2 and not judging) or (policy.norm_ratio is None and not policy.judges):
         return Screened.of(weights, [1.0] * count, [None] * count, policy, overclaimed=overclaims(claims))
     gram: list[list[float]] | torch.Tensor  # the Gram matrix, read or on the device
-    if not judging:
-        squared = [torch.stack([c.values.float().square().sum() for c in coeffs]).sum() for coeffs in decoded]
-        gram = torch.diag(torch.stack(squared)).tolist()
+    if not judging:  # the squared norms alone, in the canonical order (see below)
+        squared = []
+        for coeffs in decoded:
+            total = torch.zeros(1, device=coeffs[0].values.device, dtype=torch.float64)
+            for c in coeffs:  # slice by slice, in order
+                total += _sum(c.values.float().square().view(1, -1))
+            squared.append(total)
+        gram = torch.diag(torch.cat(squared)).tolist()
         return judged(gram, weights, policy, suspicion, senders, claims)
     by_reference = reference is not None
     if by_reference:
@@ -49,7 +55,9 @@ def screen(
         decoded = [*decoded, list(cast("Sequence[TopKCoefficients]", reference.update))]  # DeMo's: top-k
     rows = len(decoded)
     device = decoded[0][0].values.device
-    gram = torch.zeros(rows, rows, device=device)
+    # float32 products summed slice by slice in an order set by their count alone, and across slices
+    # in float64: every device decides alike (shoal.peer.algorithms.canonical)
+    gram = torch.zeros(rows, rows, device=device, dtype=torch.float64)
     for index, piece in enumerate(slices):
         plan = piece.plan
         dense = workspace.get(SUM_SLOT, plan.numel, device, torch.float32)
@@ -59,11 +67,19 @@ def screen(
         values = torch.cat([coeffs[index].values.float() for coeffs in decoded], dim=1)
         for j, other in enumerate(decoded):
             dense.scatter_(1, other[index].indices, other[index].values.float())
-            products = dense.gather(1, indices).mul_(values)
-            gram[:, j] += products.view(plan.num_chunks, rows, -1).sum(dim=(0, 2))
+            products = dense.gather(1, indices).mul_(values).view(plan.num_chunks, rows, -1)
+            gram[:, j] += _sum(products.transpose(0, 1).reshape(rows, -1))
             dense.scatter_(1, other[index].indices, 0.0)  # back to zeros, at only what was written
     # one host sync
     return judged(gram.tolist(), weights, policy, suspicion, senders, claims, True, by_reference)
+
+
+def _sum(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's sum (rows, n) in float32, in the canonical order (`tree_sum_rows_`), as float64;
+    overwrites `rows` (a copy of the caller's)."""
+    if rows.shape[1] == 0:
+        return torch.zeros(rows.shape[0], device=rows.device, dtype=torch.float64)
+    return tree_sum_rows_(rows).double()
 
 
 def decode(
@@ -100,23 +116,51 @@ def decode(
     return decoded
 
 
+def signs(
+    received: list[tuple[TopKCoefficients, float]],
+    piece: Slice,
+    workspace: dct.Workspace,
+    *,
+    canonical: bool,
+) -> torch.Tensor:
+    """Step 8's direction for one slice: the sign of `combine`'s inverse DCT. `canonical`: the same
+    bits on every device (`dct.inverse_signs`, after the dense mean, whose sums are in rank order);
+    else the float inverse of the reference. A view into the codec's workspace, valid until its next
+    use."""
+    if not canonical:
+        # finite but huge values from a hostile peer can sum to inf and inf - inf to NaN: never apply NaN
+        return combine(received, piece, workspace).sign_().nan_to_num_(nan=0.0)
+    sums = _mean(received, piece, workspace)
+    return dct.inverse_signs(sums, piece.plan, workspace, out=sums)
+
+
 def combine(
     received: list[tuple[TopKCoefficients, float]], piece: Slice, workspace: dct.Workspace
 ) -> torch.Tensor:
     """Step 7 of DeMo: per coefficient, the (weighted) mean over the participants that sent it; then
     idct. Returns a view into the codec's workspace, valid until its next use."""
     plan = piece.plan
-    device = piece.members[0].param.device
     sent = sum(coeffs.topk for coeffs, _ in received)
     if received and dct.sparse_is_cheaper(sent, plan):
         return _combine_sparse(received, plan, workspace)
+    sums = _mean(received, piece, workspace)
+    return dct.inverse_dense(sums, plan, workspace, out=sums)  # sums is read before out is written
+
+
+def _mean(
+    received: list[tuple[TopKCoefficients, float]], piece: Slice, workspace: dct.Workspace
+) -> torch.Tensor:
+    """Per coefficient, the weighted mean of the values sent at it (0 where none was), in the
+    workspace's sum slot: summed in rank order, one value per index and call (a chunk's indices are
+    distinct), so the same floats on every device."""
+    plan = piece.plan
+    device = piece.members[0].param.device
     sums = workspace.get(SUM_SLOT, plan.numel, device, torch.float32).view(plan.num_chunks, -1).zero_()
     weights = workspace.get(WEIGHT_SLOT, plan.numel, device, torch.float32).view(plan.num_chunks, -1).zero_()
-    for coeffs, weight in received:  # rank order: the same float sums on every participant
+    for coeffs, weight in received:
         sums.scatter_add_(1, coeffs.indices, coeffs.values * weight)
         weights.scatter_add_(1, coeffs.indices, torch.full_like(coeffs.values, weight))
-    sums.div_(weights.clamp_(min=1e-30))  # where nobody sent a coefficient: 0 / tiny = 0
-    return dct.inverse_dense(sums, plan, workspace, out=sums)  # sums is read before out is written
+    return sums.div_(weights.clamp_(min=1e-30))  # where nobody sent a coefficient: 0 / tiny = 0
 
 
 def _combine_sparse(

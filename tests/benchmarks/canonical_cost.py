@@ -1,7 +1,11 @@
-"""What the canonical shared-state step costs (shoal.peer.algorithms.canonical, issue 76): one round of
-DiLoCo's aggregation (screened weighted mean of N contributions, the Gram matrix included) and its outer
-Nesterov step, on the parameters of the embedded GPT's presets, canonical against torch's own kernels
-(fused multiply-adds, BLAS reductions). Prints a table and a JSON line.
+"""What the canonical shared-state step costs (shoal.peer.algorithms.canonical, issue 76), on the
+parameters of the embedded GPT's presets, canonical against torch's own kernels (fused multiply-adds,
+BLAS reductions, float matrix products):
+- DiLoCo: one round's aggregation (screened weighted mean of N contributions, the Gram matrix
+  included) and its outer Nesterov step;
+- DeMo: one round's direction from N decoded contributions (the weighted mean of the coefficients, the
+  inverse DCT, its sign), the exact integer inverse against the float one.
+Prints a table and a JSON line.
 
     python -m tests.benchmarks.canonical_cost [--presets small,base] [--contributions 4] [--device cpu]
 """
@@ -14,7 +18,10 @@ import time
 import torch
 
 from shoal.peer.algorithms import canonical, robust
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.exchange import Contribution, LoopbackExchange
 from shoal.peer.models.loading import load_model
+from shoal.protocol import Payload
 
 
 def torch_round(params, contributions, optimizer) -> None:
@@ -66,6 +73,7 @@ def measure(preset: str, contributions: int, device: torch.device, repeat: int) 
     settings = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
     fused = timed(torch_round, params, rounds, torch.optim.SGD(params, **settings), device, repeat)
     ours = timed(canonical_round, params, rounds, canonical.NesterovSGD(params, **settings), device, repeat)
+    demo = {flag: demo_round(model, contributions, flag, repeat) for flag in (False, True)}
     return {
         "preset": preset,
         "parameters": sum(p.numel() for p in params),
@@ -74,7 +82,33 @@ def measure(preset: str, contributions: int, device: torch.device, repeat: int) 
         "torch_s": round(fused, 4),
         "canonical_s": round(ours, 4),
         "extra_s": round(ours - fused, 4),
+        "demo_torch_s": round(demo[False], 4),
+        "demo_canonical_s": round(demo[True], 4),
     }
+
+
+def demo_round(model: torch.nn.Module, contributions: int, exact: bool, repeat: int) -> float:
+    """DeMo's direction for one round of `contributions` payloads of the reference's top-32 (decoded
+    and screened once, outside the time), with `canonical=exact`."""
+    exchange = LoopbackExchange.group(1, trusted=False)[0]
+    demo = DeMo(model.parameters(), lr=1e-3, exchange=exchange, canonical=exact)
+    slices, device = demo._slices(), next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(2)
+    payloads = []
+    for rank in range(contributions):
+        tensors = []
+        for piece in slices:
+            noise = torch.randn(piece.plan.shape, generator=generator, device=device)
+            tensors.append(demo.codec.pack(demo.codec.select(noise, piece.plan), torch.float32))
+        data = Payload(tensors=tensors).SerializeToString()
+        payloads.append(Contribution(rank, data, 16, sender=bytes([rank + 1])))
+    accepted = demo._screened(payloads, slices, None, demo.suspicion).accepted
+
+    def step(*_: object) -> None:
+        for _piece, signs in demo._signs(accepted, slices):
+            signs.sum()  # each slice's direction is computed before the next overwrites it
+
+    return timed(step, None, None, None, device, repeat)
 
 
 def main() -> None:
@@ -90,8 +124,9 @@ def main() -> None:
         results.append(row)
         print(
             f"{preset:>6} ({row['parameters']:,} parameters, {row['contributions']} contributions, "
-            f"{row['device']}): torch's kernels {row['torch_s']:.3f} s, canonical {row['canonical_s']:.3f} s "
-            f"a round (+{row['extra_s']:.3f} s)",
+            f"{row['device']}): DiLoCo: torch's kernels {row['torch_s']:.3f} s, canonical "
+            f"{row['canonical_s']:.3f} s a round (+{row['extra_s']:.3f} s); DeMo: float inverse "
+            f"{row['demo_torch_s']:.3f} s, exact {row['demo_canonical_s']:.3f} s",
             flush=True,
         )
     print(json.dumps({"results": results}))

@@ -214,3 +214,80 @@ def test_diloco_rounds_of_every_codec_give_the_same_bits_on_every_kernel_set(tmp
     assert {run["capability"].lower() for run in runs.values()} == set(runs)
     for name in codecs:
         assert len({run["digests"][name] for run in runs.values()}) == 1, (name, runs)
+
+
+# DeMo's own transition (`DeMo.replay`: decoding, screening, the weighted mean, the exact inverse
+# DCT's signs, weight decay) over three rounds of the same payload bytes, with and without overlap
+DEMO_PROBE = """
+import hashlib, json, sys
+import numpy as np, torch
+from shoal.peer.algorithms.demo import DeMo
+from shoal.peer.algorithms.exchange import Contribution, LoopbackExchange
+from shoal.peer.models.gpt import GPTConfig, TinyGPT
+
+model = TinyGPT(GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16))
+rounds = json.load(open(sys.argv[1]))
+digests = {}
+for overlap in (False, True):
+    exchange = LoopbackExchange.group(1, trusted=False)[0]  # screened and canonical, as swarm peers are
+    demo = DeMo(model.parameters(), lr=0.01, exchange=exchange, weight_decay=0.1, compression_topk=8,
+                overlap=overlap, lookahead=overlap)
+    rng = np.random.default_rng(3)
+    state = [torch.from_numpy(rng.standard_normal(tuple(p.shape)).astype(np.float32))
+             for p in model.parameters()]
+    for number, contributions in enumerate(rounds):
+        state, rejected = demo.replay(state, [
+            Contribution(rank, bytes.fromhex(data), samples, sender=bytes([rank + 1]))
+            for rank, (data, samples) in enumerate(contributions)
+        ], (number, number + 1))
+        assert not rejected
+    demo.close()
+    digests[str(overlap)] = hashlib.sha256(b"".join(t.numpy().tobytes() for t in state)).hexdigest()
+print(json.dumps({"digests": digests, "capability": torch.backends.cpu.get_cpu_capability()}))
+"""
+
+
+def demo_rounds(rounds: int = 3) -> list[list[tuple[str, int]]]:
+    """`rounds` rounds of DeMo payloads (hex) and sample counts of five senders, one 40x larger (to be
+    bounded), for the probe's model."""
+    from shoal.peer.algorithms.demo import DeMo
+    from shoal.protocol import Payload
+
+    model = TinyGPT(GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16))
+    demo = DeMo(model.parameters(), lr=0.01, exchange=LoopbackExchange.group(1)[0], compression_topk=8)
+    generator = torch.Generator().manual_seed(6)
+
+    def payload(scale: float) -> str:
+        tensors = []
+        for piece in demo._slices():
+            noise = torch.randn(piece.plan.shape, generator=generator) * scale
+            selection = demo.codec.select(noise, piece.plan)
+            tensors.append(demo.codec.pack(selection, torch.float32))
+        return Payload(tensors=tensors).SerializeToString().hex()
+
+    return [[(payload(40.0 if i == 4 else 1.0), 8 + i) for i in range(5)] for _ in range(rounds)]
+
+
+def test_demo_rounds_give_the_same_bits_on_every_kernel_set(tmp_path):
+    """DeMo payloads made here once, applied for three rounds by DeMo's own transition in a fresh
+    process under each kernel set and thread count: one digest, with and without overlap."""
+    rounds = demo_rounds()
+    payloads = tmp_path / "payloads.json"
+    payloads.write_text(json.dumps(rounds))
+
+    def run(capability: str, threads: int, gemm: str = "AUTO") -> dict:
+        # MKL_CBWR=COMPATIBLE: MKL's matrix products in another order, as another CPU's or a GPU's
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": str(threads)}
+        done = subprocess.run(
+            [sys.executable, "-c", DEMO_PROBE, str(payloads)],
+            capture_output=True, text=True, env={**env, "MKL_CBWR": gemm}, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout)
+
+    sets = kernel_sets()
+    runs = {capability: run(capability, 2 - i % 2) for i, capability in enumerate(sets)}
+    assert {run["capability"].lower() for run in runs.values()} == set(runs)
+    runs["compatible"] = run(sets[-1], 2, "COMPATIBLE")
+    for overlap in ("False", "True"):
+        assert len({run["digests"][overlap] for run in runs.values()}) == 1, (overlap, runs)

@@ -104,6 +104,37 @@ def test_screened_compact_demo_on_the_gpu_matches_the_cpu():
 CONFIG = GPTConfig.preset("tiny", n_layer=1, d_model=32, seq_len=16)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_demos_shared_step_on_the_gpu_gives_the_cpus_bits(overlap):
+    """Issue 76: the same DeMo payload bytes, three rounds of DeMo's own transition (`DeMo.replay`:
+    screening, the mean, the exact inverse DCT's signs, weight decay) from the same state on the GPU
+    and on the CPU: the same bits, as a CPU peer and a GPU peer of one swarm must hold."""
+    from shoal.peer.algorithms.exchange import Contribution
+    from tests.unit.test_canonical import demo_rounds
+
+    rounds = demo_rounds()
+    ends = []
+    for device in (torch.device("cpu"), CUDA):
+        model = TinyGPT(CONFIG).to(device)
+        exchange = LoopbackExchange.group(1, trusted=False)[0]
+        demo = DeMo(
+            model.parameters(), lr=0.01, exchange=exchange, weight_decay=0.1, compression_topk=8,
+            overlap=overlap, lookahead=overlap,
+        )  # fmt: skip
+        state = [torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) for p in model.parameters()]
+        for number, contributions in enumerate(rounds):
+            payloads = [
+                Contribution(r, bytes.fromhex(data), n, sender=bytes([r + 1]))
+                for r, (data, n) in enumerate(contributions)
+            ]
+            replayed = demo.replay(state, payloads, (number, number + 1))
+            assert replayed is not None and not replayed[1]
+            state = [t.cpu() for t in replayed[0]]
+        demo.close()
+        ends.append(state)
+    assert all(torch.equal(a, b) for a, b in zip(*ends, strict=True))
+
+
 def diloco_on(
     device, mode: str, make_codec=None, workers: int = 2, gather_limit: int = 0, **settings
 ) -> list[list[torch.Tensor]]:

@@ -308,12 +308,12 @@ def schedule(number: int) -> float:
     return 1e-2 * (1 + 0.25 * number)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_demo_replays_a_round_to_the_bits_the_round_gave(overlap):
+@pytest.mark.parametrize("overlap,canonical", [(False, True), (True, False)])
+def test_demo_replays_a_round_to_the_bits_the_round_gave(overlap, canonical):
     """Three DeMo workers, screened as the swarm screens, with weight decay and a rate that changes
     every round (`lr_at`, a schedule's): replaying round i on round i's parameters gives round i + 1's
     bit for bit, whether the sign step lands in its own step or, overlapped (with the lookahead), in
-    the next one."""
+    the next one, with the exact inverse DCT or the float one."""
     group = LoopbackExchange.group(3)
     exchanges = [Recording(group[0]._hub, rank, replay_at_once=True) for rank in range(3)]
 
@@ -324,7 +324,7 @@ def test_demo_replays_a_round_to_the_bits_the_round_gave(overlap):
         generator = torch.Generator().manual_seed(2000 + rank)
         optimizer = DeMo(
             model.parameters(), lr=schedule(0), exchange=exchange, weight_decay=0.1, compression_topk=8,
-            overlap=overlap, lookahead=overlap,
+            overlap=overlap, lookahead=overlap, canonical=canonical,
         )  # fmt: skip
         optimizer.lr_at = schedule
         for number in range(6):
