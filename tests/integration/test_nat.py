@@ -137,7 +137,7 @@ def test_under_a_coordinator_peers_that_lose_the_relay_sit_out_without_stretchin
             0, [*SHOAL, "coordinator", "--listen", listen, *state, "--log-format", "json"],
             stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV,
         )  # fmt: skip
-        flags = ["--coordinator", listen, "--round-seconds", "3", "--until-round", "52"]
+        flags = ["--coordinator", listen, "--round-seconds", "3", "--until-round", "40"]
         outs = [join(lab, 1, tmp_path, address, *flags, "--discover-seconds", "0")]
         outs.append(join(lab, 2, tmp_path, address, *flags, "--discover-seconds", "30"))
         whole = wait_for(outs[1], lambda e: e.get("event") == "round" and e["participants"] == 2, 120)
@@ -202,21 +202,34 @@ def test_three_peers_behind_nat_average_diloco_piece_by_piece_through_the_relay(
 def test_peers_behind_nat_with_relays_off_are_told_they_reach_nobody_and_sit_out(tmp_path):
     """`shoal join --relay off` behind NAT: the bootstrap still tells each peer it cannot be dialed,
     but they name no relay and pull through none, so they can reach nobody: each one is told so after
-    three rounds, and stops announcing what nobody could pull."""
+    three rounds, and stops announcing what nobody could pull. Each is stopped (SIGTERM) once it has
+    sat out three rounds."""
     with NetLab(3, None, homes=[1, 2]) as lab:
         address, url = start_bootstrap(lab, tmp_path)
-        # on a busy machine the second peer starts many rounds late (CI: the first one counted only 2
-        # isolated rounds of 15); each needs 3 rounds to find it reaches nobody, then counts the rest
-        flags = ["--round-seconds", "3", "--until-round", "24", "--relay", "off"]
+        flags = ["--round-seconds", "3", "--until-round", "60", "--relay", "off"]
         outs = [join(lab, 1, tmp_path, address, *flags, "--discover-seconds", "0")]
+        peers = [lab._processes[-1]]
         wait_for(outs[0], lambda e: e.get("event") == "round", 60)
         outs.append(join(lab, 2, tmp_path, address, *flags))
-        done = summaries(outs, 180)
+        peers.append(lab._processes[-1])
+
+        def sat_out(out: Path) -> bool:
+            """Told it is isolated, then three more rounds ended (each counted as isolated)."""
+            seen = events(out)
+            told = next(
+                (i for i, e in enumerate(seen) if e.get("event") == "isolated" and e["isolated"]), None
+            )
+            return told is not None and sum(e.get("event") == "round" for e in seen[told:]) >= 4
+
+        for out, peer in zip(outs, peers, strict=True):
+            wait_until(
+                lambda out=out: sat_out(out), 150, "three rounds sat out", processes=[peer], logs=[out]
+            )
+            os.killpg(peer.pid, signal.SIGTERM)
+        done = summaries(outs, 60)
         for out, summary in zip(outs, done, strict=True):
             started = next(e for e in events(out) if e.get("event") == "started")
             assert started["reachable"] is False and started["relays"] == [], started
-            isolated = [e for e in events(out) if e.get("event") == "isolated"]
-            assert isolated and isolated[0]["isolated"], isolated
             assert summary["isolated_rounds"] >= 3 and not summary["via_relay"], summary
             text = out.read_text()
             assert "it can reach none of them" in text and "relays off" in text
