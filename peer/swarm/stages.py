@@ -383,7 +383,15 @@ class RoundStages:
             assert snapshot is not None  # behind only when states are compared
             # `agreed` None (no one announced a state) is a digest no source serves: the re-sync fails
             agreed = cast(bytes, decision.agreed)
-            backed = decision.earned or not self.standing.synced or self.known(ballots, agreed)
+            # a coordinator admitted this round's participants: founders of a run whose initial states
+            # differ (torch draws other initial weights on other kernel sets) split at round 0 for good
+            # if neither could take the other's state before anyone earned a vote
+            backed = (
+                decision.earned
+                or not self.standing.synced
+                or self._coordinated
+                or self.known(ballots, agreed)
+            )
             if self.standing.synced:  # (a newcomer's state is on no path the others took)
                 number, like = snapshot[0].round, snapshot[1]
                 adopted = await self.replay(number, agreed, decision.sources, like, any_cost=not backed)

@@ -14,12 +14,18 @@ otherwise have downloaded.
     python -m tests.benchmarks.mixed_kernels                                # DiLoCo eager and DeMo
     python -m tests.benchmarks.mixed_kernels --algorithms diloco-standard --rounds 12
     python -m tests.benchmarks.mixed_kernels --algorithms diloco-eager --rounds 16 --freeze 2
+    python -m tests.benchmarks.mixed_kernels --algorithms diloco --averaging butterfly
+
+With `--averaging butterfly` the peers run under a `shoal coordinator` (butterfly rounds are
+coordinated, of three peers or more): a third peer (vectorized kernels, 1 thread) joins with the
+joiner; each owns a piece of the mean, computes it and serves it encoded, and the others decode it.
 """
 
 import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -85,11 +91,22 @@ def run(
     same: bool,
     keep: str | None,
     freeze: int = 0,
+    coordinated: bool = False,
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix="shoal-mixed-kernels-") as name:
         folder = Path(keep or name) / algorithm
         folder.mkdir(parents=True, exist_ok=True)
         common = ["--run", "mixed", "--algorithm", algorithm, "--until-round", str(rounds - 1), *extra]
+        coordinator = None
+        if coordinated:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                listen = f"127.0.0.1:{probe.getsockname()[1]}"
+            server = [sys.executable, "-m", "shoal.peer.cli", "coordinator", "--listen", listen]
+            server += ["--state", str(folder / "coordinator.db"), "--min-peers", "3"]
+            with (folder / "coordinator.log").open("w") as log:
+                coordinator = subprocess.Popen(server, stdout=log, stderr=log, start_new_session=True)
+            common += ["--coordinator", listen]
         first, first_out = _join(
             folder, "first", "default", 1, *common, "--round-seconds", str(round_seconds)
         )
@@ -99,6 +116,8 @@ def run(
             kernels = ("default", 1) if same else (BEST, 2)
             joiner, joiner_out = _join(folder, "joiner", *kernels, *common, "--initial-peers", address)
             processes.append(joiner)
+            if coordinated:  # a butterfly round needs three
+                processes.append(_join(folder, "third", BEST, 1, *common, "--initial-peers", address)[0])
             if freeze:
                 _wait_for(joiner_out, _shared(), 120)
                 processes.append(_freeze(folder, first_out, common, address, freeze))
@@ -106,11 +125,12 @@ def run(
             for process in processes:
                 process.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
-            for process in processes:
+            for process in processes + ([coordinator] if coordinator else []):
                 if process.poll() is None:
                     process.kill()
         logs = {"first": _events(first_out), "joiner": _events(joiner_out)}
         frozen = _events(folder / "frozen.jsonl") if freeze else []
+        third = _events(folder / "third.jsonl") if coordinated else []
     summaries = {who: next(e for e in events if e.get("event") == "summary") for who, events in logs.items()}
     joined = [e["round"] for e in logs["joiner"] if e.get("event") == "round"]
     # its first round computes on its own initial state, its second takes the swarm's (a re-sync)
@@ -126,6 +146,7 @@ def run(
             for k in ("resyncs", "resync_bytes", "replays", "replay_bytes", "replayed_state_bytes")
         },
         "algorithm": algorithm + (f" {' '.join(extra[2:])}" if extra[2:] else ""),
+        "butterfly_rounds": summaries["joiner"].get("butterfly_rounds", 0),
         "kernels": "default/1 thread, both" if same else f"default/1 thread + {BEST}/2 threads",
         "rounds_after_join": len(after),
         "together_first": together["first"],
@@ -137,7 +158,13 @@ def run(
         "replays": summaries["first"]["replays"] + summaries["joiner"]["replays"],
         "replay_bytes": summaries["first"]["replay_bytes"] + summaries["joiner"]["replay_bytes"],
         "replayed_state_bytes": sum(s["replayed_state_bytes"] for s in summaries.values()),
-        "same_hash": summaries["first"]["param_hash"] == summaries["joiner"]["param_hash"],
+        "same_hash": len(
+            {
+                s["param_hash"]
+                for s in [*summaries.values(), *(e for e in third if e.get("event") == "summary")]
+            }
+        )
+        == 1,
     }
 
 
@@ -148,6 +175,7 @@ def main() -> int:
     parser.add_argument("--round-seconds", type=float, default=8.0)
     parser.add_argument("--inner-steps", type=int, default=4, help="DiLoCo's (the issue's setting)")
     parser.add_argument("--compression", default=None, help="DiLoCo's --compression (int8, sparse)")
+    parser.add_argument("--averaging", default=None, help="DiLoCo's --averaging (butterfly: coordinated)")
     parser.add_argument("--same-kernels", action="store_true", help="the control: both peers on default")
     parser.add_argument("--keep", default=None, help="keep the peers' logs in this folder")
     parser.add_argument("--freeze", type=int, default=0, help="rounds a third peer is frozen (SIGSTOP)")
@@ -157,6 +185,8 @@ def main() -> int:
         extra = ["--inner-steps", str(args.inner_steps)] if algorithm.startswith("diloco") else []
         if args.compression and algorithm.startswith("diloco"):
             extra += ["--compression", args.compression]
+        if args.averaging and algorithm.startswith("diloco"):
+            extra += ["--averaging", args.averaging]
         results.append(
             run(
                 algorithm,
@@ -166,6 +196,7 @@ def main() -> int:
                 same=args.same_kernels,
                 keep=args.keep,
                 freeze=args.freeze,
+                coordinated=args.averaging == "butterfly" and algorithm.startswith("diloco"),
             )
         )
         row = results[-1]
@@ -174,7 +205,7 @@ def main() -> int:
             f"{row['together_joiner']}/{row['rounds_after_join']} (joiner); re-syncs {row['resyncs_first']} "
             f"+ {row['resyncs_joiner']}; replays {row['replays']} ({row['replay_bytes']:,} B for "
             f"{row['replayed_state_bytes']:,} B of state); "
-            f"joiner received {row['bytes_received_joiner']:,} B; "
+            f"joiner received {row['bytes_received_joiner']:,} B; butterfly {row['butterfly_rounds']}; "
             f"one hash: {row['same_hash']}",
             flush=True,
         )

@@ -247,6 +247,24 @@ def test_a_trusting_peer_in_sync_whose_step_came_out_otherwise_takes_the_signed_
     assert stages.anchor.asked == []
 
 
+def test_under_a_coordinator_founders_on_different_initial_states_end_on_one():
+    """Round 0 of a coordinated run: founders in sync, this one on its own initial state and two on
+    another (torch draws other initial weights on other kernel sets), nobody's work counted yet. The
+    coordinator admitted them: this one, left behind by the vote, downloads their state, where an
+    uncoordinated peer keeps its own against identities it never saw count (`unbacked_state`)."""
+    snapshot = StateSnapshot.capture([torch.zeros(4)], 0)
+    other = StateSnapshot.capture([torch.ones(4)], 0).digest
+    mine = announce(HONEST[0], snapshot.digest)
+    ballots = {HONEST[0]: mine} | {o: announce(o, other) for o in HONEST[1:]}
+    for coordinated in (True, False):
+        stages = stages_in_sync()
+        stages._coordinated = coordinated
+        agreement = asyncio.run(stages.agree(ballots, mine, (snapshot, [torch.zeros(4)])))
+        assert stages.puller.downloads == ([other] if coordinated else [])
+        assert (agreement.adopted is not None) == coordinated
+        assert stages.counts.rejected.get("unbacked_state", 0) == (not coordinated)
+
+
 def test_a_run_key_and_an_anchor_from_the_dht_are_checked():
     key = "ab" * 32
     assert parse_trust_key(key) == b"\xab" * 32 and parse_trust_key(key.upper()) == b"\xab" * 32
