@@ -32,7 +32,7 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from shoal.peer.checkpoint import CheckpointStore
-from shoal.peer.config.settings import PARSERS, PeerSpec, SettingsError
+from shoal.peer.config.settings import PeerSpec, SettingsError
 from shoal.peer.data import validation_loss
 from shoal.peer.files import replace_text
 from shoal.peer.job import window
@@ -75,23 +75,6 @@ from shoal.peer.train.ranks import LocalRanks, RanksError, serve
 from shoal.peer.train.stopping import StopRequest, Watchdog, stop_on_signals
 from shoal.peer.train.trainer import OutOfMemory, RoundReport, Trainer
 
-# the run configuration's flags, in the order the join command names them
-RUN_FLAGS = (
-    "run",
-    "model",
-    "algorithm",
-    "lr",
-    "compression",
-    "topk",
-    "value_bits",
-    "chunk",
-    "inner_steps",
-    "outer_lr",
-    "outer_momentum",
-    "averaging",
-    "gather",
-    "seed",
-)
 DRAIN_MAX_S = 30.0  # the longest a leaving peer serves its last payload to peers that have not pulled it
 STOP_ROUND_MARGIN_S = 5.0  # past a round's length, what a stop gives the round in flight to be exchanged
 
@@ -605,14 +588,22 @@ def _coordinator_link(
 
 
 def join_command(settings: PeerSpec, address: str, run_key: str | None = None) -> str:
-    """The command that joins another peer to this one's run, with the settings that must match, and
-    the run key a joiner trusts for its first state (shoal.peer.swarm.anchor), if there is one."""
-    defaults = PeerSpec()
+    """The command that joins another peer to this one's run: the run, the model and the algorithm, then
+    every setting the run configuration pins (`PeerSpec.run_config`, the one list peers compare) where
+    it differs from that algorithm's default, as the configuration spells it (a schedule's rounds that
+    `--until-round` implied are named outright), and the run key a joiner trusts for its first state
+    (shoal.peer.swarm.anchor), if there is one. The corpus is not named: a joiner brings its own copy."""
     parts = ["shoal", "join", "--initial-peers", address]
-    for name in RUN_FLAGS:
-        value = settings.flag(name)
-        if name in ("run", "model", "algorithm") or value != defaults.flag(name):
-            parts += ["--" + name.replace("_", "-"), str(value)]
+    model, algorithm = settings.flag("model"), settings.flag("algorithm")
+    parts += ["--run", str(settings.flag("run")), "--model", str(model), "--algorithm", str(algorithm)]
+    defaults = PeerSpec.of(model=model, algorithm=algorithm).run_config()
+    for key, value in settings.run_config().items():
+        if key not in ("model", "algorithm", "data", "tokenizer") and defaults.get(key) != value:
+            parts += config_flag(key, value)
+    for name in ("compression", "topk", "value_bits", "chunk"):  # a codec's defaults follow --compression
+        flag = "--" + name.replace("_", "-")
+        if settings.flag(name) is not None and flag not in parts:
+            parts += [flag, str(settings.flag(name))]
     if run_key is not None:
         parts += ["--trust-key", run_key]
     return " ".join(parts)
@@ -656,6 +647,14 @@ def _check_compatible(exchange: SwarmExchange) -> None:
 CONFIG_FLAGS = {"compression_topk": "--topk", "total_rounds": "--until-round"}
 
 
+def config_flag(key: str, value: str) -> list[str]:
+    """A run configuration's entry as the flag and value that set it: `total_rounds` 21 is
+    `--until-round 20` (the last round's number)."""
+    if key == "total_rounds" and value.isdigit():
+        value = str(int(value) - 1)
+    return [CONFIG_FLAGS.get(key, "--" + key.replace("_", "-")), value]
+
+
 def in_flags(reason: str) -> str:
     """A peer's refusal (shoal.peer.swarm.membership.incompatibility: "topk is 4 there, 32 here; ...")
     in the flags a volunteer sets: "--topk 4 in the run, 32 here"; a corpus by its digests' first
@@ -675,9 +674,7 @@ def in_flags(reason: str) -> str:
         elif key == "tokenizer":
             parts.append(f"--tokenizer: the run's corpus was tokenized by {theirs}, yours by {mine}")
         else:
-            flag = CONFIG_FLAGS.get(key, "--" + key.replace("_", "-"))
+            flag, theirs = config_flag(key, theirs)
+            mine = config_flag(key, mine)[1]
             parts.append(f"{flag} {theirs} in the run, {mine} here")
     return "; ".join(parts)
-
-
-assert set(RUN_FLAGS) <= PARSERS.keys()
