@@ -186,11 +186,15 @@ def _join_until(
         )
         schedule = _discover(settings, progress, dht) if settings.network.initial_peers else None
         if schedule is None and settings.network.initial_peers and settings.network.trust_key is None:
-            # it joined through a bootstrap node, and started the run: its key is the run key
+            # it joined through a bootstrap node, and started the run: its key is the run key, which the
+            # join command printed first could not name yet
+            run_key = public_key(record_key(identity)).hex()
+            command = join_command(settings, _through(settings, address, peer.reachability), run_key)
             progress.message(
-                f"this peer started run {settings.run.name!r}: joiners add --trust-key "
-                f"{public_key(record_key(identity)).hex()} to take only the shared state it signs"
+                f"this peer started run {settings.run.name!r}: others join it with\n  {command}\n"
+                "(--trust-key: a joiner takes only the shared state this peer signs)"
             )
+            progress.event("run_started", join_command=command, run_key=run_key)
         return _train(settings, progress, peer, schedule, workload, credentials, fitted, ranks, stop, faults)
 
 
@@ -245,9 +249,7 @@ def _announce_address(
     outside its network, and how others join through it: once the peers a joiner came through have
     left, that is what `shoal join` and `shoal check` need. A peer behind NAT names the relay it
     joined through instead of its own address, which nobody outside its network can dial."""
-    through = address
-    if reach.reachable is False and reach.relays:
-        through = next(p for p in settings.network.initial_peers if p.endswith(f"/p2p/{reach.relays[0]}"))
+    through = _through(settings, address, reach)
     command = join_command(settings, through, run_key)
     if settings.network.initial_peers:
         via = "its relay" if through != address else "this peer"
@@ -274,6 +276,13 @@ def _announce_address(
         observed=reach.observed,
         run_key=run_key,
     )
+
+
+def _through(settings: PeerSpec, address: str, reach: Reachability) -> str:
+    """The address others join through: this peer's own, or behind NAT, the relay it joined through."""
+    if reach.reachable is False and reach.relays:
+        return next(p for p in settings.network.initial_peers if p.endswith(f"/p2p/{reach.relays[0]}"))
+    return address
 
 
 def _workload(settings: PeerSpec) -> Workload:

@@ -24,7 +24,7 @@ import torch
 
 from tests.integration.harness import ROOT, events, kill, wait_for, wait_until
 
-UNTIL_ROUND = 15
+UNTIL_ROUND = 18  # 15 until 2026-12-07: a CI machine started each joiner 15 s late, froze the third at 13
 PAUSED_ROUNDS = 2
 # not forked from the tests' zygote (harness.spawn), which chose its kernels when it imported torch
 JOIN = [sys.executable, "-c", "import sys; from shoal.peer.cli import main; sys.exit(main())", "join"]
@@ -62,8 +62,7 @@ def test_peers_on_different_kernel_sets_train_together_and_one_frozen_catches_up
         wait_for(logs["second"], trained_together(), 90, processes=processes)
         processes.append(join(tmp_path, "frozen", best, 1, "--initial-peers", address))
         frozen = processes[2]
-        first_shared = wait_for(logs["frozen"], trained_together(), 90, processes=processes)
-        wait_for(logs["frozen"], trained_together(first_shared["round"]), 60, processes=processes)
+        wait_for(logs["frozen"], trained_together(), 90, processes=processes)  # in sync: it can replay
         os.killpg(frozen.pid, signal.SIGSTOP)
         at = max(e["round"] for e in events(logs["first"]) if e.get("event") == "round")
         try:

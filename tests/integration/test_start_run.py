@@ -122,6 +122,11 @@ def test_a_run_starts_through_shoal_bootstrap_which_counts_its_connections_and_s
         summaries = [wait_for(out, lambda e: e.get("event") == "summary", 1) for out in outs]
         assert summaries[0]["param_hash"] == summaries[1]["param_hash"]
         assert summaries[0]["round_clock"] == summaries[1]["round_clock"]
+        for out in outs:  # each started the run, and prints the join command with its run key then
+            started = wait_for(out, lambda e: e.get("event") == "started", 1)
+            assert "--trust-key" not in started["join_command"]  # (not known yet when it is printed)
+            begun = wait_for(out, lambda e: e.get("event") == "run_started", 1)
+            assert begun["join_command"] == f"{started['join_command']} --trust-key {begun['run_key']}"
         node.send_signal(signal.SIGTERM)
         assert node.wait(timeout=30) == 0
     finally:
